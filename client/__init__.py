@@ -1,0 +1,1 @@
+"""The in-rank hook (installed as ``hangwatch.client``)."""

@@ -1,0 +1,1 @@
+"""The coordinator daemon (``hangwatch.coordinator``)."""

@@ -1,0 +1,98 @@
+"""Every environment variable hangwatch reads, one documented constant each, and the defaults.
+
+Precedence everywhere: command-line flag, then environment variable, then the default here.
+This module imports nothing heavy: the in-rank bootstrap reads it at interpreter start.
+"""
+
+from __future__ import annotations
+
+import os
+
+# --- environment variables -------------------------------------------------------------
+
+#: ``host:port`` of the coordinator. Setting it in a rank's environment attaches the hook.
+ENV_ADDR = "HANGWATCH_ADDR"
+#: ``1`` turns the in-rank hook off even when ``HANGWATCH_ADDR`` is set.
+ENV_DISABLE = "HANGWATCH_DISABLE"
+#: Shared secret; ranks, agents and CLI must present the coordinator's token.
+ENV_TOKEN = "HANGWATCH_TOKEN"
+#: Job identifier reported by ranks (default: ``TORCHELASTIC_RUN_ID``, then ``default``).
+ENV_JOB_ID = "HANGWATCH_JOB_ID"
+#: Coordinator data directory (SQLite incident store).
+ENV_DATA_DIR = "HANGWATCH_DATA_DIR"
+#: Seconds a collective may wait before the hang detectors consider it stuck.
+ENV_STUCK_AFTER = "HANGWATCH_STUCK_AFTER"
+#: Capacity of the in-rank event queue; events beyond it are dropped and counted.
+ENV_QUEUE_SIZE = "HANGWATCH_QUEUE_SIZE"
+#: Seconds between heartbeats from a rank's sender thread.
+ENV_HEARTBEAT = "HANGWATCH_HEARTBEAT"
+#: Client log level (``debug``, ``info``, ``warning``; default ``warning``).
+ENV_LOG_LEVEL = "HANGWATCH_LOG_LEVEL"
+#: Set by the hook in a registered rank's environment: the pid of that rank. A process that
+#: inherits it with a different pid is a subprocess of a rank and never registers itself.
+ENV_RANK_PID = "HANGWATCH_RANK_PID"
+#: ``0`` disables Flight Recorder polling (collectives issued from C++, e.g. DDP).
+ENV_FLIGHT_RECORDER = "HANGWATCH_FLIGHT_RECORDER"
+#: ``1`` aborts (terminates) the job's ranks once a hang is diagnosed and stored.
+ENV_ABORT_ON_HANG = "HANGWATCH_ABORT_ON_HANG"
+#: Alert webhook URL, called with every new incident.
+ENV_ALERT_WEBHOOK = "HANGWATCH_ALERT_WEBHOOK"
+#: Port of the coordinator's Prometheus ``/metrics`` endpoint (``0``: off).
+ENV_METRICS_PORT = "HANGWATCH_METRICS_PORT"
+
+# --- defaults --------------------------------------------------------------------------
+
+#: Port the coordinator listens on when none is given; the CLI connects here by default.
+DEFAULT_PORT = 29600
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_ADDR = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+#: Default Prometheus metrics port of the coordinator.
+DEFAULT_METRICS_PORT = 29601
+DEFAULT_DATA_DIR = "./hangwatch-data"
+#: Upper bound of the adaptive stuck threshold (seconds) when ``--stuck-after`` is not given.
+DEFAULT_STUCK_AFTER = 30.0
+#: Floor of the adaptive stuck threshold (seconds).
+MIN_STUCK_AFTER = 5.0
+DEFAULT_QUEUE_SIZE = 65536
+DEFAULT_HEARTBEAT_S = 1.0
+#: A rank whose heartbeats stop for this long while its process is alive is frozen.
+DEFAULT_SILENCE_AFTER_S = 5.0
+#: Ring size for PyTorch's Flight Recorder when the user has not chosen one.
+DEFAULT_FR_BUFFER_SIZE = 256
+DEFAULT_JOB_ID = "default"
+
+
+def default_addr() -> str:
+    """The coordinator address: ``HANGWATCH_ADDR`` or the documented default."""
+    return os.environ.get(ENV_ADDR) or DEFAULT_ADDR
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        return default
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def job_id_from_env() -> str:
+    return os.environ.get(ENV_JOB_ID) or os.environ.get("TORCHELASTIC_RUN_ID") or DEFAULT_JOB_ID

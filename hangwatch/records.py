@@ -1,0 +1,262 @@
+"""Plain typed records: the vocabulary shared by the hook, the coordinator and the detectors.
+
+Nothing here knows about protobuf or gRPC; ``hangwatch.wire`` converts at the edges.
+Times are Unix seconds (float). Ranks are global ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class OpKind(str, enum.Enum):
+    """How an operation's participants are matched."""
+
+    COLLECTIVE = "collective"  # every member of the group, aligned by (group, seq)
+    P2P = "p2p"  # two ranks, aligned by (group, src, dst, pair seq)
+    MARKER = "marker"  # not a communication (e.g. accelerate.set_trigger)
+
+
+#: Point-to-point operations. Everything else recorded is a collective unless a marker.
+P2P_OPS = frozenset(
+    {"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv"}
+)
+SEND_OPS = frozenset({"send", "isend", "send_object_list"})
+RECV_OPS = frozenset({"recv", "irecv", "recv_object_list"})
+MARKER_OPS = frozenset({"accelerate.set_trigger", "accelerate.check_trigger"})
+
+
+def op_kind(op: str) -> OpKind:
+    if op in P2P_OPS:
+        return OpKind.P2P
+    if op in MARKER_OPS:
+        return OpKind.MARKER
+    return OpKind.COLLECTIVE
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape, dtype and device of one tensor argument (``dtype='object'`` for object lists)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str = "cpu"
+
+    def describe(self) -> str:
+        return f"{list(self.shape)} {self.dtype}"
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One collective or point-to-point call as one rank made it.
+
+    ``seq`` is the process group's own collective sequence number (the first one the call
+    issued; torch numbers collectives per group from 1), so calls issued from Python line up
+    with collectives issued from C++ (DDP) and seen through Flight Recorder. For p2p calls
+    ``seq`` counts calls between the same (src, dst) pair in that group, from 1.
+    """
+
+    rank: int
+    call_id: int
+    op: str
+    group: str
+    seq: int
+    inputs: tuple[TensorMeta, ...] = ()
+    outputs: tuple[TensorMeta, ...] = ()
+    reduce_op: str | None = None
+    root: int | None = None  # global rank of src/dst of rooted collectives
+    peer: int | None = None  # global rank of the other side of a p2p call
+    async_op: bool = False
+    step: int = 0
+    call_site: str = ""
+    enter_time: float = 0.0
+    exit_time: float | None = None
+    source: str = "python"  # "python" or "flight_recorder"
+    error: str | None = None
+    seq_count: int = 1  # collectives this call issued (object collectives issue several)
+    extra: dict[str, str] = field(default_factory=dict)  # op-specific args (split sizes, ...)
+
+    @property
+    def kind(self) -> OpKind:
+        return op_kind(self.op)
+
+    @property
+    def done(self) -> bool:
+        return self.exit_time is not None
+
+
+@dataclass(frozen=True, slots=True)
+class CallExit:
+    """Completion of a call recorded earlier (``call_id``) on the same rank."""
+
+    rank: int
+    call_id: int
+    exit_time: float
+    error: str | None = None
+    seq_count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """A process group as one rank sees it; ``index`` is its creation order on that rank."""
+
+    name: str
+    ranks: tuple[int, ...]
+    backend: str = ""
+    index: int = 0
+    desc: str = ""
+
+
+class GroupEventKind(str, enum.Enum):
+    CREATED = "created"
+    DESTROYED = "destroyed"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupEvent:
+    rank: int
+    kind: GroupEventKind
+    group: GroupInfo
+    time: float
+    call_site: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    rank: int
+    step: int
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
+class MarkerEvent:
+    """Something worth knowing that is not a communication (e.g. Accelerate's set_trigger)."""
+
+    rank: int
+    name: str
+    time: float
+    detail: str = ""
+    call_site: str = ""
+    step: int = 0
+
+
+class EndKind(str, enum.Enum):
+    CLEAN_EXIT = "clean_exit"  # interpreter exiting normally
+    EXCEPTION = "exception"  # uncaught exception
+    SIGNAL = "signal"  # a fatal signal the hook could catch
+    DESTROYED = "destroyed"  # destroy_process_group on the default group
+
+
+@dataclass(frozen=True, slots=True)
+class RankEnd:
+    """The end of a rank (or of its distributed life), as reported by the rank itself."""
+
+    rank: int
+    kind: EndKind
+    time: float
+    detail: str = ""  # exception "Type: message", signal name, ...
+    call_site: str = ""  # the user's frame where it happened
+    exit_code: int | None = None
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankIdentity:
+    """Who a registering rank is."""
+
+    job_id: str
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    local_rank: int = -1
+    start_time: float = 0.0  # process creation time (psutil's create_time), for pid reuse
+    session: str = ""  # random per process: a restart of the rank gets a new one
+    backend: str = ""
+    torch_version: str = ""
+    hook_version: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    rank: int
+    time: float
+    queued: int = 0  # events waiting in the rank's queue
+    dropped: int = 0  # events dropped so far because the queue was full
+
+
+RankEvent = CallRecord | CallExit | GroupEvent | StepEvent | MarkerEvent | RankEnd | Heartbeat
+
+
+class ProcState(str, enum.Enum):
+    """A process as the node agent sees it."""
+
+    RUNNING = "running"
+    SLEEPING = "sleeping"
+    DISK_SLEEP = "disk-sleep"
+    STOPPED = "stopped"
+    ZOMBIE = "zombie"
+    DEAD = "dead"  # gone
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStatus:
+    """One rank's process as seen from outside by the agent on its node."""
+
+    pid: int
+    state: ProcState
+    time: float
+    start_time: float = 0.0
+    cpu_percent: float = 0.0
+    rss_bytes: int = 0
+    num_threads: int = 0
+    exit_code: int | None = None  # where it can be known (the agent's own children)
+    signal: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    function: str
+    filename: str
+    line: int
+    native: bool = False  # a C/C++ frame (py-spy --native)
+
+    def describe(self) -> str:
+        where = f"{self.filename}:{self.line}" if self.line else self.filename
+        return f"{self.function} ({where})"
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadStack:
+    thread_id: int
+    name: str
+    frames: tuple[Frame, ...]  # innermost first, as py-spy prints
+    active: bool = True
+    owns_gil: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StackDump:
+    """Stacks of one process; ``error`` says why there are none (e.g. ptrace refused)."""
+
+    pid: int
+    time: float
+    threads: tuple[ThreadStack, ...] = ()
+    text: str = ""
+    native: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A rank's process, identified by pid and start time so a reused pid is never mistaken."""
+
+    rank: int
+    pid: int
+    start_time: float

@@ -1,0 +1,276 @@
+"""Conversion between the typed records (``hangwatch.records``) and protobuf messages.
+
+This is the only module that knows both worlds: the hook builds records, the coordinator's
+detectors consume records, and protobuf stays at the edges.
+"""
+
+from __future__ import annotations
+
+from hangwatch import records as r
+from hangwatch.protos import hangwatch_pb2 as pb
+
+# ---- records -> protobuf ------------------------------------------------------------------
+
+
+def tensor_to_pb(t: r.TensorMeta, msg: pb.TensorMeta) -> None:
+    msg.shape.extend(t.shape)
+    msg.dtype = t.dtype
+    msg.device = t.device
+
+
+def call_to_pb(c: r.CallRecord, msg: pb.Call) -> None:
+    msg.call_id = c.call_id
+    msg.op = c.op
+    msg.group = c.group
+    msg.seq = c.seq
+    for t in c.inputs:
+        tensor_to_pb(t, msg.inputs.add())
+    for t in c.outputs:
+        tensor_to_pb(t, msg.outputs.add())
+    if c.reduce_op:
+        msg.reduce_op = c.reduce_op
+    if c.root is not None:
+        msg.root = c.root
+    if c.peer is not None:
+        msg.peer = c.peer
+    msg.async_op = c.async_op
+    msg.step = c.step
+    msg.call_site = c.call_site
+    msg.enter_time = c.enter_time
+    if c.exit_time is not None:
+        msg.exit_time = c.exit_time
+    msg.source = c.source
+    if c.error:
+        msg.error = c.error
+    msg.seq_count = c.seq_count
+    if c.extra:
+        msg.extra.update(c.extra)
+
+
+def group_to_pb(g: r.GroupInfo, msg: pb.Group) -> None:
+    msg.name = g.name
+    msg.ranks.extend(g.ranks)
+    msg.backend = g.backend
+    msg.index = g.index
+    msg.desc = g.desc
+
+
+def event_to_pb(ev: r.RankEvent, msg: pb.Event) -> bool:
+    """Fill ``msg`` from a rank event; False for events that are not sent as events."""
+    if isinstance(ev, r.CallRecord):
+        call_to_pb(ev, msg.call)
+    elif isinstance(ev, r.CallExit):
+        msg.done.call_id = ev.call_id
+        msg.done.exit_time = ev.exit_time
+        msg.done.seq_count = ev.seq_count
+        if ev.error:
+            msg.done.error = ev.error
+    elif isinstance(ev, r.GroupEvent):
+        msg.group.kind = ev.kind.value
+        group_to_pb(ev.group, msg.group.group)
+        msg.group.time = ev.time
+        msg.group.call_site = ev.call_site
+    elif isinstance(ev, r.StepEvent):
+        msg.step.step = ev.step
+        msg.step.time = ev.time
+    elif isinstance(ev, r.MarkerEvent):
+        msg.marker.name = ev.name
+        msg.marker.time = ev.time
+        msg.marker.detail = ev.detail
+        msg.marker.call_site = ev.call_site
+        msg.marker.step = ev.step
+    elif isinstance(ev, r.RankEnd):
+        msg.end.kind = ev.kind.value
+        msg.end.time = ev.time
+        msg.end.detail = ev.detail
+        msg.end.call_site = ev.call_site
+        msg.end.step = ev.step
+        if ev.exit_code is not None:
+            msg.end.exit_code = ev.exit_code
+    else:
+        return False
+    return True
+
+
+def identity_to_pb(i: r.RankIdentity, msg: pb.RankIdentity) -> None:
+    msg.job_id = i.job_id
+    msg.rank = i.rank
+    msg.world_size = i.world_size
+    msg.host = i.host
+    msg.pid = i.pid
+    msg.local_rank = i.local_rank
+    msg.start_time = i.start_time
+    msg.session = i.session
+    msg.backend = i.backend
+    msg.torch_version = i.torch_version
+    msg.hook_version = i.hook_version
+
+
+def process_status_to_pb(s: r.ProcessStatus, msg: pb.ProcStatus) -> None:
+    msg.pid = s.pid
+    msg.state = s.state.value
+    msg.time = s.time
+    msg.start_time = s.start_time
+    msg.cpu_percent = s.cpu_percent
+    msg.rss_bytes = s.rss_bytes
+    msg.num_threads = s.num_threads
+    if s.exit_code is not None:
+        msg.exit_code = s.exit_code
+    if s.signal is not None:
+        msg.signal = s.signal
+
+
+def stack_dump_to_pb(d: r.StackDump, rank: int, msg: pb.StackDumpMsg) -> None:
+    msg.pid = d.pid
+    msg.rank = rank
+    msg.time = d.time
+    msg.text = d.text
+    msg.native = d.native
+    if d.error:
+        msg.error = d.error
+    for t in d.threads:
+        tm = msg.threads.add()
+        tm.thread_id = t.thread_id
+        tm.name = t.name
+        tm.active = t.active
+        tm.owns_gil = t.owns_gil
+        for f in t.frames:
+            fm = tm.frames.add()
+            fm.function = f.function
+            fm.filename = f.filename
+            fm.line = f.line
+            fm.native = f.native
+
+
+# ---- protobuf -> records ------------------------------------------------------------------
+
+
+class WireError(ValueError):
+    """A message that is well-formed protobuf but not a valid hangwatch message."""
+
+
+MAX_DIMS = 16
+MAX_TENSORS = 4096
+
+
+def tensor_from_pb(msg: pb.TensorMeta) -> r.TensorMeta:
+    if len(msg.shape) > MAX_DIMS:
+        raise WireError(f"tensor with {len(msg.shape)} dimensions (limit {MAX_DIMS})")
+    return r.TensorMeta(tuple(msg.shape), msg.dtype, msg.device or "cpu")
+
+
+def call_from_pb(rank: int, msg: pb.Call) -> r.CallRecord:
+    if not msg.op:
+        raise WireError("call without op")
+    if len(msg.inputs) + len(msg.outputs) > MAX_TENSORS:
+        raise WireError("call with too many tensors")
+    return r.CallRecord(
+        rank=rank,
+        call_id=msg.call_id,
+        op=msg.op,
+        group=msg.group,
+        seq=msg.seq,
+        inputs=tuple(tensor_from_pb(t) for t in msg.inputs),
+        outputs=tuple(tensor_from_pb(t) for t in msg.outputs),
+        reduce_op=msg.reduce_op or None,
+        root=msg.root if msg.HasField("root") else None,
+        peer=msg.peer if msg.HasField("peer") else None,
+        async_op=msg.async_op,
+        step=msg.step,
+        call_site=msg.call_site,
+        enter_time=msg.enter_time,
+        exit_time=msg.exit_time if msg.HasField("exit_time") else None,
+        source=msg.source or "python",
+        error=msg.error or None,
+        seq_count=msg.seq_count or 1,
+        extra=dict(msg.extra),
+    )
+
+
+def group_from_pb(msg: pb.Group) -> r.GroupInfo:
+    return r.GroupInfo(msg.name, tuple(msg.ranks), msg.backend, msg.index, msg.desc)
+
+
+def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
+    which = msg.WhichOneof("body")
+    if which == "call":
+        return call_from_pb(rank, msg.call)
+    if which == "done":
+        d = msg.done
+        return r.CallExit(rank, d.call_id, d.exit_time, d.error or None, d.seq_count or 1)
+    if which == "group":
+        g = msg.group
+        try:
+            kind = r.GroupEventKind(g.kind)
+        except ValueError:
+            raise WireError(f"unknown group event kind {g.kind!r}") from None
+        return r.GroupEvent(rank, kind, group_from_pb(g.group), g.time, g.call_site)
+    if which == "step":
+        return r.StepEvent(rank, msg.step.step, msg.step.time)
+    if which == "marker":
+        m = msg.marker
+        return r.MarkerEvent(rank, m.name, m.time, m.detail, m.call_site, m.step)
+    if which == "end":
+        e = msg.end
+        try:
+            end_kind = r.EndKind(e.kind)
+        except ValueError:
+            raise WireError(f"unknown end kind {e.kind!r}") from None
+        return r.RankEnd(
+            rank,
+            end_kind,
+            e.time,
+            e.detail,
+            e.call_site,
+            e.exit_code if e.HasField("exit_code") else None,
+            e.step,
+        )
+    raise WireError("empty event")
+
+
+def identity_from_pb(msg: pb.RankIdentity) -> r.RankIdentity:
+    return r.RankIdentity(
+        job_id=msg.job_id,
+        rank=msg.rank,
+        world_size=msg.world_size,
+        host=msg.host,
+        pid=msg.pid,
+        local_rank=msg.local_rank,
+        start_time=msg.start_time,
+        session=msg.session,
+        backend=msg.backend,
+        torch_version=msg.torch_version,
+        hook_version=msg.hook_version,
+    )
+
+
+def process_status_from_pb(msg: pb.ProcStatus) -> r.ProcessStatus:
+    try:
+        state = r.ProcState(msg.state)
+    except ValueError:
+        state = r.ProcState.UNKNOWN
+    return r.ProcessStatus(
+        pid=msg.pid,
+        state=state,
+        time=msg.time,
+        start_time=msg.start_time,
+        cpu_percent=msg.cpu_percent,
+        rss_bytes=msg.rss_bytes,
+        num_threads=msg.num_threads,
+        exit_code=msg.exit_code if msg.HasField("exit_code") else None,
+        signal=msg.signal if msg.HasField("signal") else None,
+    )
+
+
+def stack_dump_from_pb(msg: pb.StackDumpMsg) -> r.StackDump:
+    threads = tuple(
+        r.ThreadStack(
+            thread_id=t.thread_id,
+            name=t.name,
+            frames=tuple(r.Frame(f.function, f.filename, f.line, f.native) for f in t.frames),
+            active=t.active,
+            owns_gil=t.owns_gil,
+        )
+        for t in msg.threads
+    )
+    return r.StackDump(msg.pid, msg.time, threads, msg.text, msg.native, msg.error or None)

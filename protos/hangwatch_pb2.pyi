@@ -1,0 +1,420 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorMeta(_message.Message):
+    __slots__ = ("shape", "dtype", "device")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    device: str
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class Call(_message.Message):
+    __slots__ = ("call_id", "op", "group", "seq", "inputs", "outputs", "reduce_op", "root", "peer", "async_op", "step", "call_site", "enter_time", "exit_time", "source", "error", "seq_count", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_OP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CALL_SITE_FIELD_NUMBER: _ClassVar[int]
+    ENTER_TIME_FIELD_NUMBER: _ClassVar[int]
+    EXIT_TIME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SEQ_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    op: str
+    group: str
+    seq: int
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    reduce_op: str
+    root: int
+    peer: int
+    async_op: bool
+    step: int
+    call_site: str
+    enter_time: float
+    exit_time: float
+    source: str
+    error: str
+    seq_count: int
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, call_id: _Optional[int] = ..., op: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., reduce_op: _Optional[str] = ..., root: _Optional[int] = ..., peer: _Optional[int] = ..., async_op: _Optional[bool] = ..., step: _Optional[int] = ..., call_site: _Optional[str] = ..., enter_time: _Optional[float] = ..., exit_time: _Optional[float] = ..., source: _Optional[str] = ..., error: _Optional[str] = ..., seq_count: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CallDone(_message.Message):
+    __slots__ = ("call_id", "exit_time", "error", "seq_count")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_TIME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SEQ_COUNT_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    exit_time: float
+    error: str
+    seq_count: int
+    def __init__(self, call_id: _Optional[int] = ..., exit_time: _Optional[float] = ..., error: _Optional[str] = ..., seq_count: _Optional[int] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("name", "ranks", "backend", "index", "desc")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DESC_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    backend: str
+    index: int
+    desc: str
+    def __init__(self, name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., index: _Optional[int] = ..., desc: _Optional[str] = ...) -> None: ...
+
+class GroupChange(_message.Message):
+    __slots__ = ("kind", "group", "time", "call_site")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    CALL_SITE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    group: Group
+    time: float
+    call_site: str
+    def __init__(self, kind: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ..., time: _Optional[float] = ..., call_site: _Optional[str] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("step", "time")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    time: float
+    def __init__(self, step: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
+
+class Marker(_message.Message):
+    __slots__ = ("name", "time", "detail", "call_site", "step")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CALL_SITE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    time: float
+    detail: str
+    call_site: str
+    step: int
+    def __init__(self, name: _Optional[str] = ..., time: _Optional[float] = ..., detail: _Optional[str] = ..., call_site: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class End(_message.Message):
+    __slots__ = ("kind", "time", "detail", "call_site", "exit_code", "step")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CALL_SITE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    time: float
+    detail: str
+    call_site: str
+    exit_code: int
+    step: int
+    def __init__(self, kind: _Optional[str] = ..., time: _Optional[float] = ..., detail: _Optional[str] = ..., call_site: _Optional[str] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("call", "done", "group", "step", "marker", "end")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MARKER_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    call: Call
+    done: CallDone
+    group: GroupChange
+    step: Step
+    marker: Marker
+    end: End
+    def __init__(self, call: _Optional[_Union[Call, _Mapping]] = ..., done: _Optional[_Union[CallDone, _Mapping]] = ..., group: _Optional[_Union[GroupChange, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., marker: _Optional[_Union[Marker, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+
+class RankIdentity(_message.Message):
+    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOOK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    local_rank: int
+    start_time: float
+    session: str
+    backend: str
+    torch_version: str
+    hook_version: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., start_time: _Optional[float] = ..., session: _Optional[str] = ..., backend: _Optional[str] = ..., torch_version: _Optional[str] = ..., hook_version: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("token", "identity")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    identity: RankIdentity
+    def __init__(self, token: _Optional[str] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("coordinator_id", "server_time")
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    coordinator_id: str
+    server_time: float
+    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ...) -> None: ...
+
+class ReportBatch(_message.Message):
+    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    job_id: str
+    rank: int
+    session: str
+    batch_seq: int
+    sent_time: float
+    queued: int
+    dropped: int
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ("reregister", "server_time", "accepted")
+    REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    reregister: bool
+    server_time: float
+    accepted: int
+    def __init__(self, reregister: _Optional[bool] = ..., server_time: _Optional[float] = ..., accepted: _Optional[int] = ...) -> None: ...
+
+class AgentIdentity(_message.Message):
+    __slots__ = ("host", "pid", "version", "embedded", "can_ptrace", "ptrace_note")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDED_FIELD_NUMBER: _ClassVar[int]
+    CAN_PTRACE_FIELD_NUMBER: _ClassVar[int]
+    PTRACE_NOTE_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    pid: int
+    version: str
+    embedded: bool
+    can_ptrace: bool
+    ptrace_note: str
+    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., version: _Optional[str] = ..., embedded: _Optional[bool] = ..., can_ptrace: _Optional[bool] = ..., ptrace_note: _Optional[str] = ...) -> None: ...
+
+class AgentRegisterRequest(_message.Message):
+    __slots__ = ("token", "agent")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    agent: AgentIdentity
+    def __init__(self, token: _Optional[str] = ..., agent: _Optional[_Union[AgentIdentity, _Mapping]] = ...) -> None: ...
+
+class AgentRegisterReply(_message.Message):
+    __slots__ = ("agent_id", "coordinator_id")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    coordinator_id: str
+    def __init__(self, agent_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
+
+class Target(_message.Message):
+    __slots__ = ("rank", "pid", "start_time")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    start_time: float
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., start_time: _Optional[float] = ...) -> None: ...
+
+class ProcStatus(_message.Message):
+    __slots__ = ("pid", "state", "time", "start_time", "cpu_percent", "rss_bytes", "num_threads", "exit_code", "signal")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    state: str
+    time: float
+    start_time: float
+    cpu_percent: float
+    rss_bytes: int
+    num_threads: int
+    exit_code: int
+    signal: int
+    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., time: _Optional[float] = ..., start_time: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., num_threads: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ...) -> None: ...
+
+class FrameMsg(_message.Message):
+    __slots__ = ("function", "filename", "line", "native")
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_FIELD_NUMBER: _ClassVar[int]
+    function: str
+    filename: str
+    line: int
+    native: bool
+    def __init__(self, function: _Optional[str] = ..., filename: _Optional[str] = ..., line: _Optional[int] = ..., native: _Optional[bool] = ...) -> None: ...
+
+class ThreadStackMsg(_message.Message):
+    __slots__ = ("thread_id", "name", "frames", "active", "owns_gil")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    OWNS_GIL_FIELD_NUMBER: _ClassVar[int]
+    thread_id: int
+    name: str
+    frames: _containers.RepeatedCompositeFieldContainer[FrameMsg]
+    active: bool
+    owns_gil: bool
+    def __init__(self, thread_id: _Optional[int] = ..., name: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[FrameMsg, _Mapping]]] = ..., active: _Optional[bool] = ..., owns_gil: _Optional[bool] = ...) -> None: ...
+
+class StackDumpMsg(_message.Message):
+    __slots__ = ("pid", "rank", "time", "threads", "text", "native", "error")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    rank: int
+    time: float
+    threads: _containers.RepeatedCompositeFieldContainer[ThreadStackMsg]
+    text: str
+    native: bool
+    error: str
+    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., time: _Optional[float] = ..., threads: _Optional[_Iterable[_Union[ThreadStackMsg, _Mapping]]] = ..., text: _Optional[str] = ..., native: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class DumpCommand(_message.Message):
+    __slots__ = ("targets", "native", "timeout_s")
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedCompositeFieldContainer[Target]
+    native: bool
+    timeout_s: float
+    def __init__(self, targets: _Optional[_Iterable[_Union[Target, _Mapping]]] = ..., native: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class AbortCommand(_message.Message):
+    __slots__ = ("targets", "grace_s")
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedCompositeFieldContainer[Target]
+    grace_s: float
+    def __init__(self, targets: _Optional[_Iterable[_Union[Target, _Mapping]]] = ..., grace_s: _Optional[float] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("id", "dump", "abort")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DUMP_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    dump: DumpCommand
+    abort: AbortCommand
+    def __init__(self, id: _Optional[int] = ..., dump: _Optional[_Union[DumpCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ...) -> None: ...
+
+class CommandResult(_message.Message):
+    __slots__ = ("id", "stacks", "error", "aborted_pids")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_PIDS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    stacks: _containers.RepeatedCompositeFieldContainer[StackDumpMsg]
+    error: str
+    aborted_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[StackDumpMsg, _Mapping]]] = ..., error: _Optional[str] = ..., aborted_pids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AgentPollRequest(_message.Message):
+    __slots__ = ("token", "agent_id", "processes", "results", "wait_s")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    agent_id: str
+    processes: _containers.RepeatedCompositeFieldContainer[ProcStatus]
+    results: _containers.RepeatedCompositeFieldContainer[CommandResult]
+    wait_s: float
+    def __init__(self, token: _Optional[str] = ..., agent_id: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[ProcStatus, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[CommandResult, _Mapping]]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class AgentPollReply(_message.Message):
+    __slots__ = ("watch", "commands", "reregister")
+    WATCH_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    watch: _containers.RepeatedCompositeFieldContainer[Target]
+    commands: _containers.RepeatedCompositeFieldContainer[Command]
+    reregister: bool
+    def __init__(self, watch: _Optional[_Iterable[_Union[Target, _Mapping]]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., reregister: _Optional[bool] = ...) -> None: ...
+
+class QueryRequest(_message.Message):
+    __slots__ = ("token", "id", "native", "limit")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    id: str
+    native: bool
+    limit: int
+    def __init__(self, token: _Optional[str] = ..., id: _Optional[str] = ..., native: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class JsonReply(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
