@@ -198,7 +198,7 @@ class RegisterReply(_message.Message):
     def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ...) -> None: ...
 
 class ReportBatch(_message.Message):
-    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events")
+    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,8 @@ class ReportBatch(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    WHERE_USER_FIELD_NUMBER: _ClassVar[int]
     token: str
     job_id: str
     rank: int
@@ -217,7 +219,9 @@ class ReportBatch(_message.Message):
     queued: int
     dropped: int
     events: _containers.RepeatedCompositeFieldContainer[Event]
-    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+    where: str
+    where_user: str
+    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("reregister", "server_time", "accepted")

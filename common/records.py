@@ -19,9 +19,7 @@ class OpKind(str, enum.Enum):
 
 
 #: Point-to-point operations. Everything else recorded is a collective unless a marker.
-P2P_OPS = frozenset(
-    {"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv"}
-)
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv"})
 SEND_OPS = frozenset({"send", "isend", "send_object_list"})
 RECV_OPS = frozenset({"recv", "irecv", "recv_object_list"})
 MARKER_OPS = frozenset({"accelerate.set_trigger", "accelerate.check_trigger"})

@@ -2,8 +2,9 @@
 
 The namespace gathers the repository's top-level folders: ``client/`` is ``hangwatch.client``
 (the in-rank hook), ``coordinator/`` is ``hangwatch.coordinator``, ``agent/`` is
-``hangwatch.agent`` and ``protos/`` is ``hangwatch.protos``. This package itself holds what
-they share: configuration, the typed records, the wire conversion and the CLI.
+``hangwatch.agent`` and ``protos/`` is ``hangwatch.protos``. This package itself (the
+repository's ``common/`` folder) holds what they share: configuration, the typed records, the
+wire conversion and the CLI.
 """
 
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""The node agent's state and actions, without transport: embedded by the coordinator on a single
+node, and driven over gRPC by ``hangwatch.agent.daemon`` on the others."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+from hangwatch.agent import abort as _abort
+from hangwatch.agent.identity import START_TIME_TOLERANCE_S
+from hangwatch.agent.procinfo import ProcessInspector, PsutilInspector
+from hangwatch.agent.pyspy import dump_stacks
+from hangwatch.agent.stacks import Dumper, dump_many
+from hangwatch.records import ProcessStatus, ProcState, StackDump, Target
+
+#: Seconds after which an unchanged live process is reported again (fresh CPU and memory).
+REFRESH_S = 5.0
+
+
+def _key(s: ProcessStatus) -> tuple[ProcState, int | None, int | None]:
+    return s.state, s.exit_code, s.signal
+
+
+class NodeAgentCore:
+    """Watches a node's rank processes; dumps their stacks and aborts them on request. Thread-safe."""
+
+    def __init__(
+        self, inspector: ProcessInspector | None = None, dumper: Dumper | None = None, host: str | None = None
+    ) -> None:
+        self.inspector: ProcessInspector = inspector or PsutilInspector()
+        self._dumper: Dumper = dumper or dump_stacks
+        self.host = host or socket.gethostname()
+        self._lock = threading.Lock()
+        self._targets: dict[Target, None] = {}
+        self._reported: dict[Target, tuple[ProcessStatus, float]] = {}
+
+    def set_targets(self, targets: Iterable[Target]) -> None:
+        """Watch exactly ``targets`` from now on (what was known of kept ones is kept)."""
+        with self._lock:
+            self._targets = dict.fromkeys(targets)
+            self._reported = {t: r for t, r in self._reported.items() if t in self._targets}
+
+    def _status(self, target: Target) -> ProcessStatus:
+        """The target's status; DEAD when its pid now belongs to another process."""
+        s = self.inspector.status(target.pid)
+        if abs(s.start_time - target.start_time) <= START_TIME_TOLERANCE_S:
+            return s
+        if not s.start_time:  # gone with its exit status unknown, or not inspectable
+            return dataclasses.replace(s, start_time=target.start_time)
+        return ProcessStatus(target.pid, ProcState.DEAD, s.time, target.start_time)
+
+    def poll(self, *, full: bool = False) -> list[ProcessStatus]:
+        """Statuses that changed since the last poll (state, exit), and live ones due a refresh.
+
+        ``full`` returns every watched process, e.g. after (re)registering with a coordinator.
+        """
+        now = time.monotonic()
+        out: list[ProcessStatus] = []
+        with self._lock:
+            for target in self._targets:
+                s = self._status(target)
+                last = self._reported.get(target)
+                due = last is None or _key(last[0]) != _key(s)
+                if last is not None and not due and s.state is not ProcState.DEAD:
+                    due = now - last[1] >= REFRESH_S
+                if due or full:
+                    self._reported[target] = (s, now)
+                    out.append(s)
+        return out
+
+    def dump(self, targets: Sequence[Target], native: bool = False, timeout_s: float = 10.0) -> dict[int, StackDump]:
+        """Stacks of ``targets`` by rank; a target whose pid was reused is refused."""
+        return dump_many(targets, native=native, timeout_s=timeout_s, inspector=self.inspector, dumper=self._dumper)
+
+    def abort(self, targets: Sequence[Target], grace_s: float = 10.0) -> list[int]:
+        """Terminate the verified ``targets`` (SIGTERM, then SIGKILL after ``grace_s``); pids signalled."""
+        return _abort.abort(targets, grace_s=grace_s, inspector=self.inspector)

@@ -1,0 +1,39 @@
+"""Imported at interpreter start by ``hangwatch_attach.pth`` when ``HANGWATCH_ADDR`` is set.
+
+It imports neither torch nor grpc. It arranges for ``torch.distributed`` to be instrumented
+right after it is first imported, and asks PyTorch's Flight Recorder to keep a small ring (so
+collectives issued from C++ are visible) unless the user chose a size. It swallows every error:
+a broken hook must never stop an interpreter from starting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _bootstrap() -> None:
+    from hangwatch import config
+
+    if config.env_flag(config.ENV_DISABLE):
+        return
+    owner = os.environ.get(config.ENV_RANK_PID)
+    if owner and owner != str(os.getpid()):
+        return  # a subprocess started by a rank (DataLoader worker, tool): never a rank itself
+    if config.env_flag(config.ENV_FLIGHT_RECORDER, True):
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(config.DEFAULT_FR_BUFFER_SIZE))
+    from hangwatch.client import importhook
+
+    importhook.when_imported("torch.distributed", _instrument)
+
+
+def _instrument(module: object) -> None:
+    from hangwatch.client import capture
+
+    capture.instrument()
+
+
+try:
+    _bootstrap()
+except Exception as exc:  # pragma: no cover - defensive: never break interpreter start
+    sys.stderr.write(f"hangwatch: hook not attached ({type(exc).__name__}: {exc})\n")

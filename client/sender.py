@@ -1,0 +1,155 @@
+"""The daemon thread that ships a rank's events: batches, heartbeats, reconnects, flushes.
+
+The calling threads only append to the bounded queue. This thread drains it every
+``interval_s``, sends one unary ``Report`` per batch (every batch is also a heartbeat, sent at
+least every ``heartbeat_s`` even when idle), registers and re-registers when the coordinator
+asks (it restarted), and backs off while the coordinator is unreachable. Nothing here ever
+raises into the training job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from hangwatch import config
+from hangwatch import records as r
+
+if TYPE_CHECKING:
+    from hangwatch.client.session import Session
+
+log = logging.getLogger("hangwatch.client")
+
+MAX_BATCH = 2000
+MAX_BACKOFF_S = 5.0
+
+
+class Sender:
+    def __init__(self, session: Session, addr: str, token: str | None) -> None:
+        self.session = session
+        self.addr = addr
+        self.token = token
+        self.interval_s = 0.05
+        self.heartbeat_s = config.env_float(config.ENV_HEARTBEAT, config.DEFAULT_HEARTBEAT_S)
+        self._stop = threading.Event()
+        self._flush_requested = threading.Event()
+        self._flushed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._main_ident = threading.main_thread().ident
+        self.batches_sent = 0
+        self.send_failures = 0
+        self.registered = False
+        self.coordinator_id = ""
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="hangwatch-sender", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def flush(self, timeout: float) -> bool:
+        """Ask the thread to send what is queued now; wait at most ``timeout`` seconds."""
+        thread = self._thread
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return False
+        self._flushed.clear()
+        self._flush_requested.set()
+        return self._flushed.wait(timeout)
+
+    # ---- the thread -----------------------------------------------------------------------
+
+    def _where(self) -> tuple[str, str]:
+        """Innermost frame and innermost user frame of the main thread, sampled now."""
+        frame = sys._current_frames().get(self._main_ident or -1)
+        if frame is None:
+            return "", ""
+        code = frame.f_code
+        where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        return where, self.session.recorder.call_site_of(frame)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # the thread dies quietly; the job goes on
+            log.warning("hangwatch: sender stopped after an internal error: %s", exc)
+
+    def _loop(self) -> None:
+        from hangwatch.client.flight_recorder import FlightRecorderPoller
+        from hangwatch.client.transport import Transport
+
+        session = self.session
+        recorder = session.recorder
+        queue = session.queue
+        transport = Transport(self.addr, self.token)
+        poller = FlightRecorderPoller(recorder) if config.env_flag(config.ENV_FLIGHT_RECORDER, True) else None
+        backoff = 0.25
+        retry_at = 0.0
+        last_sent = 0.0
+        batch_seq = 0
+        pending: list[r.RankEvent] = []
+        warned = False
+        while True:
+            stopping = self._stop.is_set()
+            flushing = self._flush_requested.is_set()
+            now = time.time()
+            try:
+                recorder.poll_pending()
+                if poller is not None and poller.due(now):
+                    poller.poll()
+            except Exception as exc:
+                session.fail("polling async works", exc)
+            if now >= retry_at or flushing:
+                try:
+                    if not self.registered:
+                        reply = transport.register(session.identity)
+                        self.registered = True
+                        self.coordinator_id = reply.coordinator_id
+                    if not pending:
+                        pending = queue.drain(MAX_BATCH)
+                    if pending or now - last_sent >= self.heartbeat_s or flushing:
+                        where, where_user = self._where()
+                        batch_seq += 1
+                        ack = transport.report(
+                            session.identity, batch_seq, pending, len(queue), queue.dropped, where, where_user
+                        )
+                        if ack.reregister:
+                            self.registered = False
+                            retry_at = 0.0
+                            continue  # register, then resend the same batch
+                        pending = []
+                        last_sent = now
+                        self.batches_sent += 1
+                        backoff = 0.25
+                        warned = False
+                        if len(queue) >= MAX_BATCH:
+                            continue  # more to send right away
+                except Exception as exc:
+                    self.send_failures += 1
+                    self.registered = False
+                    transport.close()
+                    if not warned:
+                        log.warning(
+                            "hangwatch: coordinator %s unreachable (%s); will retry",
+                            self.addr,
+                            type(exc).__name__,
+                        )
+                        warned = True
+                    retry_at = time.time() + backoff
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+            if flushing:
+                self._flush_requested.clear()
+                self._flushed.set()
+            if stopping:
+                transport.close()
+                return
+            self._stop.wait(self.interval_s)

@@ -1,0 +1,241 @@
+"""One attached rank: who it is, its recorder and its sender, and its end.
+
+A process becomes a rank when ``init_process_group`` returns in it (that is when rank and
+world size are known): ``after_init`` creates the Session, which registers with the coordinator
+from its sender thread. Launchers and DataLoader workers never call ``init_process_group`` and so
+never register; forked children drop the inherited Session at fork.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from types import FrameType, TracebackType
+from typing import Any
+
+from hangwatch import __version__, config
+from hangwatch import records as r
+from hangwatch.client import capture
+from hangwatch.client.recorder import EventQueue, Recorder
+
+log = logging.getLogger("hangwatch.client")
+
+#: Settings for the next Session, from ``attach()`` or the environment.
+_settings: dict[str, Any] = {}
+
+
+class Session:
+    def __init__(self, identity: r.RankIdentity, addr: str, token: str | None, c10d: Any) -> None:
+        from hangwatch.client.sender import Sender
+
+        self.identity = identity
+        self.queue = EventQueue(config.env_int(config.ENV_QUEUE_SIZE, config.DEFAULT_QUEUE_SIZE))
+        self.recorder = Recorder(identity.rank, self.queue, c10d)
+        self.sender = Sender(self, addr, token)
+        self.ended = False
+        self._failures: set[str] = set()
+
+    def fail(self, what: str, exc: BaseException) -> None:
+        """An internal error: log it once, and stop recording calls (the job goes on)."""
+        if what not in self._failures:
+            self._failures.add(what)
+            log.warning(
+                "hangwatch: internal error while %s (%s: %s); call capture disabled",
+                what,
+                type(exc).__name__,
+                exc,
+            )
+        capture.set_session(None)
+
+    def end(
+        self,
+        kind: r.EndKind,
+        detail: str = "",
+        call_site: str = "",
+        exit_code: int | None = None,
+        flush_timeout: float = 1.0,
+    ) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.queue.put(
+            r.RankEnd(self.identity.rank, kind, time.time(), detail, call_site, exit_code, self.recorder.step)
+        )
+        self.sender.flush(flush_timeout)
+
+
+_session: Session | None = None
+_session_lock = threading.Lock()
+
+
+def current() -> Session | None:
+    return _session
+
+
+def _process_start_time() -> float:
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return 0.0
+
+
+def after_init(params: dict[str, Any]) -> None:
+    """``init_process_group`` returned: this process is a rank; attach it."""
+    global _session
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    owner = os.environ.get(config.ENV_RANK_PID)
+    if owner and owner != str(os.getpid()):
+        return  # a subprocess of a rank that initialised its own group: not one of the job's ranks
+    addr = _settings.get("addr") or os.environ.get(config.ENV_ADDR)
+    if not addr or config.env_flag(config.ENV_DISABLE):
+        return
+    with _session_lock:
+        if _session is not None:
+            return
+        rank = int(c10d.get_rank())
+        identity = r.RankIdentity(
+            job_id=_settings.get("job_id") or config.job_id_from_env(),
+            rank=rank,
+            world_size=int(c10d.get_world_size()),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            local_rank=int(os.environ.get("LOCAL_RANK", "-1")),
+            start_time=_process_start_time(),
+            session=uuid.uuid4().hex,
+            backend=str(c10d.get_backend()),
+            torch_version=str(torch.__version__),
+            hook_version=__version__,
+        )
+        session = Session(identity, addr, _settings.get("token") or os.environ.get(config.ENV_TOKEN), c10d)
+        os.environ[config.ENV_RANK_PID] = str(os.getpid())
+        session.recorder.group_info(c10d._get_default_group())
+        _session = session
+        capture.set_session(session)
+        _install_end_hooks()
+        _install_step_hook()
+        session.sender.start()
+
+
+def after_new_group(pg: Any, params: dict[str, Any]) -> None:
+    session = _session
+    if session is None or pg is None:
+        return
+    try:
+        from torch.distributed.distributed_c10d import GroupMember
+
+        if pg is GroupMember.NON_GROUP_MEMBER:
+            return
+    except Exception:
+        pass
+    session.recorder.group_info(pg)
+
+
+def before_destroy(group: Any) -> Any:
+    session = _session
+    if session is None:
+        return None
+    if group is None:
+        session.end(r.EndKind.DESTROYED, "destroy_process_group()", session.recorder.call_site(4))
+        return None
+    return session.recorder.groups.forget(group)
+
+
+def after_destroy(info: Any) -> None:
+    session = _session
+    if session is None or info is None:
+        return
+    session.queue.put(r.GroupEvent(session.identity.rank, r.GroupEventKind.DESTROYED, info, time.time()))
+
+
+def step(n: int | None = None) -> None:
+    session = _session
+    if session is None:
+        return
+    rec = session.recorder
+    rec.step = rec.step + 1 if n is None else int(n)
+    session.queue.put(r.StepEvent(rec.rank, rec.step, time.time()))
+
+
+# ---- the end of a rank ------------------------------------------------------------------
+
+_hooks_installed = False
+
+
+def _install_end_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    previous_hook = sys.excepthook
+
+    def excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        session = _session
+        if session is not None:
+            try:
+                site = session.recorder.user_frame_of(tb)
+                session.end(r.EndKind.EXCEPTION, f"{tp.__name__}: {value}"[:2000], site, 1)
+            except Exception:
+                pass
+        previous_hook(tp, value, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(_at_exit)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            try:
+                if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+                    signal.signal(signum, _on_signal)
+            except (ValueError, OSError):
+                pass
+
+
+def _at_exit() -> None:
+    session = _session
+    if session is not None:
+        session.end(r.EndKind.CLEAN_EXIT, "interpreter exit", exit_code=0)
+        session.sender.stop()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    session = _session
+    name = signal.Signals(signum).name
+    if session is not None:
+        try:
+            site = session.recorder.call_site_of(frame)
+            session.end(r.EndKind.SIGNAL, name, site, 128 + signum, flush_timeout=0.5)
+        except Exception:
+            pass
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_step_hook() -> None:
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: step())
+    except Exception as exc:
+        log.debug("hangwatch: no optimizer step hook: %s", exc)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (e.g. a DataLoader worker) is not a rank: drop everything inherited."""
+    global _session
+    _session = None
+    capture.set_session(None)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

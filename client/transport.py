@@ -1,0 +1,85 @@
+"""The rank's side of the wire: gRPC calls with deadlines, and nothing else.
+
+The sender thread owns the only instance; the channel is created lazily on that thread (never
+at import, never before a fork) and closed on failure so that a restarted coordinator is found.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from hangwatch import records as r
+from hangwatch import wire
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+
+#: Keepalive settings aligned with the coordinator's (server permits pings every 10 s).
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.enable_retries", 0),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+]
+
+
+class Transport:
+    def __init__(self, addr: str, token: str | None, timeout_s: float = 2.0) -> None:
+        self.addr = addr
+        self.token = token or ""
+        self.timeout_s = timeout_s
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.CoordinatorStub | None = None
+
+    def _get_stub(self) -> pb_grpc.CoordinatorStub:
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(self.addr, options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
+        return self._stub
+
+    def close(self) -> None:
+        if self._channel is not None:
+            try:
+                self._channel.close()
+            except Exception:
+                pass
+        self._channel = None
+        self._stub = None
+
+    def register(self, identity: r.RankIdentity) -> pb.RegisterReply:
+        req = pb.RegisterRequest(token=self.token)
+        wire.identity_to_pb(identity, req.identity)
+        reply: pb.RegisterReply = self._get_stub().Register(req, timeout=self.timeout_s)
+        return reply
+
+    def report(
+        self,
+        identity: r.RankIdentity,
+        batch_seq: int,
+        events: Sequence[r.RankEvent],
+        queued: int,
+        dropped: int,
+        where: str = "",
+        where_user: str = "",
+    ) -> pb.ReportReply:
+        batch = pb.ReportBatch(
+            token=self.token,
+            job_id=identity.job_id,
+            rank=identity.rank,
+            session=identity.session,
+            batch_seq=batch_seq,
+            sent_time=time.time(),
+            queued=queued,
+            dropped=dropped,
+            where=where,
+            where_user=where_user,
+        )
+        for ev in events:
+            wire.event_to_pb(ev, batch.events.add())
+        reply: pb.ReportReply = self._get_stub().Report(batch, timeout=self.timeout_s)
+        return reply

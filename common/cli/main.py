@@ -1,0 +1,320 @@
+"""``hangwatch`` subcommands: coordinator, agent, status, incidents, report, stacks, run, demo.
+
+Configuration: flags, then ``HANGWATCH_*`` environment variables, then defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from hangwatch import __version__, config
+from hangwatch.cli import render
+from hangwatch.cli.client import CoordinatorUnreachable, query
+
+
+def _env_default_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def _add_query_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--addr",
+        default=None,
+        help=f"coordinator host:port (default: ${config.ENV_ADDR}, then {config.DEFAULT_ADDR})",
+    )
+    p.add_argument("--token", default=None, help=f"shared token (default: ${config.ENV_TOKEN})")
+    p.add_argument("--json", action="store_true", help="print JSON (the documented contract)")
+
+
+def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True) -> None:
+    if with_port:
+        p.add_argument(
+            "--host",
+            default=config.DEFAULT_HOST,
+            help=f"interface to listen on (default {config.DEFAULT_HOST}; a non-loopback one needs --token)",
+        )
+        p.add_argument(
+            "--port", type=int, default=config.DEFAULT_PORT, help=f"gRPC port (default {config.DEFAULT_PORT})"
+        )
+    p.add_argument(
+        "--data-dir",
+        default=os.environ.get(config.ENV_DATA_DIR, config.DEFAULT_DATA_DIR),
+        help=f"where incidents are stored (default ${config.ENV_DATA_DIR}, then {config.DEFAULT_DATA_DIR})",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get(config.ENV_TOKEN),
+        help=f"shared token ranks, agents and the CLI must present (default ${config.ENV_TOKEN})",
+    )
+    p.add_argument(
+        "--stuck-after",
+        type=float,
+        default=_env_default_float(config.ENV_STUCK_AFTER),
+        metavar="SECONDS",
+        help=f"fixed hang threshold (default ${config.ENV_STUCK_AFTER}, else adaptive: "
+        f"between {config.MIN_STUCK_AFTER:.0f} and {config.DEFAULT_STUCK_AFTER:.0f} s from observed "
+        "wait and step times)",
+    )
+    p.add_argument(
+        "--abort-on-hang",
+        action="store_true",
+        default=config.env_flag(config.ENV_ABORT_ON_HANG),
+        help=f"terminate the job's ranks once a hang is diagnosed and its stacks stored "
+        f"(default ${config.ENV_ABORT_ON_HANG} or off)",
+    )
+    p.add_argument(
+        "--alert-webhook",
+        default=os.environ.get(config.ENV_ALERT_WEBHOOK),
+        help=f"POST every new incident as JSON to this URL (default ${config.ENV_ALERT_WEBHOOK})",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=config.env_int(config.ENV_METRICS_PORT, config.DEFAULT_METRICS_PORT),
+        help=f"Prometheus /metrics port, 0 = off (default ${config.ENV_METRICS_PORT}, "
+        f"then {config.DEFAULT_METRICS_PORT})",
+    )
+    p.add_argument("--no-agent", action="store_true", help="do not embed a node agent (stacks come from remote agents)")
+    p.add_argument(
+        "--allow-insecure-bind",
+        action="store_true",
+        help="allow a non-loopback --host without a token (trusted networks only)",
+    )
+    p.add_argument("--tls-cert", default=None, help="server certificate (PEM) for TLS")
+    p.add_argument("--tls-key", default=None, help="server private key (PEM) for TLS")
+    p.add_argument("-v", "--verbose", action="store_true", help="log more")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hangwatch",
+        description="Out-of-process hang diagnosis for PyTorch distributed training.",
+        epilog=f"Attach ranks with no code change: export {config.ENV_ADDR}=host:port. "
+        f"{config.ENV_DISABLE}=1 turns the hook off.",
+    )
+    parser.add_argument("--version", action="version", version=f"hangwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("coordinator", help="run the coordinator daemon (with an embedded node agent)")
+    _add_coordinator_flags(p)
+
+    p = sub.add_parser("agent", help="run a node agent that watches this node's ranks and dumps their stacks")
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help=f"coordinator host:port (default ${config.ENV_ADDR}, then {config.DEFAULT_ADDR})",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get(config.ENV_TOKEN),
+        help=f"shared token (default ${config.ENV_TOKEN})",
+    )
+    p.add_argument("--node-name", default=None, help="host name ranks on this node report (default: hostname)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+    p = sub.add_parser("status", help="every rank's state and last collective, and open incidents")
+    _add_query_flags(p)
+    p.add_argument("--watch", action="store_true", help="refresh in place every second")
+
+    p = sub.add_parser("incidents", help="list incidents")
+    _add_query_flags(p)
+    p.add_argument("--limit", type=int, default=0, help="only the most recent N")
+
+    p = sub.add_parser("report", help="the full diagnosis of one incident (default: the latest)")
+    _add_query_flags(p)
+    p.add_argument("id", nargs="?", default=None, help="incident id, e.g. inc-0001")
+
+    p = sub.add_parser("stacks", help="dump py-spy stacks of ranks now")
+    _add_query_flags(p)
+    p.add_argument("rank", nargs="?", default="all", help="a rank, comma-separated ranks, or 'all'")
+    p.add_argument("--native", action="store_true", help="include native (C/C++) frames")
+
+    p = sub.add_parser(
+        "run",
+        help="run torchrun with a coordinator and agent attached",
+        description="Everything after the hangwatch options is passed to torchrun, e.g. "
+        "hangwatch run --stuck-after 20 -- --nproc-per-node 4 train.py --lr 0.1",
+    )
+    _add_coordinator_flags(p, with_port=False)
+    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun options, script and its arguments")
+
+    p = sub.add_parser("demo", help="a built-in multi-rank CPU job with an injected fault, diagnosed live")
+    p.add_argument("scenario", nargs="?", default="early_stop", help="which fault (see --list)")
+    p.add_argument("--list", action="store_true", help="list the scenarios")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--stuck-after", type=float, default=10.0, metavar="SECONDS", help="hang threshold (default 10)")
+    p.add_argument("--data-dir", default=None, help="where incidents are stored (default: a temporary directory)")
+    return parser
+
+
+def _addr(args: argparse.Namespace) -> str:
+    return str(args.addr or config.default_addr())
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    return args.token or os.environ.get(config.ENV_TOKEN)
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    while True:
+        data = query(_addr(args), "GetStatus", token=_token(args))
+        if args.json:
+            _print_json(data)
+            return 0
+        if args.watch:
+            sys.stdout.write("\033[H\033[J" if sys.stdout.isatty() else "\n")
+        render.render_status(data)
+        if not args.watch:
+            return 0
+        sys.stdout.flush()
+        time.sleep(1.0)
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    data = query(_addr(args), "ListIncidents", token=_token(args), limit=args.limit)
+    if args.json:
+        _print_json(data)
+    else:
+        render.render_incidents(data)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    ident = args.id
+    if ident is None:
+        incidents = query(_addr(args), "ListIncidents", token=_token(args), limit=1)
+        if not incidents:
+            sys.stderr.write("hangwatch: no incidents yet\n")
+            return 1
+        ident = incidents[-1]["id"]
+    data = query(_addr(args), "GetIncident", token=_token(args), id=ident)
+    if args.json:
+        _print_json(data)
+    else:
+        render.render_report(data)
+    return 0
+
+
+def cmd_stacks(args: argparse.Namespace) -> int:
+    data = query(_addr(args), "DumpStacks", token=_token(args), id=str(args.rank), native=args.native, timeout=30.0)
+    if args.json:
+        _print_json(data)
+        return 0
+    grouped = render.group_stacks({rk: d["text"] for rk, d in data.items() if not d.get("error")})
+    for ranks, text in grouped:
+        sys.stdout.write(f"--- rank{'s' if len(ranks) > 1 else ''} {render.format_ranks(ranks)} ---\n{text.rstrip()}\n")
+    for rk, d in sorted(data.items()):
+        if d.get("error"):
+            sys.stdout.write(f"--- rank {rk}: no stack: {d['error']}\n")
+    return 0
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s hangwatch %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def _coordinator_options(args: argparse.Namespace, host: str, port: int) -> Any:
+    from hangwatch.coordinator.daemon import CoordinatorOptions
+
+    return CoordinatorOptions(
+        host=host,
+        port=port,
+        data_dir=args.data_dir,
+        token=args.token,
+        stuck_after=args.stuck_after,
+        embedded_agent=not args.no_agent,
+        abort_on_hang=args.abort_on_hang,
+        allow_insecure_bind=args.allow_insecure_bind,
+    )
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from hangwatch.coordinator.daemon import ConfigError, Coordinator
+    from hangwatch.coordinator.store import StoreError
+
+    _setup_logging(args.verbose)
+    try:
+        coordinator = Coordinator(_coordinator_options(args, args.host, args.port))
+        coordinator.start()
+    except (ConfigError, StoreError) as exc:
+        sys.stderr.write(f"hangwatch: {exc}\n")
+        return 2
+    host = "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else coordinator.addr.rsplit(":", 1)[0]
+    sys.stdout.write(
+        f"hangwatch coordinator listening on {args.host}:{coordinator.port} (data: {args.data_dir})\n"
+        f"attach ranks with:\n  export {config.ENV_ADDR}={host}:{coordinator.port}\n"
+    )
+    sys.stdout.flush()
+    try:
+        coordinator.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        coordinator.stop()
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from hangwatch.agent.core import NodeAgentCore
+    from hangwatch.agent.daemon import run_agent
+
+    _setup_logging(args.verbose)
+    addr = args.coordinator or config.default_addr()
+    stop = threading.Event()
+    sys.stdout.write(f"hangwatch agent serving coordinator {addr}\n")
+    sys.stdout.flush()
+    try:
+        run_agent(addr, token=args.token, stop=stop, core=NodeAgentCore(host=args.node_name))
+    except KeyboardInterrupt:
+        stop.set()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {
+        "coordinator": cmd_coordinator,
+        "agent": cmd_agent,
+        "status": cmd_status,
+        "incidents": cmd_incidents,
+        "report": cmd_report,
+        "stacks": cmd_stacks,
+    }
+    try:
+        if args.command in ("run", "demo"):
+            from hangwatch.cli import launch
+
+            return launch.cmd_run(args) if args.command == "run" else launch.cmd_demo(args)
+        return handlers[args.command](args)
+    except CoordinatorUnreachable as exc:
+        sys.stderr.write(f"hangwatch: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Human output: status tables, incident lists and reports. Plain and stable when piped;
+colour only on a terminal (and never with NO_COLOR)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+from hangwatch.coordinator.rules import format_ranks as _format_ranks
+
+KIND_TITLES = {
+    "op_mismatch": "Operation mismatch",
+    "shape_mismatch": "Shape mismatch",
+    "dtype_mismatch": "Dtype mismatch",
+    "arg_mismatch": "Argument mismatch",
+    "p2p_mismatch": "Point-to-point mismatch",
+    "stuck_collective": "Stuck collective",
+    "early_exit": "Unsynchronised early exit",
+    "rank_died": "Rank died",
+    "rank_frozen": "Rank frozen",
+    "transport_stall": "Transport stall",
+    "straggler": "Straggler (warning)",
+}
+
+
+def use_colour(stream: TextIO) -> bool:
+    return stream.isatty() and "NO_COLOR" not in os.environ
+
+
+def _c(text: str, code: str, colour: bool) -> str:
+    return f"\033[{code}m{text}\033[0m" if colour else text
+
+
+def format_ranks(ranks: list[int]) -> str:
+    return _format_ranks(ranks) if ranks else "-"
+
+
+def _ago(t: float | None, now: float) -> str:
+    if not t:
+        return "-"
+    secs = max(0.0, now - t)
+    if secs < 120:
+        return f"{secs:.0f} s"
+    if secs < 7200:
+        return f"{secs / 60:.0f} min"
+    return f"{secs / 3600:.1f} h"
+
+
+def _rank_line(rank: dict[str, Any], now: float) -> str:
+    state = str(rank["state"])
+    since = _ago(rank.get("since"), now)
+    if state == "waiting":
+        return f"waiting in {rank['last_op']} (group {rank['group']}, seq {rank['seq']}) for {since}"
+    if state == "running":
+        where = rank.get("where") or ""
+        last = f"last {rank['last_op']} seq {rank['seq']}" if rank.get("last_op") else "no collective yet"
+        return f"running{' in ' + where if where else ''} ({last})"
+    if state in ("exited", "died"):
+        end = rank.get("end") or {}
+        detail = end.get("detail") or state
+        site = f" at {end['call_site']}" if end.get("call_site") else ""
+        return f"{state}: {detail}{site} ({since} ago)"
+    if state == "frozen":
+        return f"frozen: silent for {since} (process {rank.get('process') or 'unknown'})"
+    return state
+
+
+def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    colour = use_colour(out)
+    now = data["job"].get("time") or time.time()
+    job = data["job"]
+    out.write(
+        f"job {job.get('id') or '?'}: {job.get('registered', 0)}/{job.get('world_size', 0)} ranks registered, "
+        f"stuck threshold {job.get('stuck_after', '?')} s\n"
+    )
+    groups: dict[str, list[int]] = {}
+    for rank in data["ranks"]:
+        groups.setdefault(_rank_line(rank, now), []).append(rank["rank"])
+    for line, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        label = f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
+        state_colour = "31" if ("died" in line or "frozen" in line) else ("33" if "waiting" in line else "32")
+        out.write(f"  {_c(label.ljust(14), state_colour, colour)} {line}\n")
+    incidents = data.get("incidents") or []
+    if incidents:
+        out.write(_c(f"{len(incidents)} open incident(s):\n", "1;31", colour))
+        for inc in incidents:
+            out.write(f"  {inc['id']}  {inc['kind']:<17} {inc['summary']}\n")
+    else:
+        out.write("no open incidents\n")
+    store = job.get("store") or {}
+    if store.get("write_errors"):
+        out.write(
+            _c(
+                f"warning: {store['write_errors']} incident write(s) failed: {store.get('last_error')}\n",
+                "31",
+                colour,
+            )
+        )
+
+
+def render_incidents(incidents: list[dict[str, Any]], out: TextIO = sys.stdout) -> None:
+    if not incidents:
+        out.write("no incidents\n")
+        return
+    for inc in incidents:
+        when = time.strftime("%H:%M:%S", time.localtime(inc["detected_time"]))
+        out.write(
+            f"{inc['id']}  {when}  {inc['status']:<8} {inc['kind']:<17} culprit {format_ranks(inc['culprit_ranks'])}"
+            f"  {inc['summary']}\n"
+        )
+
+
+def group_stacks(stacks: dict[str, str]) -> list[tuple[list[int], str]]:
+    """Identical stacks across ranks shown once, with their rank list."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in stacks.items():
+        normalised = "\n".join(line for line in text.splitlines() if not line.startswith(("Process ", "Python v")))
+        by_text.setdefault(normalised, []).append(int(rank))
+    return sorted(((sorted(r), t) for t, r in by_text.items()), key=lambda item: item[0][0])
+
+
+def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    colour = use_colour(out)
+    title = KIND_TITLES.get(inc["kind"], inc["kind"])
+    out.write(_c(f"{inc['id']}: {title}", "1;31" if inc.get("severity") == "error" else "1;33", colour) + "\n")
+    out.write(f"  {inc['summary']}\n\n")
+    lag = inc["detected_time"] - inc["onset_time"] if inc.get("onset_time") else 0.0
+    rows = [
+        ("status", inc["status"] + (f" ({inc['resolution']})" if inc.get("resolution") else "")),
+        ("culprit ranks", format_ranks(inc["culprit_ranks"])),
+        ("waiting ranks", format_ranks(inc["waiting_ranks"])),
+        ("operation", inc.get("op") or "-"),
+        ("group / seq", f"{inc.get('group') or '-'} / {inc.get('seq') or '-'}"),
+        ("step", str(inc.get("step", "-"))),
+        (
+            "onset",
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(inc["onset_time"])) if inc.get("onset_time") else "-",
+        ),
+        ("detected", f"{lag:.1f} s after onset"),
+    ]
+    for key, value in rows:
+        out.write(f"  {key:<14} {value}\n")
+    calls = (inc.get("details") or {}).get("calls") or {}
+    if calls:
+        out.write("\nper-rank calls:\n")
+        for rank, text in sorted(calls.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+            out.write(f"  rank {rank}: {text}\n")
+    absent = (inc.get("details") or {}).get("absent") or {}
+    if absent:
+        out.write("\nranks that did not arrive:\n")
+        for rank, text in sorted(absent.items()):
+            out.write(f"  rank {rank} {text}\n")
+    doing = (inc.get("details") or {}).get("stack_summary") or {}
+    if doing:
+        out.write("\nwhat the stacks show:\n")
+        for rank, text in sorted(doing.items(), key=lambda kv: int(kv[0])):
+            out.write(f"  rank {rank}: {text}\n")
+    out.write(_c("\nhint: ", "1", colour) + inc["hint"] + "\n")
+    stacks = inc.get("stacks") or {}
+    if stacks:
+        out.write("\nstacks:\n")
+        for ranks, text in group_stacks(stacks):
+            out.write(_c(f"--- rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} ---", "1", colour) + "\n")
+            out.write(text.rstrip() + "\n")
+    for rank, note in sorted((inc.get("stack_notes") or {}).items()):
+        out.write(f"(no stack for rank {rank}: {note})\n")

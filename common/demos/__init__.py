@@ -1,0 +1,1 @@
+"""Built-in fault scenarios for ``hangwatch demo`` (need torch)."""

@@ -1,0 +1,337 @@
+"""The coordinator daemon: the composition root that wires state, detectors, store, agents, gRPC.
+
+coordinator = Coordinator(CoordinatorOptions(port=0, data_dir="/tmp/hw"))
+coordinator.start()          # serves on coordinator.port; returns immediately
+...
+coordinator.stop()
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hangwatch import config
+from hangwatch import records as r
+from hangwatch.coordinator.agents import AgentHub
+from hangwatch.coordinator.engine import Engine
+from hangwatch.coordinator.incidents import Incident
+from hangwatch.coordinator.servicer import CoordinatorServicer
+from hangwatch.coordinator.state import JobState
+from hangwatch.coordinator.store import IncidentStore
+from hangwatch.coordinator.views import status_json
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+
+log = logging.getLogger("hangwatch.coordinator")
+
+TICK_S = 0.25
+AGENT_POLL_S = 0.5
+
+
+class ConfigError(ValueError):
+    """Options that would make the coordinator unsafe or unusable."""
+
+
+@dataclass
+class CoordinatorOptions:
+    host: str = config.DEFAULT_HOST
+    port: int = config.DEFAULT_PORT
+    data_dir: str = config.DEFAULT_DATA_DIR
+    token: str | None = None
+    stuck_after: float | None = None
+    silence_after: float = config.DEFAULT_SILENCE_AFTER_S
+    embedded_agent: bool = True
+    abort_on_hang: bool = False
+    allow_insecure_bind: bool = False
+    max_workers: int = 16
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Coordinator:
+    def __init__(self, options: CoordinatorOptions) -> None:
+        if not _is_loopback(options.host) and not options.token and not options.allow_insecure_bind:
+            raise ConfigError(
+                f"refusing to listen on {options.host} without a token: pass --token (or set "
+                f"{config.ENV_TOKEN}), or --allow-insecure-bind on a trusted network"
+            )
+        self.options = options
+        self.coordinator_id = uuid.uuid4().hex[:12]
+        self.lock = threading.RLock()
+        self.job = JobState()
+        self.store = IncidentStore(options.data_dir)
+        embedded = None
+        if options.embedded_agent:
+            from hangwatch.agent.core import NodeAgentCore
+
+            embedded = NodeAgentCore()
+        self.hub = AgentHub(embedded)
+        self.engine = Engine(
+            self.job,
+            self.lock,
+            stuck_after=options.stuck_after,
+            silence_after=options.silence_after,
+            request_stacks=self._request_stacks,
+            persist=self.store.save,
+            next_id=self._next_id,
+        )
+        for incident in self.store.load():
+            self.engine.incidents[incident.id] = incident
+            self.engine.by_key[incident.key] = incident.id
+        self._id_counter = self.store.next_number()
+        self.rejected: dict[str, int] = {}
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self.health = health.HealthServicer()
+        if options.abort_on_hang:
+            self.engine.listeners.append(self._abort_listener)
+
+    def _next_id(self) -> str:
+        ident = f"inc-{self._id_counter:04d}"
+        self._id_counter += 1
+        return ident
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> int:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.options.max_workers, thread_name_prefix="hangwatch-rpc"),
+            options=[
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+            ],
+        )
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), server)  # type: ignore[no-untyped-call]
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        if port == 0:
+            raise ConfigError(f"cannot listen on {self.options.host}:{self.options.port} (in use?)")
+        server.start()
+        self.server = server
+        self.port = port
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("hangwatch.v1.Coordinator", health_pb2.HealthCheckResponse.SERVING)
+        self._spawn(self._detect_loop, "hangwatch-detect")
+        if self.hub.embedded is not None:
+            self._spawn(self._embedded_agent_loop, "hangwatch-agent")
+        log.info("coordinator %s listening on %s:%d", self.coordinator_id, self.options.host, port)
+        return port
+
+    @property
+    def addr(self) -> str:
+        host = self.options.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"{host}:{self.port}"
+
+    def _spawn(self, target: Any, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.health.enter_graceful_shutdown()
+            self.server.stop(grace).wait(grace + 1)
+        for thread in self._threads:
+            thread.join(2.0)
+        self.hub.close()
+        self.store.close()
+
+    def wait(self) -> None:
+        while not self._stop.wait(1.0):
+            pass
+
+    def _detect_loop(self) -> None:
+        while not self._stop.wait(TICK_S):
+            try:
+                self.engine.tick()
+            except Exception:
+                log.exception("detection tick failed")
+
+    def _embedded_agent_loop(self) -> None:
+        core = self.hub.embedded
+        assert core is not None
+        host = self.hub.embedded_host
+        while not self._stop.wait(AGENT_POLL_S):
+            try:
+                core.set_targets(self.targets_on(host, include_remote_hosts=False))
+                statuses = core.poll()
+                if statuses:
+                    self.apply_process_statuses(host, statuses)
+            except Exception:
+                log.exception("embedded agent poll failed")
+
+    # ---- ingest (called by the servicer) --------------------------------------------------
+
+    def register_rank(self, identity: r.RankIdentity) -> None:
+        with self.lock:
+            self.job.register(identity, time.time())
+        log.info(
+            "rank %d registered (pid %d on %s, job %s)",
+            identity.rank,
+            identity.pid,
+            identity.host,
+            identity.job_id,
+        )
+
+    def report(self, batch: pb.ReportBatch, events: list[r.RankEvent]) -> int | None:
+        now = time.time()
+        with self.lock:
+            state = self.job.rank_for_session(batch.session)
+            if state is None or state.rank != batch.rank:
+                return None
+            state.last_seen = now
+            if batch.sent_time:
+                state.clock_offset = now - batch.sent_time
+            state.queued = batch.queued
+            state.dropped = batch.dropped
+            state.where = batch.where
+            state.where_user = batch.where_user
+            for event in events:
+                if event.rank != state.rank:
+                    continue
+                self.job.apply(state, event, now)
+        return len(events)
+
+    def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None:
+        with self.lock:
+            by_pid = {st.identity.pid: st for st in self.job.ranks.values() if st.identity.host == host}
+            for status in statuses:
+                st = by_pid.get(status.pid)
+                if st is not None:
+                    st.proc = status
+
+    def targets_on(self, host: str, include_remote_hosts: bool = True) -> list[r.Target]:
+        with self.lock:
+            return [
+                r.Target(st.rank, st.identity.pid, st.identity.start_time)
+                for st in self.job.ranks.values()
+                if st.identity.host == host and (include_remote_hosts or self.hub.agent_for(host) is None)
+            ]
+
+    def metrics_rejected(self, reason: str, count: int = 1) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + count
+
+    # ---- stacks and abort -----------------------------------------------------------------
+
+    def _hosts(self) -> dict[int, str]:
+        with self.lock:
+            return {rk: st.identity.host for rk, st in self.job.ranks.items()}
+
+    def _request_stacks(self, targets: list[r.Target], native: bool, callback: Any) -> None:
+        self.hub.request_stacks(targets, self._hosts(), native, callback)
+
+    def dump_stacks(self, ranks: list[int] | None, native: bool) -> dict[str, Any] | None:
+        with self.lock:
+            chosen = sorted(self.job.ranks) if ranks is None else [rk for rk in ranks if rk in self.job.ranks]
+            targets = [
+                r.Target(rk, self.job.ranks[rk].identity.pid, self.job.ranks[rk].identity.start_time) for rk in chosen
+            ]
+        if not targets:
+            return None
+        dumps = self.hub.dump_now(targets, self._hosts(), native)
+        return {
+            str(rk): {
+                "pid": d.pid,
+                "time": d.time,
+                "text": d.text,
+                "error": d.error,
+                "native": d.native,
+                "threads": [
+                    {
+                        "thread_id": t.thread_id,
+                        "name": t.name,
+                        "active": t.active,
+                        "owns_gil": t.owns_gil,
+                        "frames": [
+                            {
+                                "function": f.function,
+                                "filename": f.filename,
+                                "line": f.line,
+                                "native": f.native,
+                            }
+                            for f in t.frames
+                        ],
+                    }
+                    for t in d.threads
+                ],
+            }
+            for rk, d in sorted(dumps.items())
+        }
+
+    def _abort_listener(self, incident: Incident) -> None:
+        if incident.severity != "error":
+            return
+
+        def abort_after_stacks() -> None:
+            deadline = time.time() + 15.0
+            while time.time() < deadline and incident.stacks_time is None and incident.stack_notes == {}:
+                time.sleep(0.2)
+            with self.lock:
+                self.job.aborted_at = time.time()
+                targets = [
+                    r.Target(st.rank, st.identity.pid, st.identity.start_time)
+                    for st in self.job.ranks.values()
+                    if st.end is None
+                ]
+            log.warning("--abort-on-hang: terminating %d rank(s) after incident %s", len(targets), incident.id)
+            self.hub.abort(targets, self._hosts())
+
+        threading.Thread(target=abort_after_stacks, name="hangwatch-abort", daemon=True).start()
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def incidents_json(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [inc.to_json() for inc in self.engine.incidents.values()]
+
+    def incident_json(self, incident_id: str) -> dict[str, Any] | None:
+        with self.lock:
+            inc = self.engine.incidents.get(incident_id)
+            return inc.to_json() if inc else None
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        with self.lock:
+            open_incidents = [
+                {k: v for k, v in inc.to_json().items() if k not in ("stacks", "details")}
+                for inc in self.engine.incidents.values()
+                if inc.status == "open"
+            ]
+            extra = {
+                "coordinator_id": self.coordinator_id,
+                "started": self.started,
+                "stuck_after": round(self.engine.stuck_threshold(), 1),
+                "agents": self.hub.hosts(),
+                "store": {
+                    "path": str(self.store.path),
+                    "write_errors": self.store.write_errors,
+                    "last_error": self.store.last_error,
+                },
+                "rejected": dict(self.rejected),
+            }
+            return status_json(self.job, now, self.options.silence_after, extra, open_incidents)

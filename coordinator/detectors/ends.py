@@ -1,0 +1,157 @@
+"""Ranks that ended while the job runs: ``rank_died``, or ``early_exit`` when the first to go left
+cleanly while others were still in (or entering) a collective.
+
+The root cause is the first rank to end. Peers that fail afterwards because their connection
+to it broke ("Connection closed by peer", torchrun's SIGTERM) are consequences, listed as
+affected ranks of the same incident, never incidents of their own.
+"""
+
+from __future__ import annotations
+
+from hangwatch import records as r
+from hangwatch.coordinator.detectors import Context
+from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT
+from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.rules import describe_call, format_ranks
+from hangwatch.coordinator.state import JobState, RankState
+
+CLEAN = (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
+
+
+def _end_time(state: RankState) -> float | None:
+    """When a rank ended, or None while it runs (a dead process without an end: last heard)."""
+    if state.end is not None:
+        return state.to_local(state.end.time)
+    if state.proc is not None and state.proc.state in (r.ProcState.DEAD, r.ProcState.ZOMBIE):
+        return state.last_seen
+    return None
+
+
+def _death_text(state: RankState) -> str:
+    end = state.end
+    if end is None:
+        proc = state.proc
+        how = "its process disappeared without a word (SIGKILL, the OOM killer, or a native crash)"
+        if proc is not None and proc.signal:
+            how = f"its process was killed by signal {proc.signal}"
+        elif proc is not None and proc.exit_code is not None:
+            how = f"its process exited with code {proc.exit_code}"
+        return how
+    where = f" at {end.call_site}" if end.call_site else ""
+    if end.kind is r.EndKind.EXCEPTION:
+        return f"it raised {end.detail}{where}"
+    if end.kind is r.EndKind.SIGNAL:
+        return f"it received {end.detail}{where}"
+    return f"it ended ({end.kind.value}){where}"
+
+
+def detect(job: JobState, ctx: Context) -> list[Finding]:
+    ended = [(t, st) for st in job.ranks.values() if (t := _end_time(st)) is not None]
+    if job.aborted_at is not None:
+        ended = [(t, st) for t, st in ended if t < job.aborted_at]  # our own --abort-on-hang
+    if not ended:
+        return []
+    ended.sort(key=lambda item: item[0])
+    first_time, first = ended[0]
+    running = [st for st in job.ranks.values() if _end_time(st) is None]
+    clean = first.end is not None and first.end.kind in CLEAN
+    if clean:
+        return _early_exit(job, ctx, first, first_time, ended)
+    affected = sorted(st.rank for _, st in ended[1:]) + sorted(st.rank for st in running)
+    last = first.last_call
+    mismatch_note = ""
+    if last is not None and f"{last.group}:{last.seq}" in ctx.mismatched:
+        mismatch_note = f"; its last call, {last.op} (group {last.group}, seq {last.seq}), was mismatched"
+    if last is not None and last.exit_time is None:
+        in_call = f" inside {describe_call(last)}"
+    else:
+        in_call = ""
+    summary = f"rank {first.rank} died: {_death_text(first)}{in_call}{mismatch_note}"
+    if affected:
+        summary += f"; rank{'s' if len(affected) > 1 else ''} {format_ranks(affected)} then failed or wait for it"
+    return [
+        Finding(
+            kind="rank_died",
+            key=f"died:{first.identity.session}",
+            culprit_ranks=[first.rank],
+            waiting_ranks=affected,
+            summary=summary,
+            hint=(
+                "Fix the error on the culprit rank (its exception and frame are above); the other ranks only "
+                "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "
+                "the launcher's logs."
+                if not mismatch_note
+                else "The backend crashed on a mismatched collective: make every rank call it with the same "
+                "arguments (see the mismatch incident)."
+            ),
+            onset_time=first_time,
+            op=last.op if last else "",
+            group=last.group if last else "",
+            seq=last.seq if last else 0,
+            step=first.step,
+            details={
+                "exit": {
+                    "kind": first.end.kind.value if first.end else "vanished",
+                    "detail": first.end.detail if first.end else "",
+                    "call_site": first.end.call_site if first.end else "",
+                    "exit_code": (first.end.exit_code if first.end else (first.proc.exit_code if first.proc else None)),
+                },
+                "affected": {str(st.rank): _death_text(st) for _, st in ended[1:]},
+            },
+            stack_ranks=[st.rank for st in running][:4],
+        )
+    ]
+
+
+def _early_exit(
+    job: JobState, ctx: Context, first: RankState, first_time: float, ended: list[tuple[float, RankState]]
+) -> list[Finding]:
+    """The first rank to end left cleanly: a problem only if others were in a collective it skipped."""
+    waiting: list[int] = []
+    op = group = ""
+    seq = 0
+    for st in job.ranks.values():
+        if st is first:
+            continue
+        for call in st.history_calls_after(first_time - 1.0):
+            if call.kind is r.OpKind.MARKER:
+                continue
+            members = job.members(call.group)
+            if members and first.rank not in members:
+                continue
+            first_hist = first.history.get(call.group)
+            reached = first_hist is not None and any(
+                c.seq >= call.seq for c in first_hist if c.kind is call.kind and c.kind is r.OpKind.COLLECTIVE
+            )
+            unfinished = call.exit_time is None or call.error is not None
+            if unfinished and not reached:
+                waiting.append(st.rank)
+                op, group, seq = call.op, call.group, call.seq
+                break
+    if not waiting:
+        return []
+    end = first.end
+    assert end is not None
+    where = f" at {end.call_site}" if end.call_site else ""
+    action = "called destroy_process_group()" if end.kind is r.EndKind.DESTROYED else "exited"
+    return [
+        Finding(
+            kind="early_exit",
+            key=f"early-end:{first.identity.session}",
+            culprit_ranks=[first.rank],
+            waiting_ranks=sorted(waiting),
+            summary=(
+                f"rank {first.rank} left the training loop after step {first.step} and {action}{where}, while "
+                f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(sorted(waiting))} entered {op} "
+                f"(group {group}, seq {seq}) of the next step and never got an answer"
+            ),
+            hint=EARLY_EXIT_HINT,
+            onset_time=first_time,
+            op=op,
+            group=group,
+            seq=seq,
+            step=first.step,
+            details={"exit": {"kind": end.kind.value, "call_site": end.call_site, "step": first.step}},
+            stack_ranks=sorted(waiting)[:2],
+        )
+    ]

@@ -1,0 +1,75 @@
+"""``rank_frozen``: the process is alive but its hook went silent.
+
+The hook's sender thread heartbeats every second, even while the main thread waits inside a
+collective (the backend releases the GIL). Silence with a live process means the whole
+interpreter is stuck: the GIL held in native code, SIGSTOP, uninterruptible sleep. The node
+agent tells alive from dead; the stacks (with native frames) say where it froze.
+"""
+
+from __future__ import annotations
+
+from hangwatch import records as r
+from hangwatch.coordinator.detectors import Context
+from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.rules import format_ranks
+from hangwatch.coordinator.state import JobState
+
+_STATE_TEXT = {
+    r.ProcState.STOPPED: "is stopped (SIGSTOP or a debugger)",
+    r.ProcState.DISK_SLEEP: "is in uninterruptible sleep (D state: I/O or a driver call)",
+    r.ProcState.RUNNING: "is running but its Python threads cannot run (likely the GIL held in native code)",
+    r.ProcState.SLEEPING: "is sleeping while holding the interpreter (likely the GIL held in a native wait)",
+}
+
+
+def detect(job: JobState, ctx: Context) -> list[Finding]:
+    findings: list[Finding] = []
+    for st in job.ranks.values():
+        if st.end is not None or not st.alive:
+            continue
+        silent_for = ctx.now - st.last_seen
+        if silent_for < ctx.silence_after:
+            continue
+        proc = st.proc
+        if proc is None:
+            how = "has gone silent and no node agent reports on its process"
+        else:
+            how = _STATE_TEXT.get(proc.state, f"is alive ({proc.state.value}) but silent")
+        waiting = sorted(o.rank for o in job.ranks.values() if o is not st and o.open_calls and o.end is None)
+        last = st.last_call
+        where = (
+            f"; last seen {'in' if last and last.exit_time is None else 'after'} {last.op} at {last.call_site}"
+            if last
+            else ""
+        )
+        who = f"rank {st.rank} (pid {st.identity.pid} on {st.identity.host})"
+        summary = f"{who} {how}; no heartbeat for {silent_for:.0f} s{where}"
+        if waiting:
+            summary += f"; rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait for it"
+        findings.append(
+            Finding(
+                kind="rank_frozen",
+                key=f"frozen:{st.identity.session}",
+                culprit_ranks=[st.rank],
+                waiting_ranks=waiting,
+                summary=summary,
+                hint=(
+                    "Look at the native stack of the frozen rank: a C extension or ctypes call that holds the "
+                    "GIL while it blocks must release it (Py_BEGIN_ALLOW_THREADS / ctypes.CDLL instead of "
+                    "PyDLL); a stopped process must be continued (kill -CONT) or killed; a D-state process "
+                    "points at storage or a driver."
+                ),
+                onset_time=st.last_seen,
+                op=last.op if last else "",
+                group=last.group if last else "",
+                seq=last.seq if last else 0,
+                step=st.step,
+                details={
+                    "process": proc.state.value if proc else "unknown",
+                    "silent_s": round(silent_for, 1),
+                },
+                stack_ranks=[st.rank],
+                native=True,
+            )
+        )
+    return findings

@@ -1,0 +1,46 @@
+"""``straggler`` (a warning, not a hang): one rank persistently arrives last by a wide margin."""
+
+from __future__ import annotations
+
+import collections
+
+from hangwatch.coordinator.detectors import Context
+from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.state import JobState
+
+WINDOW = 20  # complete collectives looked at per group
+SHARE = 0.8  # the same rank last in at least this share of them
+MIN_MARGIN_S = 0.5  # and behind the median arrival by at least this much on average
+
+
+def detect(job: JobState, ctx: Context) -> list[Finding]:
+    findings: list[Finding] = []
+    for group, arrivals in job.arrivals.items():
+        recent = list(arrivals)[-WINDOW:]
+        if len(recent) < WINDOW:
+            continue
+        last = collections.Counter(rank for rank, _, _, _ in recent)
+        rank, count = last.most_common(1)[0]
+        lags = [lag for rk, lag, _, _ in recent if rk == rank]
+        margin = sum(lags) / len(lags)
+        if count < SHARE * len(recent) or margin < MIN_MARGIN_S:
+            continue
+        findings.append(
+            Finding(
+                kind="straggler",
+                key=f"straggler:{group}:{rank}",
+                culprit_ranks=[rank],
+                waiting_ranks=[m for m in job.members(group) if m != rank],
+                summary=(
+                    f"rank {rank} arrived last at {count} of the last {len(recent)} collectives of group "
+                    f"{group}, {margin:.1f} s after the median rank on average"
+                ),
+                hint="Not a hang: look for uneven work on that rank (data loading, a slower host, logging "
+                "or evaluation done only there).",
+                onset_time=recent[0][3],
+                group=group,
+                seq=recent[-1][2],
+                details={"share_last": round(count / len(recent), 2), "mean_lag_s": round(margin, 2)},
+            )
+        )
+    return findings

@@ -1,0 +1,211 @@
+"""The detection engine: runs the detectors, turns findings into incidents, attaches stacks.
+
+One root cause is one incident: findings carry a key, and a finding whose key (or whose slot)
+already has an incident updates it instead of opening another. Hang incidents whose slot
+completes are closed as resolved. Stacks are requested from the node agents as soon as an
+incident opens and attached when they arrive; every change is persisted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from hangwatch import config
+from hangwatch import records as r
+from hangwatch.agent.stacks import summarize
+from hangwatch.coordinator.detectors import Context, Detector, all_detectors
+from hangwatch.coordinator.incidents import Finding, Incident
+from hangwatch.coordinator.state import JobState
+
+log = logging.getLogger("hangwatch.coordinator")
+
+#: Hang kinds keyed by a slot, closed once every waiting rank has left that slot.
+SLOT_KINDS = ("stuck_collective", "early_exit", "transport_stall")
+
+StackRequester = Callable[[list[r.Target], bool, Callable[[dict[int, r.StackDump]], None]], None]
+IncidentListener = Callable[[Incident], None]
+
+
+class Engine:
+    def __init__(
+        self,
+        job: JobState,
+        lock: threading.RLock,
+        *,
+        stuck_after: float | None = None,
+        silence_after: float = config.DEFAULT_SILENCE_AFTER_S,
+        detectors: list[Detector] | None = None,
+        request_stacks: StackRequester | None = None,
+        persist: Callable[[Incident], object] | None = None,
+        next_id: Callable[[], str] | None = None,
+    ) -> None:
+        self.job = job
+        self.lock = lock
+        self.stuck_after_override = stuck_after
+        self.silence_after = silence_after
+        self.detectors = detectors if detectors is not None else all_detectors()
+        self.request_stacks = request_stacks
+        self.persist: Callable[[Incident], object] = persist or (lambda incident: None)
+        self._counter = 0
+        self.next_id = next_id or self._default_id
+        self.incidents: dict[str, Incident] = {}
+        self.by_key: dict[str, str] = {}
+        self.listeners: list[IncidentListener] = []
+
+    def _default_id(self) -> str:
+        self._counter += 1
+        return f"inc-{self._counter:04d}"
+
+    def stuck_threshold(self) -> float:
+        """The explicit ``--stuck-after``, or a threshold adapted to the job's own rhythm."""
+        if self.stuck_after_override is not None:
+            return self.stuck_after_override
+        candidates = [config.MIN_STUCK_AFTER]
+        p99 = self.job.wait_quantile(0.99)
+        if p99 is not None:
+            candidates.append(4 * p99)
+        step = self.job.median_step_time()
+        if step is not None:
+            candidates.append(3 * step)
+        return min(config.DEFAULT_STUCK_AFTER, max(candidates))
+
+    def tick(self, now: float | None = None) -> list[Incident]:
+        """Run every detector once; returns incidents opened by this tick."""
+        now = time.time() if now is None else now
+        opened: list[Incident] = []
+        stack_jobs: list[tuple[Incident, list[int], bool]] = []
+        with self.lock:
+            claimed = {
+                f"{inc.group}:{inc.seq}" for inc in self.incidents.values() if inc.status == "open" and inc.group
+            }
+            mismatched = {
+                f"{inc.group}:{inc.seq}" for inc in self.incidents.values() if inc.key.startswith("mismatch:")
+            }
+            ctx = Context(
+                now=now,
+                stuck_after=self.stuck_threshold(),
+                silence_after=self.silence_after,
+                claimed=claimed,
+                mismatched=mismatched,
+            )
+            for detector in self.detectors:
+                try:
+                    findings = detector(self.job, ctx)
+                except Exception:
+                    log.exception("detector %s failed", getattr(detector, "__module__", detector))
+                    continue
+                for finding in findings:
+                    incident, new = self._absorb(finding, now)
+                    if new:
+                        opened.append(incident)
+                        if finding.stack_ranks:
+                            stack_jobs.append((incident, finding.stack_ranks, finding.native))
+                    if finding.group:
+                        ctx.claimed.add(f"{finding.group}:{finding.seq}")
+            self._resolve(now)
+        for incident in opened:
+            log.warning("incident %s [%s]: %s", incident.id, incident.kind, incident.summary)
+            for listener in self.listeners:
+                try:
+                    listener(incident)
+                except Exception:
+                    log.exception("incident listener failed")
+        for incident, ranks, native in stack_jobs:
+            self._request_stacks(incident, ranks, native)
+        return opened
+
+    def _absorb(self, finding: Finding, now: float) -> tuple[Incident, bool]:
+        existing_id = self.by_key.get(finding.key)
+        if existing_id is not None:
+            incident = self.incidents[existing_id]
+            if incident.status == "open" and (
+                incident.summary != finding.summary or incident.waiting_ranks != sorted(finding.waiting_ranks)
+            ):
+                incident.summary = finding.summary
+                incident.waiting_ranks = sorted(finding.waiting_ranks)
+                incident.details.update(finding.details)
+                self.persist(incident)
+            return incident, False
+        incident = Incident.from_finding(self.next_id(), self.job.job_id, finding, now)
+        self.incidents[incident.id] = incident
+        self.by_key[finding.key] = incident.id
+        self.persist(incident)
+        return incident, True
+
+    def _resolve(self, now: float) -> None:
+        for incident in self.incidents.values():
+            if incident.status != "open":
+                continue
+            reason = self._resolution(incident, now)
+            if reason:
+                incident.status = "resolved"
+                incident.resolved_time = now
+                incident.resolution = reason
+                self.persist(incident)
+                log.info("incident %s resolved: %s", incident.id, reason)
+
+    def _resolution(self, incident: Incident, now: float) -> str:
+        if incident.kind in SLOT_KINDS and incident.group:
+            if any(
+                st.end is not None and st.end.kind in (r.EndKind.EXCEPTION, r.EndKind.SIGNAL)
+                for st in self.job.ranks.values()
+            ):
+                return ""
+            slots = self.job.slots.get(incident.group)
+            slot = slots.get(incident.seq) if slots is not None else None
+            members = self.job.members(incident.group)
+            if slot is None:
+                return ""
+            done = all(c.exit_time is not None and c.error is None for c in slot.calls.values())
+            if done and (not members or len(slot.calls) >= len(members)):
+                late = ", ".join(str(rk) for rk in incident.culprit_ranks)
+                return f"every rank completed {incident.op} (seq {incident.seq}); late rank(s): {late or '-'}"
+        if incident.kind == "rank_frozen":
+            for st in self.job.ranks.values():
+                if st.rank in incident.culprit_ranks and now - st.last_seen < self.silence_after / 2:
+                    return "the rank's heartbeats resumed"
+        return ""
+
+    # ---- stacks -------------------------------------------------------------------------
+
+    def _request_stacks(self, incident: Incident, ranks: list[int], native: bool) -> None:
+        if self.request_stacks is None:
+            with self.lock:
+                for rank in ranks:
+                    incident.stack_notes[rank] = "no node agent is connected to dump stacks"
+                self.persist(incident)
+            return
+        targets: list[r.Target] = []
+        with self.lock:
+            for rank in ranks:
+                st = self.job.ranks.get(rank)
+                if st is None:
+                    incident.stack_notes[rank] = "rank never registered"
+                    continue
+                targets.append(r.Target(rank, st.identity.pid, st.identity.start_time))
+
+        def attach(dumps: dict[int, r.StackDump]) -> None:
+            self.attach_stacks(incident.id, dumps)
+
+        if targets:
+            self.request_stacks(targets, native, attach)
+
+    def attach_stacks(self, incident_id: str, dumps: dict[int, r.StackDump]) -> None:
+        with self.lock:
+            incident = self.incidents.get(incident_id)
+            if incident is None:
+                return
+            for rank, dump in dumps.items():
+                if dump.error:
+                    incident.stack_notes[rank] = dump.error
+                else:
+                    incident.stacks[rank] = dump.text
+                    incident.stack_notes.pop(rank, None)
+                    doing = summarize(dump)
+                    if doing:
+                        incident.details.setdefault("stack_summary", {})[str(rank)] = doing
+            incident.stacks_time = time.time()
+            self.persist(incident)

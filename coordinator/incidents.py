@@ -1,0 +1,144 @@
+"""Incidents: one root cause, its culprits, a diagnosis a person understands, and stacks.
+
+``Finding`` is what a detector returns; the engine turns findings into ``Incident``s (one per
+root cause, keyed), attaches stacks, persists them, and closes them when they resolve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = (
+    "op_mismatch",
+    "shape_mismatch",
+    "dtype_mismatch",
+    "arg_mismatch",
+    "p2p_mismatch",
+    "stuck_collective",
+    "early_exit",
+    "rank_died",
+    "rank_frozen",
+    "transport_stall",
+    "straggler",
+)
+#: Kinds that are warnings about a healthy-but-slow job, not hangs.
+WARNING_KINDS = frozenset({"straggler"})
+
+
+@dataclass
+class Finding:
+    kind: str
+    key: str  # one root cause, one key: a finding with a known key updates that incident
+    culprit_ranks: list[int]
+    waiting_ranks: list[int]
+    summary: str
+    hint: str
+    onset_time: float
+    op: str = ""
+    group: str = ""
+    seq: int = 0
+    step: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+    stack_ranks: list[int] = field(default_factory=list)  # whose stacks to attach
+    native: bool = False  # ask for native frames too
+
+
+@dataclass
+class Incident:
+    id: str
+    job: str
+    kind: str
+    key: str
+    culprit_ranks: list[int]
+    waiting_ranks: list[int]
+    op: str
+    group: str
+    seq: int
+    step: int
+    summary: str
+    hint: str
+    onset_time: float
+    detected_time: float
+    severity: str = "error"
+    status: str = "open"  # "open" | "resolved"
+    resolved_time: float | None = None
+    resolution: str = ""
+    stacks: dict[int, str] = field(default_factory=dict)
+    stack_notes: dict[int, str] = field(default_factory=dict)  # rank -> why its stack is missing
+    stacks_time: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_finding(cls, incident_id: str, job: str, f: Finding, now: float) -> Incident:
+        return cls(
+            id=incident_id,
+            job=job,
+            kind=f.kind,
+            key=f.key,
+            culprit_ranks=sorted(f.culprit_ranks),
+            waiting_ranks=sorted(f.waiting_ranks),
+            op=f.op,
+            group=f.group,
+            seq=f.seq,
+            step=f.step,
+            summary=f.summary,
+            hint=f.hint,
+            onset_time=f.onset_time,
+            detected_time=now,
+            severity="warning" if f.kind in WARNING_KINDS else "error",
+            details=dict(f.details),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON contract (README: "The JSON contract")."""
+        return {
+            "id": self.id,
+            "job": self.job,
+            "kind": self.kind,
+            "severity": self.severity,
+            "status": self.status,
+            "culprit_ranks": self.culprit_ranks,
+            "waiting_ranks": self.waiting_ranks,
+            "op": self.op,
+            "group": self.group,
+            "seq": self.seq,
+            "step": self.step,
+            "summary": self.summary,
+            "hint": self.hint,
+            "stacks": {str(k): v for k, v in sorted(self.stacks.items())},
+            "stack_notes": {str(k): v for k, v in sorted(self.stack_notes.items())},
+            "onset_time": self.onset_time,
+            "detected_time": self.detected_time,
+            "stacks_time": self.stacks_time,
+            "resolved_time": self.resolved_time,
+            "resolution": self.resolution,
+            "details": self.details,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Incident:
+        return cls(
+            id=str(data["id"]),
+            job=str(data.get("job", "")),
+            kind=str(data["kind"]),
+            key=str(data.get("key", data["id"])),
+            culprit_ranks=[int(x) for x in data.get("culprit_ranks", [])],
+            waiting_ranks=[int(x) for x in data.get("waiting_ranks", [])],
+            op=str(data.get("op", "")),
+            group=str(data.get("group", "")),
+            seq=int(data.get("seq", 0)),
+            step=int(data.get("step", 0)),
+            summary=str(data.get("summary", "")),
+            hint=str(data.get("hint", "")),
+            onset_time=float(data.get("onset_time", 0.0)),
+            detected_time=float(data.get("detected_time", 0.0)),
+            severity=str(data.get("severity", "error")),
+            status=str(data.get("status", "open")),
+            resolved_time=data.get("resolved_time"),
+            resolution=str(data.get("resolution", "")),
+            stacks={int(k): str(v) for k, v in data.get("stacks", {}).items()},
+            stack_notes={int(k): str(v) for k, v in data.get("stack_notes", {}).items()},
+            stacks_time=data.get("stacks_time"),
+            details=dict(data.get("details", {})),
+        )

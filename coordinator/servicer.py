@@ -1,0 +1,170 @@
+"""The gRPC edge of the coordinator: authenticate, validate, convert, and hand over typed records.
+
+Every handler checks the token first (UNAUTHENTICATED, no state change), bounds what it accepts
+(INVALID_ARGUMENT with a clear message), and converts protobuf to records with
+``hangwatch.wire`` before anything touches the job state.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import queue
+import time
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+
+from hangwatch import records as r
+from hangwatch import wire
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from hangwatch.coordinator.daemon import Coordinator
+
+log = logging.getLogger("hangwatch.coordinator")
+
+MAX_EVENTS_PER_BATCH = 20_000
+MAX_WORLD_SIZE = 1 << 20
+MAX_POLL_WAIT_S = 10.0
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+
+    def _auth(self, token: str, context: grpc.ServicerContext) -> None:
+        expected = self.c.options.token
+        if expected and not hmac.compare_digest(token.encode(), expected.encode()):
+            self.c.metrics_rejected("auth")
+            _abort(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong or missing hangwatch token (set HANGWATCH_TOKEN to the coordinator's --token)",
+            )
+
+    # ---- ranks ----------------------------------------------------------------------------
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        self._auth(request.token, context)
+        ident = wire.identity_from_pb(request.identity)
+        if not (0 < ident.world_size <= MAX_WORLD_SIZE) or not (0 <= ident.rank < ident.world_size):
+            self.c.metrics_rejected("invalid")
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"invalid rank {ident.rank} for world size {ident.world_size}",
+            )
+        if not ident.session:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "registration without a session id")
+        self.c.register_rank(ident)
+        return pb.RegisterReply(coordinator_id=self.c.coordinator_id, server_time=time.time())
+
+    def Report(self, request: pb.ReportBatch, context: grpc.ServicerContext) -> pb.ReportReply:
+        self._auth(request.token, context)
+        if len(request.events) > MAX_EVENTS_PER_BATCH:
+            self.c.metrics_rejected("oversized")
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"batch of {len(request.events)} events exceeds the limit of {MAX_EVENTS_PER_BATCH}",
+            )
+        events: list[r.RankEvent] = []
+        rejected = 0
+        for msg in request.events:
+            try:
+                events.append(wire.event_from_pb(request.rank, msg))
+            except (wire.WireError, ValueError, OverflowError):
+                rejected += 1
+        accepted = self.c.report(request, events)
+        if accepted is None:
+            return pb.ReportReply(reregister=True, server_time=time.time())
+        if rejected:
+            self.c.metrics_rejected("malformed", rejected)
+        return pb.ReportReply(server_time=time.time(), accepted=accepted)
+
+    # ---- agents ---------------------------------------------------------------------------
+
+    def RegisterAgent(self, request: pb.AgentRegisterRequest, context: grpc.ServicerContext) -> pb.AgentRegisterReply:
+        self._auth(request.token, context)
+        a = request.agent
+        if not a.host:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "agent registration without a host name")
+        agent = self.c.hub.register_remote(a.host, a.pid, a.can_ptrace, a.ptrace_note)
+        return pb.AgentRegisterReply(agent_id=agent.agent_id, coordinator_id=self.c.coordinator_id)
+
+    def AgentPoll(self, request: pb.AgentPollRequest, context: grpc.ServicerContext) -> pb.AgentPollReply:
+        self._auth(request.token, context)
+        agent = self.c.hub.remote.get(request.agent_id)
+        if agent is None:
+            return pb.AgentPollReply(reregister=True)
+        agent.last_poll = time.time()
+        statuses = [wire.process_status_from_pb(p) for p in request.processes]
+        if statuses:
+            self.c.apply_process_statuses(agent.host, statuses)
+        for result in request.results:
+            dumps = {d.rank: wire.stack_dump_from_pb(d) for d in result.stacks}
+            self.c.hub.complete(agent, result.id, dumps)
+        reply = pb.AgentPollReply()
+        for target in self.c.targets_on(agent.host):
+            reply.watch.add(rank=target.rank, pid=target.pid, start_time=target.start_time)
+        wait = min(max(request.wait_s, 0.0), MAX_POLL_WAIT_S)
+        deadline = time.time() + wait
+        while True:
+            try:
+                timeout = max(0.0, deadline - time.time())
+                command = agent.commands.get(timeout=timeout) if timeout > 0 else agent.commands.get_nowait()
+            except queue.Empty:
+                break
+            kind, command_id, targets, arg = command
+            cmd = reply.commands.add(id=command_id)
+            body: Any = cmd.dump if kind == "dump" else cmd.abort
+            for t in targets:
+                body.targets.add(rank=t.rank, pid=t.pid, start_time=t.start_time)
+            if kind == "dump":
+                cmd.dump.native = bool(arg)
+                cmd.dump.timeout_s = 10.0
+            else:
+                cmd.abort.grace_s = float(arg)
+            deadline = 0.0  # got one: return promptly with whatever else is queued
+        agent.last_poll = time.time()
+        return reply
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def GetStatus(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.JsonReply:
+        self._auth(request.token, context)
+        return pb.JsonReply(json=json.dumps(self.c.status()))
+
+    def ListIncidents(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.JsonReply:
+        self._auth(request.token, context)
+        incidents = self.c.incidents_json()
+        if request.limit:
+            incidents = incidents[-request.limit :]
+        return pb.JsonReply(json=json.dumps(incidents))
+
+    def GetIncident(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.JsonReply:
+        self._auth(request.token, context)
+        incident = self.c.incident_json(request.id)
+        if incident is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"no incident {request.id!r}")
+        return pb.JsonReply(json=json.dumps(incident))
+
+    def DumpStacks(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.JsonReply:
+        self._auth(request.token, context)
+        which = request.id or "all"
+        try:
+            ranks = None if which == "all" else [int(x) for x in which.split(",")]
+        except ValueError:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"expected a rank number or 'all', got {which!r}")
+        result = self.c.dump_stacks(ranks, request.native)
+        if result is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"no registered rank {which}")
+        return pb.JsonReply(json=json.dumps(result))

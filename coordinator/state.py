@@ -1,0 +1,250 @@
+"""What the coordinator knows about a job: its ranks, their open calls, and calls aligned by slot.
+
+Pure bookkeeping on typed records (no gRPC, no threads): the servicer applies events under the
+coordinator's lock, and the detectors read this state. Memory is bounded by windows: per rank a
+short history per group, and slots are pruned once every member has left them.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from hangwatch import records as r
+
+HISTORY_PER_GROUP = 64
+MAX_SLOTS_PER_GROUP = 4096
+DURATIONS_KEPT = 512
+ARRIVALS_KEPT = 32
+
+
+@dataclass
+class RankState:
+    identity: r.RankIdentity
+    registered_at: float
+    last_seen: float
+    clock_offset: float = 0.0  # coordinator time minus rank time
+    step: int = 0
+    step_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=64))
+    open_calls: dict[int, r.CallRecord] = field(default_factory=dict)
+    last_call: r.CallRecord | None = None
+    last_progress: float = 0.0  # coordinator time of the last enter/exit/step
+    history: dict[str, collections.deque[r.CallRecord]] = field(default_factory=dict)
+    groups: dict[str, r.GroupInfo] = field(default_factory=dict)
+    end: r.RankEnd | None = None
+    proc: r.ProcessStatus | None = None
+    where: str = ""
+    where_user: str = ""
+    queued: int = 0
+    dropped: int = 0
+    markers: collections.deque[r.MarkerEvent] = field(default_factory=lambda: collections.deque(maxlen=16))
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+    def to_local(self, rank_time: float) -> float:
+        return rank_time + self.clock_offset
+
+    @property
+    def alive(self) -> bool:
+        if self.end is not None and self.end.kind in (r.EndKind.EXCEPTION, r.EndKind.SIGNAL):
+            return False
+        return not (self.proc is not None and self.proc.state in (r.ProcState.DEAD, r.ProcState.ZOMBIE))
+
+    def history_calls_after(self, since: float) -> list[r.CallRecord]:
+        """Recent calls (all groups) entered at or after ``since`` (coordinator time)."""
+        return [c for hist in self.history.values() for c in hist if c.enter_time >= since]
+
+    def oldest_open(self) -> r.CallRecord | None:
+        best: r.CallRecord | None = None
+        for call in self.open_calls.values():
+            if best is None or call.enter_time < best.enter_time:
+                best = call
+        return best
+
+
+@dataclass
+class Slot:
+    """The calls ranks made at one (group, seq)."""
+
+    group: str
+    seq: int
+    calls: dict[int, r.CallRecord] = field(default_factory=dict)
+    first_enter: float = 0.0  # coordinator time
+    last_enter: float = 0.0
+    checked: int = 0  # number of calls when the mismatch check last ran
+
+
+class JobState:
+    def __init__(self) -> None:
+        self.job_id = ""
+        self.world_size = 0
+        self.ranks: dict[int, RankState] = {}
+        self.sessions: dict[str, int] = {}  # session id -> rank
+        self.groups: dict[str, r.GroupInfo] = {}  # canonical (first seen) membership per group name
+        self.slots: dict[str, collections.OrderedDict[int, Slot]] = {}
+        self.p2p_open: dict[tuple[int, int], r.CallRecord] = {}  # (rank, call_id) -> open p2p call
+        self.wait_durations: collections.deque[float] = collections.deque(maxlen=DURATIONS_KEPT)
+        self.records_received = 0
+        self.started = time.time()
+        self.changed_slots: set[tuple[str, int]] = set()
+        self.aborted_at: float | None = None  # when hangwatch itself terminated the ranks
+        # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time)
+        self.arrivals: dict[str, collections.deque[tuple[int, float, int, float]]] = {}
+
+    # ---- registration ---------------------------------------------------------------------
+
+    def register(self, identity: r.RankIdentity, now: float) -> RankState:
+        previous = self.ranks.get(identity.rank)
+        if previous is not None and previous.identity.session == identity.session:
+            previous.last_seen = now
+            return previous
+        if previous is not None:
+            self.sessions.pop(previous.identity.session, None)
+            for call in previous.open_calls.values():
+                self._unslot(call)
+        state = RankState(identity=identity, registered_at=now, last_seen=now, last_progress=now)
+        self.ranks[identity.rank] = state
+        self.sessions[identity.session] = identity.rank
+        self.job_id = identity.job_id or self.job_id
+        self.world_size = max(self.world_size, identity.world_size)
+        return state
+
+    def rank_for_session(self, session: str) -> RankState | None:
+        rank = self.sessions.get(session)
+        return None if rank is None else self.ranks.get(rank)
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def apply(self, state: RankState, event: r.RankEvent, now: float) -> None:
+        if isinstance(event, r.CallRecord):
+            self._enter(state, event, now)
+        elif isinstance(event, r.CallExit):
+            self._exit(state, event, now)
+        elif isinstance(event, r.StepEvent):
+            if event.step != state.step:
+                state.step_times.append(state.to_local(event.time))
+            state.step = event.step
+            state.last_progress = now
+        elif isinstance(event, r.GroupEvent):
+            if event.kind is r.GroupEventKind.CREATED:
+                state.groups[event.group.name] = event.group
+                self.groups.setdefault(event.group.name, event.group)
+            else:
+                state.groups.pop(event.group.name, None)
+        elif isinstance(event, r.RankEnd):
+            state.end = event
+            state.step = max(state.step, event.step)
+        elif isinstance(event, r.MarkerEvent):
+            state.markers.append(event)
+            state.last_progress = now
+
+    def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
+        self.records_received += 1
+        call.enter_time = state.to_local(call.enter_time)
+        if call.exit_time is not None:
+            call.exit_time = state.to_local(call.exit_time)
+        state.last_call = call
+        state.last_progress = now
+        state.step = max(state.step, call.step)
+        hist = state.history.get(call.group)
+        if hist is None:
+            hist = state.history[call.group] = collections.deque(maxlen=HISTORY_PER_GROUP)
+        hist.append(call)
+        if call.exit_time is None:
+            state.open_calls[call.call_id] = call
+        if call.kind is r.OpKind.P2P:
+            if call.exit_time is None:
+                self.p2p_open[(state.rank, call.call_id)] = call
+            return
+        if call.kind is not r.OpKind.COLLECTIVE:
+            return
+        # Collectives on one group complete in order on a rank: older open ones are done.
+        for other in list(state.open_calls.values()):
+            if other.group == call.group and other.seq < call.seq and other.kind is r.OpKind.COLLECTIVE:
+                self._close(state, other, call.enter_time, None)
+        slots = self.slots.get(call.group)
+        if slots is None:
+            slots = self.slots[call.group] = collections.OrderedDict()
+        slot = slots.get(call.seq)
+        if slot is None:
+            slot = slots[call.seq] = Slot(call.group, call.seq, first_enter=call.enter_time)
+            while len(slots) > MAX_SLOTS_PER_GROUP:
+                slots.popitem(last=False)
+        slot.calls[state.rank] = call
+        slot.last_enter = max(slot.last_enter, call.enter_time)
+        slot.first_enter = min(slot.first_enter, call.enter_time)
+        self.changed_slots.add((call.group, call.seq))
+        members = self.members(call.group)
+        if members and len(slot.calls) == len(members):
+            arrivals = sorted((c.enter_time, rk) for rk, c in slot.calls.items())
+            median = arrivals[len(arrivals) // 2][0]
+            lasts = self.arrivals.get(call.group)
+            if lasts is None:
+                lasts = self.arrivals[call.group] = collections.deque(maxlen=ARRIVALS_KEPT)
+            lasts.append((arrivals[-1][1], arrivals[-1][0] - median, call.seq, slot.first_enter))
+
+    def _exit(self, state: RankState, done: r.CallExit, now: float) -> None:
+        call = state.open_calls.get(done.call_id)
+        state.last_progress = now
+        if call is None:
+            return
+        self._close(state, call, state.to_local(done.exit_time), done.error)
+        call.seq_count = done.seq_count
+
+    def _close(self, state: RankState, call: r.CallRecord, when: float, error: str | None) -> None:
+        call.exit_time = when
+        call.error = error
+        state.open_calls.pop(call.call_id, None)
+        self.p2p_open.pop((state.rank, call.call_id), None)
+        if call.kind is r.OpKind.COLLECTIVE and error is None:
+            self.wait_durations.append(max(0.0, when - call.enter_time))
+            self._prune(call.group, call.seq)
+
+    def _unslot(self, call: r.CallRecord) -> None:
+        slots = self.slots.get(call.group)
+        if slots is not None and call.seq in slots:
+            slots[call.seq].calls.pop(call.rank, None)
+
+    def _prune(self, group: str, seq: int) -> None:
+        """Drop slots older than ``seq`` whose calls have all completed, keeping a short tail."""
+        slots = self.slots.get(group)
+        if not slots:
+            return
+        members = self.members(group)
+        while slots:
+            first_seq, first = next(iter(slots.items()))
+            if first_seq >= seq - 8:
+                break
+            if any(c.exit_time is None for c in first.calls.values()):
+                break
+            if members and len(first.calls) < len(members) and first_seq >= seq - 256:
+                break  # someone has not arrived yet: keep it for the detectors
+            slots.popitem(last=False)
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def members(self, group: str) -> tuple[int, ...]:
+        info = self.groups.get(group)
+        if info is not None and info.ranks:
+            return info.ranks
+        if group == "0" and self.world_size:
+            return tuple(range(self.world_size))
+        return ()
+
+    def median_step_time(self) -> float | None:
+        gaps: list[float] = []
+        for state in self.ranks.values():
+            times = list(state.step_times)
+            gaps.extend(b - a for a, b in itertools.pairwise(times))
+        return statistics.median(gaps) if gaps else None
+
+    def wait_quantile(self, q: float) -> float | None:
+        if len(self.wait_durations) < 8:
+            return None
+        data = sorted(self.wait_durations)
+        return data[min(len(data) - 1, int(q * len(data)))]

@@ -1,0 +1,78 @@
+"""The JSON the CLI shows: ``status`` (job, ranks, open incidents). See README, "The JSON contract"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hangwatch import records as r
+from hangwatch.coordinator.state import JobState, RankState
+
+
+def rank_state(st: RankState, now: float, silence_after: float) -> tuple[str, float]:
+    """A rank's state word and the Unix time it entered that state."""
+    if st.end is not None:
+        word = {
+            r.EndKind.CLEAN_EXIT: "exited",
+            r.EndKind.DESTROYED: "exited",
+            r.EndKind.EXCEPTION: "died",
+            r.EndKind.SIGNAL: "died",
+        }[st.end.kind]
+        return word, st.to_local(st.end.time)
+    if not st.alive:
+        return "died", st.last_seen
+    if now - st.last_seen > silence_after:
+        return "frozen", st.last_seen
+    blocked = st.oldest_open()
+    if blocked is not None:
+        return "waiting", blocked.enter_time
+    return "running", st.last_progress
+
+
+def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]:
+    state, since = rank_state(st, now, silence_after)
+    call = st.oldest_open() or st.last_call
+    return {
+        "rank": st.rank,
+        "host": st.identity.host,
+        "pid": st.identity.pid,
+        "local_rank": st.identity.local_rank,
+        "state": state,
+        "step": st.step,
+        "last_op": call.op if call else None,
+        "group": call.group if call else None,
+        "seq": call.seq if call else None,
+        "call_site": call.call_site if call else None,
+        "since": since,
+        "where": st.where_user or st.where,
+        "last_seen": st.last_seen,
+        "queued": st.queued,
+        "dropped": st.dropped,
+        "process": st.proc.state.value if st.proc else None,
+        "end": (
+            {"kind": st.end.kind.value, "detail": st.end.detail, "call_site": st.end.call_site} if st.end else None
+        ),
+    }
+
+
+def status_json(
+    job: JobState,
+    now: float,
+    silence_after: float,
+    extra_job: dict[str, Any],
+    incidents: list[dict[str, Any]],
+) -> dict[str, Any]:
+    ranks = [rank_json(st, now, silence_after) for _, st in sorted(job.ranks.items())]
+    counts: dict[str, int] = {}
+    for rk in ranks:
+        counts[rk["state"]] = counts.get(rk["state"], 0) + 1
+    info = {
+        "id": job.job_id,
+        "world_size": job.world_size,
+        "registered": len(job.ranks),
+        "states": counts,
+        "records_received": job.records_received,
+        "dropped": sum(rk["dropped"] for rk in ranks),
+        "time": now,
+    }
+    info.update(extra_job)
+    return {"job": info, "ranks": ranks, "incidents": incidents}

@@ -1,0 +1,80 @@
+"""NodeAgentCore: what poll reports, and dump/abort through identity checks."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from hangwatch.agent import core as core_module
+from hangwatch.agent.core import NodeAgentCore
+from hangwatch.records import ProcessStatus, ProcState, StackDump, Target
+
+from .conftest import Spawn, target, wait_until
+
+SLEEPER = "import time\nprint('ready', flush=True)\ntime.sleep(60)\n"
+
+
+class FakeInspector:
+    """Statuses set by the test."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, ProcessStatus] = {}
+
+    def status(self, pid: int) -> ProcessStatus:
+        return self.states.get(pid, ProcessStatus(pid, ProcState.DEAD, 0.0))
+
+
+@pytest.fixture
+def fake() -> FakeInspector:
+    return FakeInspector()
+
+
+def test_poll_reports_changes_then_death(spawn: Spawn) -> None:
+    proc = spawn(SLEEPER)
+    core = NodeAgentCore(host="node-a")
+    core.set_targets([target(proc, rank=5)])
+    wait_until(lambda: [s.state for s in core.poll(full=True)] == [ProcState.SLEEPING])
+    assert core.poll() == []  # nothing changed
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    statuses: list[ProcessStatus] = []
+
+    def reported() -> bool:
+        statuses.extend(core.poll())
+        return bool(statuses)
+
+    wait_until(reported)
+    assert [(s.pid, s.state) for s in statuses] == [(proc.pid, ProcState.DEAD)]
+    assert core.poll() == []  # death is reported once
+    assert [s.state for s in core.poll(full=True)] == [ProcState.DEAD]
+
+
+def test_poll_refresh_and_reused_pid(fake: FakeInspector, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = NodeAgentCore(inspector=fake)
+    fake.states[10] = ProcessStatus(10, ProcState.RUNNING, 1.0, start_time=500.0, cpu_percent=99.0)
+    core.set_targets([Target(0, 10, 500.0)])
+    assert len(core.poll()) == 1 and core.poll() == []
+    monkeypatch.setattr(core_module, "REFRESH_S", 0.0)
+    assert [s.cpu_percent for s in core.poll()] == [99.0]  # periodic refresh of a live process
+    fake.states[10] = ProcessStatus(10, ProcState.RUNNING, 2.0, start_time=900.0)  # someone else now
+    assert core.poll() == [ProcessStatus(10, ProcState.DEAD, 2.0, start_time=500.0)]
+    assert core.poll() == []  # dead targets are not refreshed
+    core.set_targets([])
+    assert core.poll(full=True) == []
+
+
+def test_dump_and_abort_refuse_unverified(fake: FakeInspector) -> None:
+    dumped: list[int] = []
+
+    def dumper(pid: int, *, native: bool = False, timeout_s: float = 10.0) -> StackDump:
+        dumped.append(pid)
+        return StackDump(pid, 0.0, native=native)
+
+    core = NodeAgentCore(inspector=fake, dumper=dumper)
+    fake.states[10] = ProcessStatus(10, ProcState.SLEEPING, 1.0, start_time=500.0)
+    fake.states[11] = ProcessStatus(11, ProcState.SLEEPING, 1.0, start_time=999.0)
+    dumps = core.dump([Target(0, 10, 500.0), Target(1, 11, 500.0)], native=True, timeout_s=1.0)
+    assert dumped == [10] and dumps[0].ok and dumps[0].native
+    assert dumps[1].error is not None and "was reused" in dumps[1].error
+    assert core.abort([Target(1, 11, 500.0), Target(2, 12, 500.0)], grace_s=0.1) == []
