@@ -24,8 +24,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hangwatch import config
 from hangwatch import records as r
 from hangwatch.coordinator.agents import AgentHub
+from hangwatch.coordinator.alerts import WebhookAlerter
 from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
+from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.servicer import CoordinatorServicer
 from hangwatch.coordinator.state import JobState
 from hangwatch.coordinator.store import IncidentStore
@@ -55,6 +57,8 @@ class CoordinatorOptions:
     abort_on_hang: bool = False
     allow_insecure_bind: bool = False
     max_workers: int = 16
+    metrics_port: int = 0  # 0: no /metrics endpoint
+    alert_webhook: str | None = None
 
 
 def _is_loopback(host: str) -> bool:
@@ -106,6 +110,11 @@ class Coordinator:
         self.health = health.HealthServicer()
         if options.abort_on_hang:
             self.engine.listeners.append(self._abort_listener)
+        self.alerter: WebhookAlerter | None = None
+        if options.alert_webhook:
+            self.alerter = WebhookAlerter(options.alert_webhook)
+            self.engine.listeners.append(self.alerter)
+        self.metrics: MetricsServer | None = None
 
     def _next_id(self) -> str:
         ident = f"inc-{self._id_counter:04d}"
@@ -133,6 +142,9 @@ class Coordinator:
         self.port = port
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set("hangwatch.v1.Coordinator", health_pb2.HealthCheckResponse.SERVING)
+        if self.options.metrics_port:
+            self.metrics = MetricsServer(self, self.options.host, self.options.metrics_port)
+            self.metrics.start()
         self._spawn(self._detect_loop, "hangwatch-detect")
         if self.hub.embedded is not None:
             self._spawn(self._embedded_agent_loop, "hangwatch-agent")
@@ -158,6 +170,10 @@ class Coordinator:
             self.server.stop(grace).wait(grace + 1)
         for thread in self._threads:
             thread.join(2.0)
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.alerter is not None:
+            self.alerter.close()
         self.hub.close()
         self.store.close()
 

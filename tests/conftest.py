@@ -101,8 +101,9 @@ import torch.distributed as dist
 def torchrun(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
-    def launch(body: str, *, addr: str | None, nproc: int = 2, env: dict[str, str] | None = None,
-               name: str = "job") -> Job:
+    def launch(
+        body: str, *, addr: str | None, nproc: int = 2, env: dict[str, str] | None = None, name: str = "job"
+    ) -> Job:
         script = tmp_path / f"{name}.py"
         script.write_text(PRELUDE + textwrap.dedent(body))
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}
@@ -113,9 +114,19 @@ def torchrun(tmp_path: Path) -> Iterator[Callable[..., Job]]:
         log = tmp_path / f"{name}.log"
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                 str(script)],
-                cwd=tmp_path, env=full_env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={nproc}",
+                    str(script),
+                ],
+                cwd=tmp_path,
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
         job = Job(proc, log)
         jobs.append(job)

@@ -91,8 +91,6 @@ def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True
         action="store_true",
         help="allow a non-loopback --host without a token (trusted networks only)",
     )
-    p.add_argument("--tls-cert", default=None, help="server certificate (PEM) for TLS")
-    p.add_argument("--tls-key", default=None, help="server private key (PEM) for TLS")
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
 
 
@@ -245,6 +243,8 @@ def _coordinator_options(args: argparse.Namespace, host: str, port: int) -> Any:
         embedded_agent=not args.no_agent,
         abort_on_hang=args.abort_on_hang,
         allow_insecure_bind=args.allow_insecure_bind,
+        metrics_port=args.metrics_port,
+        alert_webhook=args.alert_webhook,
     )
 
 
@@ -260,8 +260,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hangwatch: {exc}\n")
         return 2
     host = "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else coordinator.addr.rsplit(":", 1)[0]
+    metrics = f", metrics on :{coordinator.metrics.port}/metrics" if coordinator.metrics else ""
     sys.stdout.write(
-        f"hangwatch coordinator listening on {args.host}:{coordinator.port} (data: {args.data_dir})\n"
+        f"hangwatch coordinator listening on {args.host}:{coordinator.port} (data: {args.data_dir}{metrics})\n"
         f"attach ranks with:\n  export {config.ENV_ADDR}={host}:{coordinator.port}\n"
     )
     sys.stdout.flush()

@@ -33,9 +33,22 @@ for step in range(100):
 @pytest.fixture
 def coordinator_cli(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     proc = subprocess.Popen(
-        [str(BIN / "hangwatch"), "coordinator", "--port", "0", "--data-dir", str(tmp_path / "data"),
-         "--stuck-after", "4", "--metrics-port", "0"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(BIN / "hangwatch"),
+            "coordinator",
+            "--port",
+            "0",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--stuck-after",
+            "4",
+            "--metrics-port",
+            "0",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     assert proc.stdout is not None
     addr = ""
@@ -113,6 +126,7 @@ def test_cli_without_coordinator_fails_with_one_line() -> None:
 
 
 def test_python_module_entry_point() -> None:
-    out = subprocess.run([sys.executable, "-m", "hangwatch.cli.main", "--version"], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "hangwatch.cli.main", "--version"], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0 and "hangwatch" in out.stdout

@@ -1,0 +1,194 @@
+"""The coordinator's gRPC edge with real servers on port 0 and the rank's real transport:
+registration, batches, authentication, bad input, restart persistence, metrics and webhooks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+import grpc
+import pytest
+
+from hangwatch import records as r
+from hangwatch.client.transport import Transport
+from hangwatch.coordinator.daemon import ConfigError, Coordinator, CoordinatorOptions
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
+
+
+def identity(rank: int, world: int = 2) -> r.RankIdentity:
+    return r.RankIdentity("job", rank, world, "host-a", 10_000 + rank, session=uuid.uuid4().hex)
+
+
+def call(
+    rank: int, seq: int, shape: tuple[int, ...], op: str = "all_reduce", call_id: int | None = None
+) -> r.CallRecord:
+    return r.CallRecord(
+        rank=rank,
+        call_id=seq,
+        op=op,
+        group="0",
+        seq=seq,
+        inputs=(r.TensorMeta(shape, "float32"),),
+        reduce_op="sum",
+        call_site=f"train.py:{10 + rank}",
+        enter_time=time.time(),
+    )
+
+
+def send(t: Transport, ident: r.RankIdentity, events: list[r.RankEvent]) -> pb.ReportReply:
+    return t.report(ident, 1, events, 0, 0)
+
+
+def test_shape_mismatch_over_the_wire_within_a_second(coordinator_factory: Callable[..., Coordinator]) -> None:
+    c = coordinator_factory(embedded_agent=False)
+    t = Transport(f"127.0.0.1:{c.port}", None)
+    ids = [identity(0), identity(1)]
+    for ident in ids:
+        t.register(ident)
+    send(t, ids[0], [call(0, 1, (1, 5))])
+    sent = time.time()
+    send(t, ids[1], [call(1, 1, (1, 2, 5))])
+    incidents = wait_for(lambda: c.incidents_json(), 5, 0.05, "an incident")
+    assert time.time() - sent < 1.5
+    inc = incidents[0]
+    assert inc["kind"] == "shape_mismatch"
+    assert "[1, 5]" in inc["summary"] and "[1, 2, 5]" in inc["summary"]
+    assert inc["culprit_ranks"] in ([0], [1])
+    assert inc["stack_notes"]  # no agent: says why stacks are missing instead of failing
+
+
+def test_wrong_token_is_refused_without_state_change(coordinator_factory: Callable[..., Coordinator]) -> None:
+    c = coordinator_factory(token="s3cret", embedded_agent=False)
+    bad = Transport(f"127.0.0.1:{c.port}", "nope")
+    with pytest.raises(grpc.RpcError) as err:
+        bad.register(identity(0))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "token" in (err.value.details() or "")
+    assert c.job.ranks == {}
+    good = Transport(f"127.0.0.1:{c.port}", "s3cret")
+    good.register(identity(0))
+    assert list(c.job.ranks) == [0]
+
+
+def test_invalid_and_unknown_input(coordinator_factory: Callable[..., Coordinator]) -> None:
+    c = coordinator_factory(embedded_agent=False)
+    t = Transport(f"127.0.0.1:{c.port}", None)
+    with pytest.raises(grpc.RpcError) as err:
+        t.register(r.RankIdentity("job", 5, 2, "h", 1, session="x"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a batch from a session that never registered: told to register, nothing applied
+    reply = send(t, identity(0), [call(0, 1, (4,))])
+    assert reply.reregister
+    assert c.job.records_received == 0
+    # malformed events are dropped and counted, the good ones kept
+    ident = identity(0)
+    t.register(ident)
+    channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
+    stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    batch = pb.ReportBatch(job_id="job", rank=0, session=ident.session, sent_time=time.time())
+    batch.events.add()  # empty event
+    bad_dims = batch.events.add()
+    bad_dims.call.op = "all_reduce"
+    bad_dims.call.inputs.add().shape.extend([1] * 64)
+    good = batch.events.add()
+    good.call.op = "all_reduce"
+    good.call.call_id = 7
+    good.call.seq = 1
+    ack = stub.Report(batch, timeout=5)
+    assert ack.accepted == 1
+    assert c.rejected.get("malformed") == 2
+    channel.close()
+
+
+def test_restart_keeps_incidents(coordinator_factory: Callable[..., Coordinator], tmp_path: Any) -> None:
+    c = coordinator_factory(embedded_agent=False)
+    t = Transport(f"127.0.0.1:{c.port}", None)
+    ids = [identity(0), identity(1)]
+    for ident in ids:
+        t.register(ident)
+    send(t, ids[0], [call(0, 1, (3,), op="all_reduce")])
+    send(t, ids[1], [call(1, 1, (3,), op="broadcast")])
+    first = wait_for(lambda: c.incidents_json(), 5, 0.05, "an incident")[0]
+    c.stop(grace=0.1)
+    again = coordinator_factory(embedded_agent=False)
+    stored = again.incidents_json()
+    assert [i["id"] for i in stored] == [first["id"]]
+    assert stored[0]["kind"] == "op_mismatch"
+    # a rank that talked to the old coordinator is asked to register again
+    t2 = Transport(f"127.0.0.1:{again.port}", None)
+    assert send(t2, ids[0], []).reregister
+
+
+def test_non_loopback_bind_needs_token(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="token"):
+        Coordinator(CoordinatorOptions(host="0.0.0.0", port=0, data_dir=str(tmp_path)))
+
+
+def test_metrics_and_webhook(coordinator_factory: Callable[..., Coordinator]) -> None:
+    received: list[dict[str, Any]] = []
+    attempts: list[int] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            attempts.append(1)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if len(attempts) == 1:
+                self.send_response(503)  # first attempt fails: the alerter must retry
+                self.end_headers()
+                return
+            received.append(json.loads(body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        c = coordinator_factory(
+            embedded_agent=False,
+            metrics_port=_free_port(),
+            alert_webhook=f"http://127.0.0.1:{server.server_address[1]}/hook",
+        )
+        t = Transport(f"127.0.0.1:{c.port}", None)
+        ids = [identity(0), identity(1)]
+        for ident in ids:
+            t.register(ident)
+        send(t, ids[0], [call(0, 1, (3,))])
+        send(t, ids[1], [call(1, 1, (4,))])
+        wait_for(lambda: received, 10, 0.05, "the webhook")
+        assert received[0]["kind"] == "shape_mismatch"
+        assert received[0]["text"].startswith("hangwatch shape_mismatch")
+        assert c.metrics is not None
+        text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics.port}/metrics", timeout=5).read().decode()
+        assert 'hangwatch_incidents_total{kind="shape_mismatch"} 1' in text
+        assert "hangwatch_records_received_total 2" in text
+        assert 'hangwatch_ranks{state="waiting"} 2' in text  # both inside all_reduce
+    finally:
+        server.shutdown()
+
+
+def test_health_check(coordinator_factory: Callable[..., Coordinator]) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    c = coordinator_factory(embedded_agent=False)
+    with grpc.insecure_channel(f"127.0.0.1:{c.port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
