@@ -22,7 +22,7 @@ dev: setup
 	$(BIN)/python scripts/devlink.py
 
 demo: setup
-	cd /tmp && $(CURDIR)/$(BIN)/hangwatch demo $(SCENARIO)
+	$(BIN)/hangwatch demo $(SCENARIO)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -29,6 +29,7 @@ _LIBRARY_MARKERS = (
     os.sep + "accelerate" + os.sep,
     os.sep + "contextlib.py",
     os.sep + "functools.py",
+    os.sep + "typing_extensions.py",  # torch's @deprecated wrappers (all_reduce_coalesced, ...)
 )
 
 
@@ -206,6 +207,8 @@ class Recorder:
                 sizes = params.get(key)
                 if sizes:
                     extra[key] = ",".join(str(int(s)) for s in sizes)
+        if spec.name == "batch_isend_irecv":
+            extra["p2p_ops"] = _batch_ops(params.get("p2p_op_list"))
         if spec.name == "all_to_all" or spec.splits:
             try:
                 extra["group_rank"] = str(self.c10d.get_group_rank(pg, self.rank))
@@ -298,6 +301,15 @@ class Recorder:
             except Exception:
                 return int(local)
         return None
+
+
+def _batch_ops(ops: Any) -> str:
+    """``isend:1,irecv:1``: each P2POp of a batch and its peer (global rank)."""
+    out: list[str] = []
+    for op in ops or ():
+        name = getattr(getattr(op, "op", None), "__name__", "?")
+        out.append(f"{name}:{getattr(op, 'peer', '?')}")
+    return ",".join(out)
 
 
 def _reduce_name(red: Any) -> str:

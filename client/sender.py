@@ -104,7 +104,9 @@ class Sender:
             now = time.time()
             try:
                 recorder.poll_pending()
-                if poller is not None and poller.due(now):
+                # Also on a flush (the rank is ending): C++-issued collectives since the last
+                # poll (DDP's last buckets) would otherwise never be reported.
+                if poller is not None and (flushing or stopping or poller.due(now)):
                     poller.poll()
             except Exception as exc:
                 session.fail("polling async works", exc)

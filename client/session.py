@@ -108,7 +108,7 @@ def after_init(params: dict[str, Any]) -> None:
             job_id=_settings.get("job_id") or config.job_id_from_env(),
             rank=rank,
             world_size=int(c10d.get_world_size()),
-            host=socket.gethostname(),
+            host=os.environ.get(config.ENV_NODE_NAME) or socket.gethostname(),
             pid=os.getpid(),
             local_rank=int(os.environ.get("LOCAL_RANK", "-1")),
             start_time=_process_start_time(),

@@ -28,6 +28,9 @@ ENV_QUEUE_SIZE = "HANGWATCH_QUEUE_SIZE"
 ENV_HEARTBEAT = "HANGWATCH_HEARTBEAT"
 #: Client log level (``debug``, ``info``, ``warning``; default ``warning``).
 ENV_LOG_LEVEL = "HANGWATCH_LOG_LEVEL"
+#: The node name a rank reports (default: hostname); it must match the ``--node-name`` of the node
+#: agent that serves it (in Kubernetes, set both from the downward API's ``spec.nodeName``).
+ENV_NODE_NAME = "HANGWATCH_NODE_NAME"
 #: Set by the hook in a registered rank's environment: the pid of that rank. A process that
 #: inherits it with a different pid is a subprocess of a rank and never registers itself.
 ENV_RANK_PID = "HANGWATCH_RANK_PID"

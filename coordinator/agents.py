@@ -25,6 +25,10 @@ log = logging.getLogger("hangwatch.coordinator")
 
 StacksCallback = Callable[[dict[int, r.StackDump]], None]
 DUMP_TIMEOUT_S = 10.0
+#: A remote agent that has not polled for this long is considered gone (it polls every ~2 s).
+AGENT_SILENT_S = 6.0
+#: A dump command not answered within this long is answered with a note instead.
+COMMAND_EXPIRY_S = DUMP_TIMEOUT_S + 10.0
 
 
 @dataclass
@@ -74,6 +78,13 @@ class AgentHub:
         if entry is not None:
             entry[0](dumps)
 
+    def _expire(self, agent: RemoteAgent, command_id: int) -> None:
+        entry = agent.waiting.pop(command_id, None)
+        if entry is not None:
+            callback, targets = entry
+            note = f"the hangwatch agent on host {agent.host} did not answer within {COMMAND_EXPIRY_S:.0f} s"
+            callback({t.rank: r.StackDump(t.pid, time.time(), error=note) for t in targets})
+
     def hosts(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         if self.embedded is not None:
@@ -84,7 +95,7 @@ class AgentHub:
                 out[agent.host] = {
                     "kind": "remote",
                     "agent_id": agent.agent_id,
-                    "connected": now - agent.last_poll < 15.0,
+                    "connected": now - agent.last_poll < AGENT_SILENT_S,
                     "last_poll_s": round(now - agent.last_poll, 1),
                     "can_ptrace": agent.can_ptrace,
                     "ptrace_note": agent.ptrace_note,
@@ -102,10 +113,20 @@ class AgentHub:
             by_host.setdefault(hosts.get(target.rank, self.embedded_host), []).append(target)
         for host, host_targets in by_host.items():
             agent = self.agent_for(host)
-            if agent is not None:
+            silent = time.time() - agent.last_poll if agent is not None else 0.0
+            if agent is not None and silent > AGENT_SILENT_S:
+                note = (
+                    f"the hangwatch agent on host {host} stopped polling {silent:.0f} s ago (killed or "
+                    "unreachable?); restart `hangwatch agent` there"
+                )
+                callback({t.rank: r.StackDump(t.pid, time.time(), error=note) for t in host_targets})
+            elif agent is not None:
                 command_id = next(self._ids)
                 agent.waiting[command_id] = (callback, host_targets)
                 agent.commands.put(("dump", command_id, host_targets, native))
+                expiry = threading.Timer(COMMAND_EXPIRY_S, self._expire, (agent, command_id))
+                expiry.daemon = True
+                expiry.start()
             elif self.embedded is not None and host == self.embedded_host:
                 embedded = self.embedded
                 self.pool.submit(self._run_embedded, embedded, host_targets, native, callback)

@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run a node agent that watches this node's ranks and dumps their stacks")
     p.add_argument(
         "--coordinator",
+        "--addr",
+        dest="coordinator",
         default=None,
         help=f"coordinator host:port (default ${config.ENV_ADDR}, then {config.DEFAULT_ADDR})",
     )
@@ -118,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(config.ENV_TOKEN),
         help=f"shared token (default ${config.ENV_TOKEN})",
     )
-    p.add_argument("--node-name", default=None, help="host name ranks on this node report (default: hostname)")
+    p.add_argument(
+        "--node-name",
+        default=os.environ.get(config.ENV_NODE_NAME),
+        help=f"node name the ranks on this node report (default ${config.ENV_NODE_NAME}, then the hostname)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
 
     p = sub.add_parser("status", help="every rank's state and last collective, and open incidents")

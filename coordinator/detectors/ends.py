@@ -27,6 +27,13 @@ def _end_time(state: RankState) -> float | None:
     return None
 
 
+def _observed(state: RankState) -> float:
+    """When the coordinator learnt of the end (a vanished process: when the agent saw it gone)."""
+    if state.end is not None:
+        return state.to_local(state.end.time)
+    return state.proc.time if state.proc is not None else state.last_seen
+
+
 def _death_text(state: RankState) -> str:
     end = state.end
     if end is None:
@@ -47,8 +54,9 @@ def _death_text(state: RankState) -> str:
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
     ended = [(t, st) for st in job.ranks.values() if (t := _end_time(st)) is not None]
-    if job.aborted_at is not None:
-        ended = [(t, st) for t, st in ended if t < job.aborted_at]  # our own --abort-on-hang
+    if job.aborted_at is not None:  # ends caused by our own --abort-on-hang are not deaths
+        aborted = job.aborted_at
+        ended = [(t, st) for t, st in ended if _observed(st) < aborted]
     if not ended:
         return []
     ended.sort(key=lambda item: item[0])
