@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 import hangwatch
+from hangwatch import tls
 from hangwatch.agent.core import NodeAgentCore
 from hangwatch.agent.pyspy import ptrace_diagnosis
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -122,7 +123,7 @@ def run_agent(
         ("grpc.min_reconnect_backoff_ms", 250),
         ("grpc.max_reconnect_backoff_ms", backoff_ms),  # else up to 120 s once the server is back
     ]
-    channel = grpc.insecure_channel(coordinator, options=options)
+    channel = tls.channel(coordinator, options)
     stub = CoordinatorStub(channel)  # type: ignore[no-untyped-call]
     agent_id = ""
     full = True

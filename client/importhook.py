@@ -6,15 +6,17 @@ finders and wraps its loader so the callback runs once the module has executed.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import logging
 import sys
-from collections.abc import Callable, Sequence
-from types import ModuleType
-from typing import Any
 
-log = logging.getLogger("hangwatch.client")
+TYPE_CHECKING = False  # typing itself costs milliseconds at interpreter start
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+    from typing import Any
+
+# Deliberately no importlib.abc and no logging here: this module is imported at interpreter start
+# in every process that has HANGWATCH_ADDR set, and those two cost tens of milliseconds.
 
 _callbacks: dict[str, list[Callable[[ModuleType], None]]] = {}
 
@@ -24,15 +26,17 @@ def _run(name: str, module: ModuleType) -> None:
         try:
             callback(module)
         except Exception as exc:
-            log.warning("hangwatch: hook for %s failed: %s", name, exc)
+            import logging
+
+            logging.getLogger("hangwatch.client").warning("hangwatch: hook for %s failed: %s", name, exc)
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     def __init__(self, name: str, inner: Any) -> None:
         self.name = name
         self.inner = inner
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         result: ModuleType | None = self.inner.create_module(spec)
         return result
 
@@ -45,10 +49,10 @@ class _Loader(importlib.abc.Loader):
         _run(self.name, module)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
+    ) -> ModuleSpec | None:
         if fullname not in _callbacks:
             return None
         for finder in sys.meta_path:
@@ -57,7 +61,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(fullname, spec.loader)
+                    spec.loader = _Loader(fullname, spec.loader)  # type: ignore[assignment]  # duck-typed
                 return spec
         return None
 

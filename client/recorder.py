@@ -22,6 +22,9 @@ from hangwatch.client.ops import OpSpec
 
 _now = time.time
 
+#: How many distinct call signatures a rank flushes before issuing (see :meth:`Recorder.is_novel`).
+MAX_NOVEL_SIGNATURES = 256
+
 #: Frames from these paths are library code: the call site is the first frame outside them.
 _LIBRARY_MARKERS = (
     os.sep + "torch" + os.sep,
@@ -130,6 +133,8 @@ class Recorder:
         # async works not yet complete: appended by the caller, polled by the sender thread
         self.pending: collections.deque[tuple[r.CallRecord, list[Any]]] = collections.deque()
         self.lock = threading.Lock()  # only for rare paths (groups); never held by the hot path
+        self._signatures: set[tuple[Any, ...]] = set()
+        self.flush_novel = True  # turned off when such a flush times out
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -233,6 +238,29 @@ class Recorder:
         )
         self.queue.put(record)
         return record, pg, ops_before
+
+    def is_novel(self, record: r.CallRecord) -> bool:
+        """True the first time this rank makes a call with this signature (op, group, root, reduce
+        op, shapes and dtypes), for the first :data:`MAX_NOVEL_SIGNATURES` signatures. Such a call
+        is flushed to the coordinator before the backend sees it: a mismatched call is nearly
+        always a new signature, and gloo may kill the process inside it (10 vs 20 floats, float32
+        vs float64) before the sender thread's next batch. Steady loops repeat signatures and pay
+        nothing."""
+        if not self.flush_novel or len(self._signatures) >= MAX_NOVEL_SIGNATURES:
+            return False
+        sig = (
+            record.op,
+            record.group,
+            record.root,
+            record.peer,
+            record.reduce_op,
+            tuple((m.shape, m.dtype) for m in record.inputs),
+            tuple((m.shape, m.dtype) for m in record.outputs),
+        )
+        if sig in self._signatures:
+            return False
+        self._signatures.add(sig)
+        return True
 
     def exit(
         self, record: r.CallRecord, pg: Any, ops_before: int, error: BaseException | None, result: Any = None

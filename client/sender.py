@@ -53,6 +53,7 @@ class Sender:
 
     def stop(self, timeout: float = 1.0) -> None:
         self._stop.set()
+        self._flush_requested.set()  # wake the thread
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -154,4 +155,4 @@ class Sender:
             if stopping:
                 transport.close()
                 return
-            self._stop.wait(self.interval_s)
+            self._flush_requested.wait(self.interval_s)  # a flush (or stop) wakes the thread at once

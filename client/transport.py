@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import grpc
 
 from hangwatch import records as r
-from hangwatch import wire
+from hangwatch import tls, wire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
 
@@ -38,7 +38,7 @@ class Transport:
 
     def _get_stub(self) -> pb_grpc.CoordinatorStub:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self.addr, options=CHANNEL_OPTIONS)
+            self._channel = tls.channel(self.addr, CHANNEL_OPTIONS)
             self._stub = pb_grpc.CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 

@@ -16,6 +16,16 @@ ENV_ADDR = "HANGWATCH_ADDR"
 ENV_DISABLE = "HANGWATCH_DISABLE"
 #: Shared secret; ranks, agents and CLI must present the coordinator's token.
 ENV_TOKEN = "HANGWATCH_TOKEN"
+#: Coordinator: server certificate and key (PEM) — setting both serves TLS.
+ENV_TLS_CERT = "HANGWATCH_TLS_CERT"
+ENV_TLS_KEY = "HANGWATCH_TLS_KEY"
+#: Coordinator: CA bundle (PEM) that client certificates must chain to — setting it requires them.
+ENV_TLS_CLIENT_CA = "HANGWATCH_TLS_CLIENT_CA"
+#: Ranks, agents, CLI: CA bundle (PEM) to verify the coordinator — setting it connects with TLS.
+ENV_TLS_CA = "HANGWATCH_TLS_CA"
+#: Ranks, agents, CLI: client certificate and key (PEM), for a coordinator that requires them.
+ENV_TLS_CLIENT_CERT = "HANGWATCH_TLS_CLIENT_CERT"
+ENV_TLS_CLIENT_KEY = "HANGWATCH_TLS_CLIENT_KEY"
 #: Job identifier reported by ranks (default: ``TORCHELASTIC_RUN_ID``, then ``default``).
 ENV_JOB_ID = "HANGWATCH_JOB_ID"
 #: Coordinator data directory (SQLite incident store).

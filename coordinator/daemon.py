@@ -21,19 +21,18 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hangwatch import config
+from hangwatch import config, tls
 from hangwatch import records as r
 from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
 from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.metrics import MetricsServer
-from hangwatch.coordinator.servicer import CoordinatorServicer
+from hangwatch.coordinator.servicer import CoordinatorServicer, add_to_server
 from hangwatch.coordinator.state import JobState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import status_json
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hangwatch.coordinator")
 
@@ -58,6 +57,9 @@ class CoordinatorOptions:
     allow_insecure_bind: bool = False
     max_workers: int = 16
     metrics_port: int = 0  # 0: no /metrics endpoint
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # require client certificates signed by this CA
     alert_webhook: str | None = None
 
 
@@ -132,9 +134,16 @@ class Coordinator:
                 ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ],
         )
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), server)  # type: ignore[no-untyped-call]
+        add_to_server(CoordinatorServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        bind = f"{self.options.host}:{self.options.port}"
+        if self.options.tls_cert or self.options.tls_key:
+            if not (self.options.tls_cert and self.options.tls_key):
+                raise ConfigError("TLS needs both --tls-cert and --tls-key")
+            creds = tls.server_credentials(self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca)
+            port = server.add_secure_port(bind, creds)
+        else:
+            port = server.add_insecure_port(bind)
         if port == 0:
             raise ConfigError(f"cannot listen on {self.options.host}:{self.options.port} (in use?)")
         server.start()

@@ -168,3 +168,44 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if result is None:
             _abort(context, grpc.StatusCode.NOT_FOUND, f"no registered rank {which}")
         return pb.JsonReply(json=json.dumps(result))
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _safe_deserializer(message_class: Any) -> Any:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except Exception as exc:  # DecodeError, and anything else a hostile payload can provoke
+            return _Malformed(f"{type(exc).__name__}: {exc}")
+
+    return parse
+
+
+def _guarded(method: Any) -> Any:
+    def handler(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message ({request.error})")
+        return method(request, context)
+
+    return handler
+
+
+def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
+    """Register the service like the generated helper does, but answer undecodable bytes with
+    INVALID_ARGUMENT instead of gRPC's generic INTERNAL."""
+    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _guarded(getattr(servicer, method.name)),
+            request_deserializer=_safe_deserializer(request_class),
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

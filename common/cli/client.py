@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from hangwatch import tls
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
 
@@ -18,7 +19,7 @@ class CoordinatorUnreachable(RuntimeError):
 def query(addr: str, method: str, *, token: str | None = None, timeout: float = 5.0, **fields: Any) -> Any:
     """Call ``method`` (GetStatus, ListIncidents, GetIncident, DumpStacks) and decode its JSON."""
     request = pb.QueryRequest(token=token or "", **fields)
-    with grpc.insecure_channel(addr) as channel:
+    with tls.channel(addr) as channel:
         stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
         try:
             reply = getattr(stub, method)(request, timeout=timeout)

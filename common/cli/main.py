@@ -91,6 +91,21 @@ def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True
         action="store_true",
         help="allow a non-loopback --host without a token (trusted networks only)",
     )
+    p.add_argument(
+        "--tls-cert",
+        default=os.environ.get(config.ENV_TLS_CERT),
+        help=f"serve TLS with this certificate (PEM; default ${config.ENV_TLS_CERT})",
+    )
+    p.add_argument(
+        "--tls-key",
+        default=os.environ.get(config.ENV_TLS_KEY),
+        help=f"the certificate's private key (PEM; default ${config.ENV_TLS_KEY})",
+    )
+    p.add_argument(
+        "--tls-client-ca",
+        default=os.environ.get(config.ENV_TLS_CLIENT_CA),
+        help=f"require client certificates signed by this CA (default ${config.ENV_TLS_CLIENT_CA})",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
 
 
@@ -250,6 +265,9 @@ def _coordinator_options(args: argparse.Namespace, host: str, port: int) -> Any:
         abort_on_hang=args.abort_on_hang,
         allow_insecure_bind=args.allow_insecure_bind,
         metrics_port=args.metrics_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         alert_webhook=args.alert_webhook,
     )
 
@@ -257,12 +275,13 @@ def _coordinator_options(args: argparse.Namespace, host: str, port: int) -> Any:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from hangwatch.coordinator.daemon import ConfigError, Coordinator
     from hangwatch.coordinator.store import StoreError
+    from hangwatch.tls import TLSConfigError
 
     _setup_logging(args.verbose)
     try:
         coordinator = Coordinator(_coordinator_options(args, args.host, args.port))
         coordinator.start()
-    except (ConfigError, StoreError) as exc:
+    except (ConfigError, StoreError, TLSConfigError) as exc:
         sys.stderr.write(f"hangwatch: {exc}\n")
         return 2
     host = "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else coordinator.addr.rsplit(":", 1)[0]

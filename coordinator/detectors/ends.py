@@ -67,6 +67,14 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         return _early_exit(job, ctx, first, first_time, ended)
     affected = sorted(st.rank for _, st in ended[1:]) + sorted(st.rank for st in running)
     last = first.last_call
+    if (
+        last is not None
+        and f"{last.group}:{last.seq}" in ctx.mismatched
+        and (first.end is None or last.exit_time is None or last.error is not None)
+    ):
+        # Killed, or failed, inside a mismatched call: the backend crashed on the mismatch (gloo:
+        # 10 vs 20 floats, float32 vs float64). The mismatch incident is the root cause.
+        return []
     mismatch_note = ""
     if last is not None and f"{last.group}:{last.seq}" in ctx.mismatched:
         mismatch_note = f"; its last call, {last.op} (group {last.group}, seq {last.seq}), was mismatched"
@@ -131,7 +139,9 @@ def _early_exit(
             reached = first_hist is not None and any(
                 c.seq >= call.seq for c in first_hist if c.kind is call.kind and c.kind is r.OpKind.COLLECTIVE
             )
-            unfinished = call.exit_time is None or call.error is not None
+            # A collective that a member never reached cannot have completed, whatever its record
+            # says: Flight Recorder retires DDP's all-reduce when gloo fails it, with no error.
+            unfinished = call.exit_time is None or call.error is not None or call.kind is r.OpKind.COLLECTIVE
             if unfinished and not reached:
                 waiting.append(st.rank)
                 op, group, seq = call.op, call.group, call.seq

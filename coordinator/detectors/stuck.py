@@ -26,8 +26,13 @@ EARLY_EXIT_HINT = (
 )
 
 
+#: Heartbeats come every second; a rank silent this long may be frozen (the frozen detector
+#: decides at ``silence_after``), so a hang it is absent from is not yet blamed on it.
+SUSPECT_SILENCE_S = 2.5
+
+
 def _silent(state: RankState, ctx: Context) -> bool:
-    return ctx.now - state.last_seen > ctx.silence_after
+    return ctx.now - state.last_seen > min(ctx.silence_after, SUSPECT_SILENCE_S)
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
@@ -108,7 +113,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     if any(not s.alive for s in present.values()):
         return None  # rank_died explains it
     if any(s.end is None and _silent(s, ctx) for s in present.values()):
-        return None  # rank_frozen explains it
+        return None  # rank_frozen explains it (or will, once the silence lasts silence_after)
     doings = {rk: doing(s, ctx.now) for rk, s in present.items()}
     left = [
         rk
