@@ -16,6 +16,30 @@ from hangwatch.coordinator.rules import describe_call, format_ranks
 from hangwatch.coordinator.state import JobState, RankState
 
 CLEAN = (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
+#: Signals a launcher or scheduler sends to stop a whole job.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+#: How long to wait, after a rank is stopped by such a signal, to see whether the whole job is.
+JOB_STOP_WINDOW_S = 2.0
+
+
+def _stopped_by_signal(state: RankState) -> bool:
+    return state.end is not None and state.end.kind is r.EndKind.SIGNAL and state.end.detail in STOP_SIGNALS
+
+
+def _job_stopping(job: JobState, ctx: Context, first: RankState, first_time: float) -> bool:
+    """The first end is a stop signal: wait a moment, then say whether every rank got one.
+
+    torchrun, SLURM and Kubernetes stop a job by signalling all its ranks; that is the operator's
+    decision, not a fault of the rank that happened to be signalled first.
+    """
+    if not _stopped_by_signal(first):
+        return False
+    if ctx.now - first_time < JOB_STOP_WINDOW_S:
+        return True  # undecided yet: look again on a later tick
+    others = [st for st in job.ranks.values() if st is not first]
+    return all(
+        _stopped_by_signal(st) or (st.end is not None and st.end.kind is not r.EndKind.EXCEPTION) for st in others
+    )
 
 
 def _end_time(state: RankState) -> float | None:
@@ -62,6 +86,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     ended.sort(key=lambda item: item[0])
     first_time, first = ended[0]
     running = [st for st in job.ranks.values() if _end_time(st) is None]
+    if _job_stopping(job, ctx, first, first_time):
+        return []
     clean = first.end is not None and first.end.kind in CLEAN
     if clean:
         return _early_exit(job, ctx, first, first_time, ended)

@@ -159,7 +159,8 @@ assert "HANGWATCH_ADDR" not in os.environ
 attached = hangwatch.client.attach(os.environ["TEST_COORDINATOR"])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 dist.all_reduce(torch.ones(5))  # SITE attached_all_reduce
-print("ATTACHED", attached, flush=True)
+sys.stdout.write(f"ATTACHED={attached}\\n")  # one write: ranks' lines must not interleave
+sys.stdout.flush()
 """
 
 
@@ -608,7 +609,7 @@ def test_explicit_attach_without_env_var(tmp_path: Path, coordinators: Any) -> N
         attach_env=False,
     )
     assert ran.rc == 0, ran.output[-4000:]
-    assert ran.output.count("ATTACHED True") == NPROC
+    assert ran.output.count("ATTACHED=True") == NPROC
     wait_for(lambda: _ended(ran), 15, what="both ranks attached by attach()")
     assert len(regs) == NPROC
     for rank in range(NPROC):

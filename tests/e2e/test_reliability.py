@@ -1,0 +1,156 @@
+"""The job never pays: a coordinator killed with SIGKILL mid-training and restarted, and a
+black-holed coordinator that accepts connections but never answers. Real processes throughout."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, Job, wait_for
+
+pytestmark = pytest.mark.slow
+
+TRAIN = """
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 32))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+hang_file = os.environ.get("HANG_FILE", "")
+steps = int(os.environ.get("STEPS", "100000"))
+times = []
+for step in range(steps):
+    t0 = time.perf_counter()
+    model(torch.randn(16, 32)).sum().backward()
+    opt.step()
+    times.append(time.perf_counter() - t0)
+    if hang_file and os.path.exists(hang_file) and rank == 1:
+        def stuck_after_restart():
+            time.sleep(600)
+        stuck_after_restart()
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.02)
+print(f"rank {rank} done; median step {sorted(times)[len(times)//2]*1e3:.2f} ms", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _start_coordinator(tmp_path: Path, port: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [
+            str(BIN / "hangwatch"),
+            "coordinator",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--stuck-after",
+            "3",
+            "--metrics-port",
+            "0",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if re.search(r"export HANGWATCH_ADDR", proc.stdout.readline()):
+            return proc
+    raise AssertionError("coordinator did not start")
+
+
+def _cli_json(addr: str, *args: str) -> object:
+    out = subprocess.run(
+        [str(BIN / "hangwatch"), *args, "--json", "--addr", addr], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_coordinator_sigkill_and_restart(tmp_path: Path, torchrun: Callable[..., Job]) -> None:
+    port = _free_port()
+    addr = f"127.0.0.1:{port}"
+    hang_file = tmp_path / "hang-now"
+    coord = _start_coordinator(tmp_path, port)
+    job = torchrun(TRAIN, addr=addr, env={"HANG_FILE": str(hang_file)}, name="train")
+    wait_for(lambda: len(_cli_json(addr, "status")["ranks"]) == 2, 60, 0.5, "registration")  # type: ignore[index]
+    # an incident before the kill: a (fake) straggling rank is not needed; use a stored op mismatch
+    coord.send_signal(signal.SIGKILL)
+    coord.wait(10)
+    time.sleep(3.0)  # ranks train on with nobody listening
+    assert job.proc.poll() is None, job.output()[-3000:]
+    restarted_at = time.monotonic()
+    coord = _start_coordinator(tmp_path, port)
+    try:
+        wait_for(lambda: len(_cli_json(addr, "status")["ranks"]) == 2, 10, 0.2, "re-registration")  # type: ignore[index]
+        assert time.monotonic() - restarted_at < 8
+        # detection works for a hang that starts after the restart
+        hang_file.write_text("x")
+        inc = wait_for(
+            lambda: [i for i in _cli_json(addr, "incidents") if i["kind"] == "stuck_collective"],  # type: ignore[union-attr]
+            40,
+            0.5,
+            "a stuck incident after the restart",
+        )[0]
+        assert inc["culprit_ranks"] == [1]
+        assert "Traceback" not in job.output()
+    finally:
+        job.kill()
+        coord.terminate()
+        coord.wait(10)
+    # incidents stored before a SIGKILL survive it
+    coord = _start_coordinator(tmp_path, port)
+    try:
+        stored = _cli_json(addr, "incidents")
+        assert [i["id"] for i in stored] == [inc["id"]]  # type: ignore[union-attr]
+    finally:
+        coord.send_signal(signal.SIGKILL)
+        coord.wait(10)
+
+
+def test_black_holed_coordinator_costs_the_job_nothing(tmp_path: Path, torchrun: Callable[..., Job]) -> None:
+    # accepts TCP connections, never answers a byte
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        hole.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(hole.accept()[0])
+            except OSError:
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        start = time.monotonic()
+        job = torchrun(TRAIN, addr=f"127.0.0.1:{hole.getsockname()[1]}", env={"STEPS": "150"}, name="hole")
+        assert job.wait(120) == 0, job.output()[-3000:]
+        assert time.monotonic() - start < 90
+        assert "Traceback" not in job.output()
+        assert job.output().count("done; median step") == 2
+    finally:
+        stop.set()
+        hole.close()
+        for conn in accepted:
+            conn.close()
