@@ -24,6 +24,8 @@ class OpSpec:
     p2p: bool = False
     objects: bool = False  # lists of Python objects, not tensors
     splits: bool = False  # all_to_all_single split sizes
+    extra: bool = False  # op-specific arguments go into CallRecord.extra
+    always_async: bool = False  # returns a Work whatever async_op says (isend, irecv)
 
 
 OPS: tuple[OpSpec, ...] = (
@@ -38,17 +40,17 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("reduce_scatter", inputs=("input_list",), outputs=("output",), reduce="op"),
     OpSpec("reduce_scatter_tensor", inputs=("input",), outputs=("output",), reduce="op"),
     OpSpec("_reduce_scatter_base", inputs=("input",), outputs=("output",), reduce="op"),
-    OpSpec("all_to_all", inputs=("input_tensor_list",), outputs=("output_tensor_list",)),
-    OpSpec("all_to_all_single", inputs=("input",), outputs=("output",), splits=True),
+    OpSpec("all_to_all", inputs=("input_tensor_list",), outputs=("output_tensor_list",), extra=True),
+    OpSpec("all_to_all_single", inputs=("input",), outputs=("output",), splits=True, extra=True),
     OpSpec("barrier"),
     OpSpec("monitored_barrier"),
     OpSpec("all_reduce_coalesced", inputs=("tensors",), reduce="op"),
     OpSpec("all_gather_coalesced", inputs=("input_tensor_list",), outputs=("output_tensor_lists",)),
     OpSpec("send", inputs=("tensor",), peer="dst", group_peer="group_dst", p2p=True),
     OpSpec("recv", outputs=("tensor",), peer="src", group_peer="group_src", p2p=True),
-    OpSpec("isend", inputs=("tensor",), peer="dst", group_peer="group_dst", p2p=True),
-    OpSpec("irecv", outputs=("tensor",), peer="src", group_peer="group_src", p2p=True),
-    OpSpec("batch_isend_irecv", inputs=("p2p_op_list",), p2p=True),
+    OpSpec("isend", inputs=("tensor",), peer="dst", group_peer="group_dst", p2p=True, always_async=True),
+    OpSpec("irecv", outputs=("tensor",), peer="src", group_peer="group_src", p2p=True, always_async=True),
+    OpSpec("batch_isend_irecv", inputs=("p2p_op_list",), p2p=True, extra=True, always_async=True),
     OpSpec("broadcast_object_list", inputs=("object_list",), root="src", group_root="group_src", objects=True),
     OpSpec("all_gather_object", inputs=("obj",), outputs=("object_list",), objects=True),
     OpSpec(

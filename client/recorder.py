@@ -21,6 +21,7 @@ from hangwatch import records as r
 from hangwatch.client.ops import OpSpec
 
 _now = time.time
+_SUM = "sum"  # the reduce op when the caller passes none
 
 #: How many distinct call signatures a rank flushes before issuing (see :meth:`Recorder.is_novel`).
 MAX_NOVEL_SIGNATURES = 256
@@ -45,17 +46,18 @@ class EventQueue:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.items: collections.deque[r.RankEvent] = collections.deque()
+        # typed events, or the hot path's raw tuples (see Recorder.materialize)
+        self.items: collections.deque[Any] = collections.deque()
         self.dropped = 0
 
-    def put(self, event: r.RankEvent) -> None:
+    def put(self, event: Any) -> None:
         if len(self.items) >= self.capacity:
             self.dropped += 1
             return
         self.items.append(event)
 
-    def drain(self, limit: int) -> list[r.RankEvent]:
-        out: list[r.RankEvent] = []
+    def drain(self, limit: int) -> list[Any]:
+        out: list[Any] = []
         pop = self.items.popleft
         try:
             for _ in range(limit):
@@ -74,6 +76,7 @@ class GroupTable:
     def __init__(self) -> None:
         self.by_id: dict[int, r.GroupInfo] = {}
         self.by_name: dict[str, r.GroupInfo] = {}
+        self.names: dict[int, str] = {}  # id(pg) -> name, for the hot path
         self.p2p_ops: dict[str, int] = {}  # group -> p2p ops issued (not counted as collectives)
         self._next_index = 0
 
@@ -106,9 +109,11 @@ class GroupTable:
         self._next_index += 1
         self.by_id[id(pg)] = info
         self.by_name[name] = info
+        self.names[id(pg)] = name
         return info, True
 
     def forget(self, pg: Any) -> r.GroupInfo | None:
+        self.names.pop(id(pg), None)
         info = self.by_id.pop(id(pg), None)
         if info is not None:
             self.by_name.pop(info.name, None)
@@ -130,8 +135,10 @@ class Recorder:
         # collective seqs covered by Python calls, so Flight Recorder does not report them twice
         self.python_seqs: dict[str, collections.deque[tuple[int, int]]] = {}
         self.in_progress: dict[str, int] = {}  # group -> first seq of the Python call under way
-        # async works not yet complete: appended by the caller, polled by the sender thread
-        self.pending: collections.deque[tuple[r.CallRecord, list[Any]]] = collections.deque()
+        # async works not yet complete (call id, collectives issued, works): appended by the
+        # caller, polled by the sender thread
+        self.pending: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
+        self.default_pg: Any = None  # cached: looking it up costs more than the rest of a record
         self.lock = threading.Lock()  # only for rare paths (groups); never held by the hot path
         self._signatures: set[tuple[Any, ...]] = set()
         self.flush_novel = True  # turned off when such a flush times out
@@ -183,88 +190,74 @@ class Recorder:
 
     # ---- the hot path --------------------------------------------------------------------
 
-    def enter(self, spec: OpSpec, params: dict[str, Any]) -> tuple[r.CallRecord, Any, int]:
-        """Record a call about to be issued. Returns the record, its group and the op count."""
-        pg = self.resolve_group(params.get("group"))
-        info = self.group_info(pg)
+    def enter(self, spec: OpSpec, params: dict[str, Any]) -> tuple[RawCall, Any, int]:
+        """Record a call about to be issued. Returns the raw record, its group and the op count.
+
+        Only raw values are captured here (``torch.Size``/``torch.dtype`` objects, the code location
+        of the caller); the sender thread turns them into a :class:`CallRecord` (``materialize``).
+        """
+        group = params.get("group")
+        pg = group if group is not None else (self.default_pg or self.c10d._get_default_group())
+        name = self.groups.names.get(id(pg))
+        if name is None:
+            name = self.group_info(pg).name
         ops_before = pg._get_sequence_number_for_group()
         root = peer = None
         if spec.p2p:
             peer = self._peer(spec, params, pg)
             if spec.name in r.SEND_OPS:
-                pair = (info.name, self.rank, peer if peer is not None else -1)
+                pair = (name, self.rank, peer if peer is not None else -1)
             else:
-                pair = (info.name, peer if peer is not None else -1, self.rank)
+                pair = (name, peer if peer is not None else -1, self.rank)
             seq = self._pairs.get(pair, 0) + 1
             self._pairs[pair] = seq
         else:
-            seq = ops_before - self.groups.p2p_ops.get(info.name, 0) + 1
-            self.in_progress[info.name] = seq
+            seq = ops_before - self.groups.p2p_ops.get(name, 0) + 1
+            self.in_progress[name] = seq
             if spec.root is not None:
                 root = self._root(spec, params, pg)
-        reduce_op = None
-        if spec.reduce is not None:
-            red = params.get(spec.reduce)
-            reduce_op = "sum" if red is None else _reduce_name(red)
-        extra: dict[str, str] = {}
-        if spec.splits:
-            for key in ("input_split_sizes", "output_split_sizes"):
-                sizes = params.get(key)
-                if sizes:
-                    extra[key] = ",".join(str(int(s)) for s in sizes)
-        if spec.name == "batch_isend_irecv":
-            extra["p2p_ops"] = _batch_ops(params.get("p2p_op_list"))
-        if spec.name == "all_to_all" or spec.splits:
-            try:
-                extra["group_rank"] = str(self.c10d.get_group_rank(pg, self.rank))
-            except Exception:
-                pass
-        record = r.CallRecord(
-            rank=self.rank,
-            call_id=next(self._ids),
-            op=spec.name,
-            group=info.name,
-            seq=seq,
-            inputs=_metas(spec, spec.inputs, params),
-            outputs=_metas(spec, spec.outputs, params),
-            reduce_op=reduce_op,
-            root=root,
-            peer=peer,
-            async_op=bool(params.get("async_op", False)) or spec.name in ("isend", "irecv"),
-            step=self.step,
-            call_site=self.call_site(3),
-            enter_time=_now(),
-            extra=extra,
+        reduce_raw = params.get(spec.reduce, _SUM) if spec.reduce is not None else None
+        extra = self._extra(spec, params, pg) if spec.extra else None
+        ins = _raw_metas(spec, spec.inputs, params) if spec.inputs else ()
+        outs = _raw_metas(spec, spec.outputs, params) if spec.outputs else ()
+        raw: RawCall = (
+            next(self._ids),
+            spec,
+            name,
+            seq,
+            ins,
+            outs,
+            reduce_raw,
+            root,
+            peer,
+            spec.always_async or bool(params.get("async_op", False)),
+            self.step,
+            self.call_site(3),
+            _now(),
+            extra,
         )
-        self.queue.put(record)
-        return record, pg, ops_before
+        self.queue.put(raw)
+        return raw, pg, ops_before
 
-    def is_novel(self, record: r.CallRecord) -> bool:
+    def is_novel(self, raw: RawCall) -> bool:
         """True the first time this rank makes a call with this signature (op, group, root, reduce
         op, shapes and dtypes), for the first :data:`MAX_NOVEL_SIGNATURES` signatures. Such a call
         is flushed to the coordinator before the backend sees it: a mismatched call is nearly
         always a new signature, and gloo may kill the process inside it (10 vs 20 floats, float32
         vs float64) before the sender thread's next batch. Steady loops repeat signatures and pay
         nothing."""
-        if not self.flush_novel or len(self._signatures) >= MAX_NOVEL_SIGNATURES:
+        if not self.flush_novel:
             return False
-        sig = (
-            record.op,
-            record.group,
-            record.root,
-            record.peer,
-            record.reduce_op,
-            tuple((m.shape, m.dtype) for m in record.inputs),
-            tuple((m.shape, m.dtype) for m in record.outputs),
-        )
+        sig = (raw[1].name, raw[2], raw[4], raw[5], raw[6], raw[7], raw[8])
         if sig in self._signatures:
+            return False
+        if len(self._signatures) >= MAX_NOVEL_SIGNATURES:
+            self.flush_novel = False
             return False
         self._signatures.add(sig)
         return True
 
-    def exit(
-        self, record: r.CallRecord, pg: Any, ops_before: int, error: BaseException | None, result: Any = None
-    ) -> None:
+    def exit(self, raw: RawCall, pg: Any, ops_before: int, error: BaseException | None, result: Any = None) -> None:
         """Record the return of a call (for async calls: its issue; completion comes later)."""
         try:
             issued = pg._get_sequence_number_for_group() - ops_before
@@ -272,37 +265,80 @@ class Recorder:
             issued = 1
         if issued < 1:
             issued = 1
-        if record.kind is r.OpKind.P2P:
-            self.groups.p2p_ops[record.group] = self.groups.p2p_ops.get(record.group, 0) + issued
+        spec = raw[1]
+        group = raw[2]
+        if spec.p2p:
+            self.groups.p2p_ops[group] = self.groups.p2p_ops.get(group, 0) + issued
         else:
-            self.in_progress.pop(record.group, None)
-            seqs = self.python_seqs.get(record.group)
+            self.in_progress.pop(group, None)
+            seqs = self.python_seqs.get(group)
             if seqs is None:
-                seqs = self.python_seqs[record.group] = collections.deque(maxlen=4096)
-            seqs.append((record.seq, record.seq + issued - 1))
-        err = None if error is None else f"{type(error).__name__}: {error}"
-        if record.async_op and error is None and result is not None:
+                seqs = self.python_seqs[group] = collections.deque(maxlen=4096)
+            seqs.append((raw[3], raw[3] + issued - 1))
+        if raw[9] and error is None and result is not None:
             # The work object completes later; the sender polls it and records completion.
-            record.seq_count = issued
             works = result if isinstance(result, list) else [result]
-            self.pending.append((record, [w for w in works if w is not None]))
+            self.pending.append((raw[0], issued, [w for w in works if w is not None]))
             return
-        self.queue.put(r.CallExit(self.rank, record.call_id, _now(), err, issued))
+        err = None if error is None else f"{type(error).__name__}: {error}"
+        self.queue.put((raw[0], _now(), err, issued))
 
     def poll_pending(self) -> None:
         """Record completion of async works that finished (called from the sender thread)."""
         if not self.pending:
             return
         for _ in range(len(self.pending)):
-            record, works = self.pending.popleft()
+            call_id, issued, works = self.pending.popleft()
             try:
                 done = all(w.is_completed() for w in works)
             except Exception:
                 done = True
             if done:
-                self.queue.put(r.CallExit(self.rank, record.call_id, _now(), None, record.seq_count))
+                self.queue.put(r.CallExit(self.rank, call_id, _now(), None, issued))
             else:
-                self.pending.append((record, works))
+                self.pending.append((call_id, issued, works))
+
+    def materialize(self, item: Any) -> r.RankEvent:
+        """Turn a raw queue item into a typed record (on the sender thread)."""
+        if not isinstance(item, tuple):
+            return item  # type: ignore[no-any-return]
+        if len(item) == 4:
+            call_id, when, err, issued = item
+            return r.CallExit(self.rank, call_id, when, err, issued)
+        call_id, spec, group, seq, ins, outs, reduce_raw, root, peer, async_op, step, site, when, extra = item
+        return r.CallRecord(
+            rank=self.rank,
+            call_id=call_id,
+            op=spec.name,
+            group=group,
+            seq=seq,
+            inputs=_cook(ins),
+            outputs=_cook(outs),
+            reduce_op=None if reduce_raw is None else _reduce_name(reduce_raw),
+            root=root,
+            peer=peer,
+            async_op=async_op,
+            step=step,
+            call_site=site,
+            enter_time=when,
+            extra=extra or {},
+        )
+
+    def _extra(self, spec: OpSpec, params: dict[str, Any], pg: Any) -> dict[str, str]:
+        extra: dict[str, str] = {}
+        if spec.splits:
+            for key in ("input_split_sizes", "output_split_sizes"):
+                sizes = params.get(key)
+                if sizes:
+                    extra[key] = ",".join(str(int(x)) for x in sizes)
+        if spec.name == "batch_isend_irecv":
+            extra["p2p_ops"] = _batch_ops(params.get("p2p_op_list"))
+        if spec.name == "all_to_all" or spec.splits:
+            try:
+                extra["group_rank"] = str(self.c10d.get_group_rank(pg, self.rank))
+            except Exception:
+                pass
+        return extra
 
     # ---- argument helpers ----------------------------------------------------------------
 
@@ -348,35 +384,56 @@ def _reduce_name(red: Any) -> str:
     return text.rsplit(".", 1)[-1].lower()
 
 
-def _meta(t: Any) -> r.TensorMeta:
+#: A raw call as the hot path records it: (call_id, spec, group, seq, inputs, outputs, reduce op,
+#: root, peer, async, step, call site, enter time, extra). See ``Recorder.materialize``.
+RawCall = tuple[Any, ...]
+#: A raw tensor: (torch.Size, torch.dtype, is_cuda); an object list: (length, None, False).
+RawMeta = tuple[Any, Any, bool]
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        text = str(dtype)
+        name = _DTYPE_NAMES[dtype] = text[6:] if text.startswith("torch.") else text
+    return name
+
+
+def _cook(raw: tuple[RawMeta, ...]) -> tuple[r.TensorMeta, ...]:
+    out = []
+    for shape, dtype, cuda in raw:
+        if dtype is None:  # an object list of ``shape`` items, or a single object (-1)
+            out.append(r.TensorMeta((shape,) if shape >= 0 else (), "object", ""))
+        else:
+            out.append(r.TensorMeta(tuple(shape), _dtype_name(dtype), "cuda" if cuda else "cpu"))
+    return tuple(out)
+
+
+def _raw(t: Any) -> RawMeta:
     try:
-        dtype = str(t.dtype)
-        if dtype.startswith("torch."):
-            dtype = dtype[6:]
-        return r.TensorMeta(tuple(t.shape), dtype, t.device.type)
+        return (t.shape, t.dtype, t.is_cuda)
     except Exception:
-        return r.TensorMeta((), type(t).__name__, "")
+        return ((), type(t).__name__, False)
 
 
-def _metas(spec: OpSpec, names: tuple[str, ...], params: dict[str, Any]) -> tuple[r.TensorMeta, ...]:
-    out: list[r.TensorMeta] = []
+def _raw_metas(spec: OpSpec, names: tuple[str, ...], params: dict[str, Any]) -> tuple[RawMeta, ...]:
+    out: list[RawMeta] = []
     for name in names:
         value = params.get(name)
         if value is None:
             continue
         if spec.objects:
-            if isinstance(value, (list, tuple)):
-                out.append(r.TensorMeta((len(value),), "object", ""))
-            else:
-                out.append(r.TensorMeta((), "object", ""))
+            out.append((len(value), None, False) if isinstance(value, (list, tuple)) else (-1, None, False))
         elif isinstance(value, (list, tuple)):
             for item in value:
                 if isinstance(item, (list, tuple)):
-                    out.extend(_meta(x) for x in item)
+                    out.extend(_raw(x) for x in item)
                 elif hasattr(item, "shape"):
-                    out.append(_meta(item))
+                    out.append(_raw(item))
                 elif hasattr(item, "tensor"):  # P2POp
-                    out.append(_meta(item.tensor))
+                    out.append(_raw(item.tensor))
         else:
-            out.append(_meta(value))
+            out.append(_raw(value))
     return tuple(out)

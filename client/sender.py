@@ -118,7 +118,7 @@ class Sender:
                         self.registered = True
                         self.coordinator_id = reply.coordinator_id
                     if not pending:
-                        pending = queue.drain(MAX_BATCH)
+                        pending = [recorder.materialize(item) for item in queue.drain(MAX_BATCH)]
                     if pending or now - last_sent >= self.heartbeat_s or flushing:
                         where, where_user = self._where()
                         batch_seq += 1

@@ -102,6 +102,7 @@ def after_init(params: dict[str, Any]) -> None:
         return
     with _session_lock:
         if _session is not None:
+            _session.recorder.default_pg = c10d._get_default_group()  # re-initialised after a destroy
             return
         rank = int(c10d.get_rank())
         identity = r.RankIdentity(
@@ -119,7 +120,8 @@ def after_init(params: dict[str, Any]) -> None:
         )
         session = Session(identity, addr, _settings.get("token") or os.environ.get(config.ENV_TOKEN), c10d)
         os.environ[config.ENV_RANK_PID] = str(os.getpid())
-        session.recorder.group_info(c10d._get_default_group())
+        session.recorder.default_pg = c10d._get_default_group()
+        session.recorder.group_info(session.recorder.default_pg)
         _session = session
         capture.set_session(session)
         _install_end_hooks()
@@ -146,6 +148,7 @@ def before_destroy(group: Any) -> Any:
     if session is None:
         return None
     if group is None:
+        session.recorder.default_pg = None
         session.end(r.EndKind.DESTROYED, "destroy_process_group()", session.recorder.call_site(4))
         return None
     return session.recorder.groups.forget(group)
