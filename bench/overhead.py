@@ -29,7 +29,8 @@ from typing import Any
 ROUNDS = 15  # interleaved on/off rounds for the all_reduce comparison
 CALLS = 60  # all_reduce calls per round
 MICRO = 20000  # Recorder.enter+exit calls
-DDP_STEPS = 150
+DDP_STEPS = 120
+DDP_PAIRS = 5  # on/off job pairs, alternated, for the DDP step-time ratio
 STARTS = 20
 
 
@@ -50,13 +51,13 @@ def _worker(rank: int, mode: str, port: int, addr: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     if mode == "detail":
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    if mode == "on":
+    if mode in ("on", "ddp-on"):
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")  # what the bootstrap sets
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if mode == "on":
+    if mode in ("on", "ddp-on"):
         import hangwatch.client
 
         assert hangwatch.client.attach(addr)
@@ -71,7 +72,9 @@ def _worker(rank: int, mode: str, port: int, addr: str, out: str) -> None:
     t = torch.ones(1024)  # 4 KB
     for _ in range(20):
         dist.all_reduce(t)
-    if mode == "on":
+    if mode.startswith("ddp-"):
+        pass
+    elif mode == "on":
         from hangwatch.client import capture, session
         from hangwatch.client.ops import OPS_BY_NAME
 
@@ -128,15 +131,24 @@ def _worker(rank: int, mode: str, port: int, addr: str, out: str) -> None:
         result["all_reduce_plain_us"] = (
             statistics.median(_per_call(lambda: dist.all_reduce(t), CALLS) for _ in range(ROUNDS // 2)) * 1e6
         )
-    if mode in ("on", "off"):
+    if mode.startswith("ddp-"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.manual_seed(0)
-        model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+        layers = [torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU()]
+        model = DDP(torch.nn.Sequential(*layers, torch.nn.Linear(512, 10)))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(32, 256), torch.randn(32, 10)
+        x, y = torch.randn(64, 512), torch.randn(64, 10)
         steps = []
+        sender_cpu = None
+        if mode == "ddp-on":
+            from hangwatch.client import session as session_mod
+
+            thread = session_mod.current().sender._thread  # type: ignore[union-attr]
+            clock = time.pthread_getcpuclockid(thread.ident)  # type: ignore[union-attr, arg-type]
         for i in range(DDP_STEPS + 10):
+            if i == 10 and mode == "ddp-on":
+                sender_cpu = time.clock_gettime(clock)
             start = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -144,10 +156,49 @@ def _worker(rank: int, mode: str, port: int, addr: str, out: str) -> None:
             if i >= 10:
                 steps.append(time.perf_counter() - start)
         result["ddp_step_ms"] = statistics.median(steps) * 1e3
+        if sender_cpu is not None:
+            # CPU the hook's background thread used per training step (it competes for the cores)
+            result["sender_cpu_ms_per_step"] = (time.clock_gettime(clock) - sender_cpu) / DDP_STEPS * 1e3
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _accelerate_worker(rank: int, port: int, out: str) -> None:
+    """Accelerate's ``reduce`` of 4 KB, timed; debug mode comes from ACCELERATE_DEBUG_MODE."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import reduce
+
+    state = PartialState(cpu=True)
+    t = torch.ones(1024)
+    for _ in range(20):
+        reduce(t)
+    median = statistics.median(_per_call(lambda: reduce(t), CALLS) for _ in range(ROUNDS // 2)) * 1e6
+    if rank == 0:
+        Path(out).write_text(json.dumps({"debug": state.debug, "reduce_us": median}))
+
+
+def _run_accelerate(debug: bool) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    os.environ["ACCELERATE_DEBUG_MODE"] = "1" if debug else "0"
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "result.json")
+            mp.spawn(_accelerate_worker, args=(_free_port(), out), nprocs=2, join=True)
+            return dict(json.loads(Path(out).read_text()))
+    finally:
+        del os.environ["ACCELERATE_DEBUG_MODE"]
 
 
 def _run_job(mode: str, addr: str) -> dict[str, Any]:
@@ -175,23 +226,56 @@ def _start_times() -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in samples.items()}
 
 
+def _pth_line_us() -> float:
+    """The attach .pth line itself with HANGWATCH_ADDR unset: what every interpreter pays."""
+    import timeit
+
+    line = (Path(__file__).resolve().parent.parent / "hangwatch_attach.pth").read_text().strip()
+    code = compile(line, "hangwatch_attach.pth", "exec")
+    saved = os.environ.pop("HANGWATCH_ADDR", None)
+    try:
+        return min(timeit.repeat(lambda: exec(code, {}), number=10000, repeat=5)) / 10000 * 1e6
+    finally:
+        if saved is not None:
+            os.environ["HANGWATCH_ADDR"] = saved
+
+
 def main() -> None:
     import torch
 
     from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 
     began = time.time()
+    ddp_on: list[float] = []
+    ddp_off: list[float] = []
+    sender_cpu: list[float] = []
     with tempfile.TemporaryDirectory() as data:
         coordinator = Coordinator(CoordinatorOptions(host="127.0.0.1", port=0, data_dir=data))
         coordinator.start()
         try:
             on = _run_job("on", coordinator.addr)
+            for _ in range(DDP_PAIRS):  # alternate, so drift in the machine's load hits both sides
+                ddp_off.append(_run_job("ddp-off", "")["ddp_step_ms"])
+                result = _run_job("ddp-on", coordinator.addr)
+                ddp_on.append(result["ddp_step_ms"])
+                sender_cpu.append(result["sender_cpu_ms_per_step"])
         finally:
             coordinator.stop(grace=0.2)
     off = _run_job("off", "")
-    detail = _run_job("detail", "")
+    off["ddp_step_ms"] = statistics.median(ddp_off)
+    on["ddp_step_ms"] = statistics.median(ddp_on)
+    # torch reads the debug level when the spawned child imports it, before _worker runs
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    try:
+        detail = _run_job("detail", "")
+    finally:
+        del os.environ["TORCH_DISTRIBUTED_DEBUG"]
     starts = _start_times()
-    accelerate = importlib.util.find_spec("accelerate") is not None
+    accelerate = None
+    if importlib.util.find_spec("accelerate") is not None:
+        plain, debug = _run_accelerate(False), _run_accelerate(True)
+        assert debug["debug"] and not plain["debug"]
+        accelerate = (plain["reduce_us"], debug["reduce_us"])
 
     added = on["all_reduce_on_us"] - on["all_reduce_off_us"]
     print(f"\nhangwatch overhead — torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
@@ -202,19 +286,37 @@ def main() -> None:
         ("(a) all_reduce, unwrapped", f"{on['all_reduce_off_us']:.1f} µs", ""),
         ("(a) all_reduce, hook recording", f"{on['all_reduce_on_us']:.1f} µs", f"Δ {added:+.1f} µs"),
         ("(a) all_reduce, no hook (separate job)", f"{off['all_reduce_plain_us']:.1f} µs", ""),
-        ("(b) DDP step, no hook", f"{off['ddp_step_ms']:.3f} ms", ""),
+        ("(b) DDP step, no hook", f"{off['ddp_step_ms']:.3f} ms", f"jobs: {', '.join(f'{v:.2f}' for v in ddp_off)}"),
         (
             "(b) DDP step, hook on",
             f"{on['ddp_step_ms']:.3f} ms",
-            f"ratio {on['ddp_step_ms'] / off['ddp_step_ms']:.3f} (target ≤ 1.01)",
+            f"ratio {on['ddp_step_ms'] / off['ddp_step_ms']:.3f} (target ≤ 1.01); "
+            f"jobs: {', '.join(f'{v:.2f}' for v in ddp_on)}",
+        ),
+        (
+            "(b) hook's sender thread CPU per DDP step",
+            f"{statistics.median(sender_cpu):.3f} ms",
+            f"{statistics.median(sender_cpu) / off['ddp_step_ms'] * 100:.2f} % of a step (background, not the "
+            "calling thread)",
         ),
         (
             "(c) all_reduce, TORCH_DISTRIBUTED_DEBUG=DETAIL",
             f"{detail['all_reduce_detail_us']:.1f} µs",
             f"ratio {detail['all_reduce_detail_us'] / off['all_reduce_plain_us']:.2f} vs no hook",
         ),
-        ("(d) Accelerate debug mode", "installed: not measured" if accelerate else "not installed", ""),
     ]
+    if accelerate is None:
+        rows.append(("(d) Accelerate debug mode", "not installed", "pip install accelerate"))
+    else:
+        rows.append(("(d) Accelerate reduce, ACCELERATE_DEBUG_MODE=0", f"{accelerate[0]:.1f} µs", ""))
+        rows.append(
+            (
+                "(d) Accelerate reduce, ACCELERATE_DEBUG_MODE=1",
+                f"{accelerate[1]:.1f} µs",
+                f"ratio {accelerate[1] / accelerate[0]:.2f}",
+            )
+        )
+    rows.append(("(e) the .pth line alone, HANGWATCH_ADDR unset", f"{_pth_line_us():.2f} µs", "an environment check"))
     base = starts["HANGWATCH_ADDR unset"]
     for name, ms in starts.items():
         rows.append((f"(e) start: {name}", f"{ms:.1f} ms", f"ratio {ms / base:.3f} vs unset"))

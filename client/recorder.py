@@ -241,14 +241,14 @@ class Recorder:
 
     def is_novel(self, raw: RawCall) -> bool:
         """True the first time this rank makes a call with this signature (op, group, root, reduce
-        op, shapes and dtypes), for the first :data:`MAX_NOVEL_SIGNATURES` signatures. Such a call
-        is flushed to the coordinator before the backend sees it: a mismatched call is nearly
-        always a new signature, and gloo may kill the process inside it (10 vs 20 floats, float32
-        vs float64) before the sender thread's next batch. Steady loops repeat signatures and pay
-        nothing."""
+        op, shapes, dtypes and call site), for the first :data:`MAX_NOVEL_SIGNATURES` signatures.
+        Such a call is flushed to the coordinator before the backend sees it: a mismatched call is
+        nearly always new on at least one side (new arguments, or a code path not taken before),
+        and gloo may kill both processes inside it (float32 vs float64) before the sender
+        thread's next batch. Steady loops repeat signatures and pay nothing."""
         if not self.flush_novel:
             return False
-        sig = (raw[1].name, raw[2], raw[4], raw[5], raw[6], raw[7], raw[8])
+        sig = (raw[1].name, raw[2], raw[4], raw[5], raw[6], raw[7], raw[8], raw[11])
         if sig in self._signatures:
             return False
         if len(self._signatures) >= MAX_NOVEL_SIGNATURES:

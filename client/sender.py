@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("hangwatch.client")
 
 MAX_BATCH = 2000
+#: How often queued events are shipped. Each unary call costs a few hundred microseconds of this
+#: thread's CPU, so batching matters more than latency here: the coordinator's detection tick is
+#: 0.25 s, and a call of a new kind is flushed at once anyway.
+SEND_INTERVAL_S = 0.2
 MAX_BACKOFF_S = 5.0
 
 
@@ -33,7 +37,7 @@ class Sender:
         self.session = session
         self.addr = addr
         self.token = token
-        self.interval_s = 0.05
+        self.interval_s = SEND_INTERVAL_S
         self.heartbeat_s = config.env_float(config.ENV_HEARTBEAT, config.DEFAULT_HEARTBEAT_S)
         self._stop = threading.Event()
         self._flush_requested = threading.Event()

@@ -148,7 +148,8 @@ class JobState:
         call.enter_time = state.to_local(call.enter_time)
         if call.exit_time is not None:
             call.exit_time = state.to_local(call.exit_time)
-        state.last_call = call
+        if state.last_call is None or call.enter_time >= state.last_call.enter_time:
+            state.last_call = call  # Flight Recorder records may arrive after later Python calls
         state.last_progress = now
         state.step = max(state.step, call.step)
         hist = state.history.get(call.group)
