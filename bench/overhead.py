@@ -186,6 +186,8 @@ def _accelerate_worker(rank: int, port: int, out: str) -> None:
     median = statistics.median(_per_call(lambda: reduce(t), CALLS) for _ in range(ROUNDS // 2)) * 1e6
     if rank == 0:
         Path(out).write_text(json.dumps({"debug": state.debug, "reduce_us": median}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # leaving with gloo threads alive can abort
 
 
 def _run_accelerate(debug: bool) -> dict[str, Any]:

@@ -41,6 +41,7 @@ class Sender:
         self.heartbeat_s = config.env_float(config.ENV_HEARTBEAT, config.DEFAULT_HEARTBEAT_S)
         self._stop = threading.Event()
         self._flush_requested = threading.Event()
+        self._wake = threading.Event()
         self._flushed = threading.Event()
         self._thread: threading.Thread | None = None
         self._main_ident = threading.main_thread().ident
@@ -57,7 +58,7 @@ class Sender:
 
     def stop(self, timeout: float = 1.0) -> None:
         self._stop.set()
-        self._flush_requested.set()  # wake the thread
+        self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -69,6 +70,7 @@ class Sender:
             return False
         self._flushed.clear()
         self._flush_requested.set()
+        self._wake.set()
         return self._flushed.wait(timeout)
 
     # ---- the thread -----------------------------------------------------------------------
@@ -159,4 +161,5 @@ class Sender:
             if stopping:
                 transport.close()
                 return
-            self._flush_requested.wait(self.interval_s)  # a flush (or stop) wakes the thread at once
+            self._wake.wait(self.interval_s)  # a flush or stop wakes the thread at once
+            self._wake.clear()

@@ -500,7 +500,8 @@ def test_rank_frozen_holding_gil(coordinator: Coordinator, torchrun: Callable[..
     inc = wait_incident(coordinator, "rank_frozen")
     assert inc["culprit_ranks"] == [1]
     assert inc["waiting_ranks"] == [0]
-    assert inc["step"] == 3
+    # a rank that freezes holding the GIL right after a step may not get to ship that last step
+    assert inc["step"] in (2, 3)
     stack = wait_stacks(coordinator, inc["id"], 1)
     assert "sleep" in stack
     assert "frozen.py" in stack
