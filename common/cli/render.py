@@ -4,6 +4,7 @@ colour only on a terminal (and never with NO_COLOR)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from typing import Any, TextIO
@@ -112,13 +113,29 @@ def render_incidents(incidents: list[dict[str, Any]], out: TextIO = sys.stdout) 
         )
 
 
+def without_hook(text: str) -> str:
+    """A py-spy dump as a person wants to read it: hangwatch's own thread and wrapper frames out."""
+    out: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        if line.startswith(("Process ", "Python v")):
+            continue
+        if line.startswith("Thread "):
+            skipping = '"hangwatch-' in line
+        if skipping or "hangwatch/client/" in line:
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
 def group_stacks(stacks: dict[str, str]) -> list[tuple[list[int], str]]:
-    """Identical stacks across ranks shown once, with their rank list."""
-    by_text: dict[str, list[int]] = {}
-    for rank, text in stacks.items():
-        normalised = "\n".join(line for line in text.splitlines() if not line.startswith(("Process ", "Python v")))
-        by_text.setdefault(normalised, []).append(int(rank))
-    return sorted(((sorted(r), t) for t, r in by_text.items()), key=lambda item: item[0][0])
+    """Identical stacks across ranks shown once, with their rank list (thread ids aside)."""
+    groups: dict[str, tuple[list[int], str]] = {}
+    for rank, text in sorted(stacks.items(), key=lambda kv: int(kv[0])):
+        shown = without_hook(text)
+        key = re.sub(r"^Thread \d+ ", "Thread ", shown, flags=re.M)
+        groups.setdefault(key, ([], shown))[0].append(int(rank))
+    return sorted(groups.values(), key=lambda item: item[0][0])
 
 
 def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
