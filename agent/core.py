@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from hangwatch.agent import abort as _abort
 from hangwatch.agent.identity import START_TIME_TOLERANCE_S
+from hangwatch.agent.namespaces import PidMapper
 from hangwatch.agent.procinfo import ProcessInspector, PsutilInspector
 from hangwatch.agent.pyspy import dump_stacks
 from hangwatch.agent.stacks import Dumper, dump_many
@@ -35,6 +36,7 @@ class NodeAgentCore:
         self.host = host or socket.gethostname()
         self._lock = threading.Lock()
         self._targets: dict[Target, None] = {}
+        self._pids = PidMapper()
         self._reported: dict[Target, tuple[ProcessStatus, float]] = {}
 
     def set_targets(self, targets: Iterable[Target]) -> None:
@@ -44,8 +46,12 @@ class NodeAgentCore:
             self._reported = {t: r for t, r in self._reported.items() if t in self._targets}
 
     def _status(self, target: Target) -> ProcessStatus:
-        """The target's status; DEAD when its pid now belongs to another process."""
-        s = self.inspector.status(target.pid)
+        """The target's status, reported under the pid the rank itself reported; DEAD when its pid
+        now belongs to another process."""
+        local = self._pids.localise(target)
+        s = self.inspector.status(local.pid)
+        if local.pid != target.pid:
+            s = dataclasses.replace(s, pid=target.pid)
         if abs(s.start_time - target.start_time) <= START_TIME_TOLERANCE_S:
             return s
         if not s.start_time:  # gone with its exit status unknown, or not inspectable
@@ -73,8 +79,10 @@ class NodeAgentCore:
 
     def dump(self, targets: Sequence[Target], native: bool = False, timeout_s: float = 10.0) -> dict[int, StackDump]:
         """Stacks of ``targets`` by rank; a target whose pid was reused is refused."""
+        targets = [self._pids.localise(t) for t in targets]
         return dump_many(targets, native=native, timeout_s=timeout_s, inspector=self.inspector, dumper=self._dumper)
 
     def abort(self, targets: Sequence[Target], grace_s: float = 10.0) -> list[int]:
         """Terminate the verified ``targets`` (SIGTERM, then SIGKILL after ``grace_s``); pids signalled."""
+        targets = [self._pids.localise(t) for t in targets]
         return _abort.abort(targets, grace_s=grace_s, inspector=self.inspector)

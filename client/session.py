@@ -88,6 +88,14 @@ def _process_start_time() -> float:
         return 0.0
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace, so an agent outside the container can find its host pid."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def after_init(params: dict[str, Any]) -> None:
     """``init_process_group`` returned: this process is a rank; attach it."""
     global _session
@@ -117,6 +125,7 @@ def after_init(params: dict[str, Any]) -> None:
             backend=str(c10d.get_backend()),
             torch_version=str(torch.__version__),
             hook_version=__version__,
+            pid_namespace=_pid_namespace(),
         )
         session = Session(identity, addr, _settings.get("token") or os.environ.get(config.ENV_TOKEN), c10d)
         os.environ[config.ENV_RANK_PID] = str(os.getpid())

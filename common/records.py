@@ -174,6 +174,7 @@ class RankIdentity:
     backend: str = ""
     torch_version: str = ""
     hook_version: str = ""
+    pid_namespace: str = ""  # e.g. "pid:[4026532451]": a rank in a container reports its own pid
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,3 +259,4 @@ class Target:
     rank: int
     pid: int
     start_time: float
+    pid_namespace: str = ""  # the rank's pid namespace; its pid is as seen inside it

@@ -104,6 +104,7 @@ def identity_to_pb(i: r.RankIdentity, msg: pb.RankIdentity) -> None:
     msg.backend = i.backend
     msg.torch_version = i.torch_version
     msg.hook_version = i.hook_version
+    msg.pid_namespace = i.pid_namespace
 
 
 def process_status_to_pb(s: r.ProcessStatus, msg: pb.ProcStatus) -> None:
@@ -241,6 +242,7 @@ def identity_from_pb(msg: pb.RankIdentity) -> r.RankIdentity:
         backend=msg.backend,
         torch_version=msg.torch_version,
         hook_version=msg.hook_version,
+        pid_namespace=msg.pid_namespace,
     )
 
 

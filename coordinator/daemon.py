@@ -253,7 +253,7 @@ class Coordinator:
     def targets_on(self, host: str, include_remote_hosts: bool = True) -> list[r.Target]:
         with self.lock:
             return [
-                r.Target(st.rank, st.identity.pid, st.identity.start_time)
+                st.target()
                 for st in self.job.ranks.values()
                 if st.identity.host == host and (include_remote_hosts or self.hub.agent_for(host) is None)
             ]
@@ -273,9 +273,7 @@ class Coordinator:
     def dump_stacks(self, ranks: list[int] | None, native: bool) -> dict[str, Any] | None:
         with self.lock:
             chosen = sorted(self.job.ranks) if ranks is None else [rk for rk in ranks if rk in self.job.ranks]
-            targets = [
-                r.Target(rk, self.job.ranks[rk].identity.pid, self.job.ranks[rk].identity.start_time) for rk in chosen
-            ]
+            targets = [self.job.ranks[rk].target() for rk in chosen]
         if not targets:
             return None
         dumps = self.hub.dump_now(targets, self._hosts(), native)
@@ -318,11 +316,7 @@ class Coordinator:
                 time.sleep(0.2)
             with self.lock:
                 self.job.aborted_at = time.time()
-                targets = [
-                    r.Target(st.rank, st.identity.pid, st.identity.start_time)
-                    for st in self.job.ranks.values()
-                    if st.end is None
-                ]
+                targets = [st.target() for st in self.job.ranks.values() if st.end is None]
             log.warning("--abort-on-hang: terminating %d rank(s) after incident %s", len(targets), incident.id)
             self.hub.abort(targets, self._hosts())
 

@@ -185,7 +185,7 @@ class Engine:
                 if st is None:
                     incident.stack_notes[rank] = "rank never registered"
                     continue
-                targets.append(r.Target(rank, st.identity.pid, st.identity.start_time))
+                targets.append(st.target())
 
         def attach(dumps: dict[int, r.StackDump]) -> None:
             self.attach_stacks(incident.id, dumps)

@@ -114,7 +114,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.c.hub.complete(agent, result.id, dumps)
         reply = pb.AgentPollReply()
         for target in self.c.targets_on(agent.host):
-            reply.watch.add(rank=target.rank, pid=target.pid, start_time=target.start_time)
+            reply.watch.add(
+                rank=target.rank, pid=target.pid, start_time=target.start_time, pid_namespace=target.pid_namespace
+            )
         wait = min(max(request.wait_s, 0.0), MAX_POLL_WAIT_S)
         deadline = time.time() + wait
         while True:
@@ -127,7 +129,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             cmd = reply.commands.add(id=command_id)
             body: Any = cmd.dump if kind == "dump" else cmd.abort
             for t in targets:
-                body.targets.add(rank=t.rank, pid=t.pid, start_time=t.start_time)
+                body.targets.add(rank=t.rank, pid=t.pid, start_time=t.start_time, pid_namespace=t.pid_namespace)
             if kind == "dump":
                 cmd.dump.native = bool(arg)
                 cmd.dump.timeout_s = 10.0

@@ -55,6 +55,10 @@ class RankState:
             return False
         return not (self.proc is not None and self.proc.state in (r.ProcState.DEAD, r.ProcState.ZOMBIE))
 
+    def target(self) -> r.Target:
+        ident = self.identity
+        return r.Target(ident.rank, ident.pid, ident.start_time, ident.pid_namespace)
+
     def history_calls_after(self, since: float) -> list[r.CallRecord]:
         """Recent calls (all groups) entered at or after ``since`` (coordinator time)."""
         return [c for hist in self.history.values() for c in hist if c.enter_time >= since]

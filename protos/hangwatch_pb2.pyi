@@ -156,7 +156,7 @@ class Event(_message.Message):
     def __init__(self, call: _Optional[_Union[Call, _Mapping]] = ..., done: _Optional[_Union[CallDone, _Mapping]] = ..., group: _Optional[_Union[GroupChange, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., marker: _Optional[_Union[Marker, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
 
 class RankIdentity(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version")
+    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version", "pid_namespace")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class RankIdentity(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOOK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -179,7 +180,8 @@ class RankIdentity(_message.Message):
     backend: str
     torch_version: str
     hook_version: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., start_time: _Optional[float] = ..., session: _Optional[str] = ..., backend: _Optional[str] = ..., torch_version: _Optional[str] = ..., hook_version: _Optional[str] = ...) -> None: ...
+    pid_namespace: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., start_time: _Optional[float] = ..., session: _Optional[str] = ..., backend: _Optional[str] = ..., torch_version: _Optional[str] = ..., hook_version: _Optional[str] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("token", "identity")
@@ -266,14 +268,16 @@ class AgentRegisterReply(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
 
 class Target(_message.Message):
-    __slots__ = ("rank", "pid", "start_time")
+    __slots__ = ("rank", "pid", "start_time", "pid_namespace")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     start_time: float
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., start_time: _Optional[float] = ...) -> None: ...
+    pid_namespace: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., start_time: _Optional[float] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class ProcStatus(_message.Message):
     __slots__ = ("pid", "state", "time", "start_time", "cpu_percent", "rss_bytes", "num_threads", "exit_code", "signal")
