@@ -25,6 +25,13 @@ def _bootstrap() -> None:
     from hangwatch.client import importhook
 
     importhook.when_imported("torch.distributed", _instrument)
+    importhook.when_imported("accelerate.accelerator", _accelerate)
+
+
+def _accelerate(module: object) -> None:
+    from hangwatch.client import integrations
+
+    integrations.patch_accelerate(module)  # type: ignore[arg-type]
 
 
 def _instrument(module: object) -> None:

@@ -28,6 +28,9 @@ def attach(addr: str | None = None, *, token: str | None = None, job_id: str | N
         session._settings.update({"addr": resolved, "token": token, "job_id": job_id})
         if not capture.instrument():
             return False
+        from hangwatch.client import importhook, integrations
+
+        importhook.when_imported("accelerate.accelerator", integrations.patch_accelerate)
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_initialized():
             session.after_init({})

@@ -122,9 +122,12 @@ class Engine:
         if existing_id is not None:
             incident = self.incidents[existing_id]
             if incident.status == "open" and (
-                incident.summary != finding.summary or incident.waiting_ranks != sorted(finding.waiting_ranks)
+                incident.summary != finding.summary
+                or incident.waiting_ranks != sorted(finding.waiting_ranks)
+                or incident.culprit_ranks != sorted(finding.culprit_ranks)
             ):
                 incident.summary = finding.summary
+                incident.culprit_ranks = sorted(finding.culprit_ranks)
                 incident.waiting_ranks = sorted(finding.waiting_ranks)
                 incident.details.update(finding.details)
                 self.persist(incident)

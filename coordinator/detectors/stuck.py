@@ -69,6 +69,8 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     }
     calls = {str(rk): describe_call(c) for rk, c in sorted(slot.calls.items())}
     if not absent:
+        if not members:
+            return None  # membership unknown: "every member entered" cannot be told
         if any(c.source != "python" for c in slot.calls.values()):
             return None  # completion of C++-issued calls is not observable precisely enough
         if any(c.exit_time is not None for c in slot.calls.values()):
