@@ -17,6 +17,9 @@ from hangwatch import records as r
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
+#: Process groups tracked per job; calls on groups beyond this are counted and dropped (a job with
+#: more real groups than this is not one a single coordinator can diagnose anyway).
+MAX_GROUPS = 16384
 DURATIONS_KEPT = 512
 ARRIVALS_KEPT = 32
 
@@ -96,7 +99,10 @@ class JobState:
         self.records_received = 0
         self.started = time.time()
         self.changed_slots: set[tuple[str, int]] = set()
-        self.aborted_at: float | None = None  # when hangwatch itself terminated the ranks
+        self.aborted_at: float | None = None
+        self.dropped_calls = (
+            0  # calls refused because they would exceed MAX_GROUPS  # when hangwatch itself terminated the ranks
+        )
         # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time)
         self.arrivals: dict[str, collections.deque[tuple[int, float, int, float]]] = {}
 
@@ -148,6 +154,9 @@ class JobState:
             state.last_progress = now
 
     def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
+        if call.group not in self.slots and call.group not in state.history and len(self.slots) >= MAX_GROUPS:
+            self.dropped_calls += 1
+            return
         self.records_received += 1
         call.enter_time = state.to_local(call.enter_time)
         if call.exit_time is not None:

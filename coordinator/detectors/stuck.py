@@ -144,7 +144,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
                 f"(group {slot.group}, seq {slot.seq}) and wait for {waited:.0f} s"
             ),
             hint=EARLY_EXIT_HINT,
-            details={"calls": calls, "absent": doings, "waited_s": round(waited, 1)},
+            details={"calls": calls, "absent": {str(k): v for k, v in doings.items()}, "waited_s": round(waited, 1)},
             stack_ranks=sorted(absent) + sorted(waiting)[:1],
             **base,  # type: ignore[arg-type]
         )
@@ -165,7 +165,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             "done by every rank or finish before the others' next collective; if it is legitimately long, "
             "raise --stuck-after."
         ),
-        details={"calls": calls, "absent": doings, "waited_s": round(waited, 1)},
+        details={"calls": calls, "absent": {str(k): v for k, v in doings.items()}, "waited_s": round(waited, 1)},
         stack_ranks=sorted(absent) + sorted(waiting)[:1],
         **base,  # type: ignore[arg-type]
     )

@@ -148,7 +148,7 @@ def test_stuck_two_ranks_not_before_threshold() -> None:
     assert f.culprit_ranks == [1]
     assert f.waiting_ranks == [0]
     assert (f.op, f.group, f.seq, f.key) == ("all_reduce", "0", 2, "stuck:0:2")
-    assert "is busy in train.py:88 in save_checkpoint" in f.details["absent"][1]
+    assert "is busy in train.py:88 in save_checkpoint" in f.details["absent"]["1"]
     assert "rank 1 is busy in train.py:88 in save_checkpoint" in f.summary
     assert f.stack_ranks == [1, 0]
 
@@ -165,7 +165,7 @@ def test_stuck_eight_ranks_one_absent() -> None:
     assert f.culprit_ranks == [5]
     assert f.waiting_ranks == [0, 1, 2, 3, 4, 6, 7]
     assert f.seq == 4
-    assert f.details["absent"][5] == "is outside any collective"
+    assert f.details["absent"]["5"] == "is outside any collective"
 
 
 def test_stuck_absent_rank_waiting_elsewhere_is_described() -> None:
@@ -175,7 +175,7 @@ def test_stuck_absent_rank_waiting_elsewhere_is_described() -> None:
     sim.beat(T0 + 15)
     f = only(stuck.detect(sim.job, sim.ctx(T0 + 15)), "stuck_collective")
     assert f.culprit_ranks == [1]
-    assert "is waiting in recv (group 0, seq 1) at eval.py:9 in evaluate for 14 s" in f.details["absent"][1]
+    assert "is waiting in recv (group 0, seq 1) at eval.py:9 in evaluate for 14 s" in f.details["absent"]["1"]
 
 
 def test_no_transport_stall_claimed_for_a_group_of_unknown_members() -> None:
@@ -230,8 +230,8 @@ def test_early_exit_absent_rank_exited_cleanly() -> None:
         assert f.culprit_ranks == [2]
         assert f.waiting_ranks == [0, 1]
         assert (f.op, f.seq, f.key) == ("all_reduce", 2, "early:0:2")
-        assert action in f.details["absent"][2]
-        assert "train.py:99 in main" in f.details["absent"][2]
+        assert action in f.details["absent"]["2"]
+        assert "train.py:99 in main" in f.details["absent"]["2"]
 
 
 def test_early_exit_from_ends_peer_connection_closed() -> None:
