@@ -48,6 +48,8 @@ ENV_RANK_PID = "HANGWATCH_RANK_PID"
 ENV_FLIGHT_RECORDER = "HANGWATCH_FLIGHT_RECORDER"
 #: ``1`` aborts (terminates) the job's ranks once a hang is diagnosed and stored.
 ENV_ABORT_ON_HANG = "HANGWATCH_ABORT_ON_HANG"
+#: Size cap of the coordinator's incident store in MiB; the oldest incidents are pruned first.
+ENV_MAX_DATA_MB = "HANGWATCH_MAX_DATA_MB"
 #: Alert webhook URL, called with every new incident.
 ENV_ALERT_WEBHOOK = "HANGWATCH_ALERT_WEBHOOK"
 #: Port of the coordinator's Prometheus ``/metrics`` endpoint (``0``: off).
@@ -62,6 +64,7 @@ DEFAULT_ADDR = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 #: Default Prometheus metrics port of the coordinator.
 DEFAULT_METRICS_PORT = 29601
 DEFAULT_DATA_DIR = "./hangwatch-data"
+DEFAULT_MAX_DATA_MB = 256.0
 #: Upper bound of the adaptive stuck threshold (seconds) when ``--stuck-after`` is not given.
 DEFAULT_STUCK_AFTER = 30.0
 #: Floor of the adaptive stuck threshold (seconds).

@@ -57,6 +57,7 @@ class CoordinatorOptions:
     allow_insecure_bind: bool = False
     max_workers: int = 16
     metrics_port: int = 0  # 0: no /metrics endpoint
+    max_data_mb: float = config.DEFAULT_MAX_DATA_MB  # incident store cap; oldest pruned first
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA
@@ -83,7 +84,7 @@ class Coordinator:
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.lock = threading.RLock()
         self.job = JobState()
-        self.store = IncidentStore(options.data_dir)
+        self.store = IncidentStore(options.data_dir, max_bytes=int(options.max_data_mb * 1024 * 1024))
         embedded = None
         if options.embedded_agent:
             from hangwatch.agent.core import NodeAgentCore
@@ -350,6 +351,7 @@ class Coordinator:
                     "path": str(self.store.path),
                     "write_errors": self.store.write_errors,
                     "last_error": self.store.last_error,
+                    "pruned": self.store.pruned,
                 },
                 "rejected": dict(self.rejected),
             }

@@ -35,12 +35,19 @@ class StoreError(RuntimeError):
     """The data directory cannot be used."""
 
 
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+
+
 class IncidentStore:
-    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+    """Incidents by id; at most ``max_bytes`` of live database pages, oldest incidents pruned first."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.path = Path(data_dir) / "hangwatch.sqlite3"
+        self.max_bytes = max_bytes
         self.lock = threading.Lock()
         self.write_errors = 0
         self.last_error = ""
+        self.pruned = 0
         try:
             Path(data_dir).mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -61,12 +68,32 @@ class IncidentStore:
                     "ON CONFLICT(id) DO UPDATE SET body = excluded.body, kind = excluded.kind",
                     (incident.id, incident.job, incident.kind, incident.detected_time, json.dumps(body)),
                 )
+                self._prune(keep=incident.id)
             return True
         except sqlite3.Error as exc:
             self.write_errors += 1
             self.last_error = f"{time.strftime('%H:%M:%S')} {exc}"
             log.error("cannot persist incident %s (kept in memory): %s", incident.id, exc)
             return False
+
+    def used_bytes(self) -> int:
+        page_size = self.db.execute("PRAGMA page_size").fetchone()[0]
+        pages = (
+            self.db.execute("PRAGMA page_count").fetchone()[0] - self.db.execute("PRAGMA freelist_count").fetchone()[0]
+        )
+        return int(page_size * pages)
+
+    def _prune(self, keep: str) -> None:
+        """Delete the oldest incidents (never ``keep``) until the live pages fit ``max_bytes``."""
+        while self.used_bytes() > self.max_bytes:
+            row = self.db.execute(
+                "SELECT id FROM incidents WHERE id != ? ORDER BY detected_time, id LIMIT 1", (keep,)
+            ).fetchone()
+            if row is None:
+                return
+            self.db.execute("DELETE FROM incidents WHERE id = ?", row)
+            self.pruned += 1
+            log.warning("data directory over %d bytes: pruned the oldest incident %s", self.max_bytes, row[0])
 
     def load(self) -> list[Incident]:
         with self.lock:

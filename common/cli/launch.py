@@ -63,6 +63,8 @@ def run_torchrun(args: argparse.Namespace, torchrun_args: list[str], extra_env: 
         token=getattr(args, "token", None),
         stuck_after=args.stuck_after,
         abort_on_hang=getattr(args, "abort_on_hang", False),
+        alert_webhook=getattr(args, "alert_webhook", None),
+        max_data_mb=getattr(args, "max_data_mb", config.DEFAULT_MAX_DATA_MB),
     )
     coordinator = Coordinator(options)
     coordinator.start()

@@ -53,6 +53,13 @@ def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True
         help=f"where incidents are stored (default ${config.ENV_DATA_DIR}, then {config.DEFAULT_DATA_DIR})",
     )
     p.add_argument(
+        "--max-data-mb",
+        type=float,
+        default=config.env_float(config.ENV_MAX_DATA_MB, config.DEFAULT_MAX_DATA_MB),
+        help=f"cap of the incident store in MiB; the oldest incidents are pruned first "
+        f"(default ${config.ENV_MAX_DATA_MB}, then {config.DEFAULT_MAX_DATA_MB:.0f})",
+    )
+    p.add_argument(
         "--token",
         default=os.environ.get(config.ENV_TOKEN),
         help=f"shared token ranks, agents and the CLI must present (default ${config.ENV_TOKEN})",
@@ -265,6 +272,7 @@ def _coordinator_options(args: argparse.Namespace, host: str, port: int) -> Any:
         abort_on_hang=args.abort_on_hang,
         allow_insecure_bind=args.allow_insecure_bind,
         metrics_port=args.metrics_port,
+        max_data_mb=args.max_data_mb,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
