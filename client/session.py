@@ -11,13 +11,12 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
 import time
 import uuid
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any
 
 from hangwatch import __version__, config
@@ -203,13 +202,9 @@ def _install_end_hooks() -> None:
 
     sys.excepthook = excepthook
     atexit.register(_at_exit)
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            try:
-                if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
-                    signal.signal(signum, _on_signal)
-            except (ValueError, OSError):
-                pass
+    # Deliberately no SIGTERM/SIGHUP handler: a Python handler runs only when the main thread
+    # returns to the interpreter, so a rank blocked inside a collective would no longer die when
+    # its launcher terminates it. Deaths by signal are seen from outside, by the node agent.
 
 
 def _at_exit() -> None:
@@ -217,21 +212,6 @@ def _at_exit() -> None:
     if session is not None:
         session.end(r.EndKind.CLEAN_EXIT, "interpreter exit", exit_code=0)
         session.sender.stop()
-
-
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    session = _session
-    name = signal.Signals(signum).name
-    if session is not None:
-        try:
-            site = session.recorder.call_site_of(frame)
-            session.end(r.EndKind.SIGNAL, name, site, 128 + signum, flush_timeout=0.5)
-        except Exception:
-            pass
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
 
 
 def _install_step_hook() -> None:

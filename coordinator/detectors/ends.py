@@ -23,14 +23,22 @@ JOB_STOP_WINDOW_S = 2.0
 
 
 def _stopped_by_signal(state: RankState) -> bool:
-    return state.end is not None and state.end.kind is r.EndKind.SIGNAL and state.end.detail in STOP_SIGNALS
+    """Ended the way a stopped job's ranks end: a stop signal (the process vanishes, or reports it),
+    or Ctrl-C's KeyboardInterrupt."""
+    end = state.end
+    if end is None:
+        return state.proc is not None and state.proc.state in (r.ProcState.DEAD, r.ProcState.ZOMBIE)
+    if end.kind is r.EndKind.SIGNAL:
+        return end.detail in STOP_SIGNALS
+    return end.kind is r.EndKind.EXCEPTION and end.detail.startswith("KeyboardInterrupt")
 
 
 def _job_stopping(job: JobState, ctx: Context, first: RankState, first_time: float) -> bool:
-    """The first end is a stop signal: wait a moment, then say whether every rank got one.
+    """The first end looks like a stop: wait a moment, then say whether every rank stopped so.
 
     torchrun, SLURM and Kubernetes stop a job by signalling all its ranks; that is the operator's
-    decision, not a fault of the rank that happened to be signalled first.
+    decision, not a fault of the rank that happened to go first. A rank killed alone (the OOM
+    killer) is different: its peers then fail with connection errors, or keep running.
     """
     if not _stopped_by_signal(first):
         return False

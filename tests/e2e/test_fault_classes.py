@@ -341,7 +341,7 @@ def test_op_mismatch(coordinator: Coordinator, torchrun: Callable[..., Job]) -> 
     assert inc["waiting_ranks"] == [0]
     assert "all_reduce" in inc["summary"] and "broadcast" in inc["summary"]
     assert inc["step"] == 3
-    settle(coordinator, job, timeout=10)
+    settle(coordinator, job, timeout=8)
     incs = coordinator.incidents_json()
     assert [i["kind"] for i in incs] == ["op_mismatch"], _brief(incs)
 
@@ -386,7 +386,7 @@ def test_arg_mismatch(
     for word in words:
         assert word in inc["summary"]
     assert inc["step"] == 3
-    settle(coordinator, job, timeout=20)
+    settle(coordinator, job, timeout=8)
     incs = coordinator.incidents_json()
     assert [i["kind"] for i in incs] == ["arg_mismatch"], _brief(incs)
 
