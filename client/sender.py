@@ -29,7 +29,7 @@ MAX_BATCH = 2000
 #: thread's CPU, so batching matters more than latency here: the coordinator's detection tick is
 #: 0.25 s, and a call of a new kind is flushed at once anyway.
 SEND_INTERVAL_S = 0.2
-MAX_BACKOFF_S = 5.0
+MAX_BACKOFF_S = 2.0  # a restarted coordinator is found again within a few seconds
 
 
 class Sender:

@@ -17,6 +17,7 @@ from hangwatch import records as r
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
+MAX_OPEN_CALLS = 4096  # per rank
 #: Process groups tracked per job; calls on groups beyond this are counted and dropped (a job with
 #: more real groups than this is not one a single coordinator can diagnose anyway).
 MAX_GROUPS = 16384
@@ -171,6 +172,9 @@ class JobState:
         hist.append(call)
         if call.exit_time is None:
             state.open_calls[call.call_id] = call
+            if len(state.open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
+                oldest = min(state.open_calls)
+                self._unslot(state.open_calls.pop(oldest))
         if call.kind is r.OpKind.P2P:
             if call.exit_time is None:
                 self.p2p_open[(state.rank, call.call_id)] = call
@@ -196,7 +200,8 @@ class JobState:
         members = self.members(call.group)
         if members and len(slot.calls) == len(members):
             arrivals = sorted((c.enter_time, rk) for rk, c in slot.calls.items())
-            median = arrivals[len(arrivals) // 2][0]
+            others = arrivals[:-1]  # the last rank's lag behind the median of the others
+            median = others[len(others) // 2][0]
             lasts = self.arrivals.get(call.group)
             if lasts is None:
                 lasts = self.arrivals[call.group] = collections.deque(maxlen=ARRIVALS_KEPT)

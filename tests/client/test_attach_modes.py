@@ -197,3 +197,41 @@ def test_accelerate_launch_records_triggers(coordinator: Coordinator, tmp_path: 
     assert "accelerate.set_trigger" in markers[1]
     assert all("accelerate.check_trigger" in names for names in markers.values())
     assert coordinator.incidents_json() == []  # a synchronised stop is not an incident
+
+
+def test_threads_and_forks_in_a_rank(coordinator: Coordinator, torchrun: Callable[..., Any]) -> None:
+    seen = _count_registrations(coordinator)
+    job = torchrun(
+        """
+        import threading
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        stop = threading.Event()
+        def busy():
+            while not stop.is_set():
+                sum(range(2000))
+                time.sleep(0.001)
+        threads = [threading.Thread(target=busy, daemon=True) for _ in range(24)]
+        for th in threads:
+            th.start()
+        for step in range(30):
+            dist.all_reduce(torch.ones(8))
+            if step % 10 == 0:
+                pid = os.fork()  # a rank that forks (a tool, a checkpoint writer)
+                if pid == 0:
+                    os._exit(0)
+                os.waitpid(pid, 0)
+        stop.set()
+        dist.destroy_process_group()
+    """,
+        addr=f"127.0.0.1:{coordinator.port}",
+        name="threads",
+    )
+    assert job.wait(120) == 0, job.output()[-3000:]
+    assert sorted(seen) == [0, 1]
+    out = job.output()
+    assert "Traceback" not in out
+    assert "fork" not in out.lower(), out[-3000:]  # no gRPC fork-handler warnings
+    counts = [
+        len([c for c in st.history.get("0", []) if c.op == "all_reduce"]) for st in coordinator.job.ranks.values()
+    ]
+    assert counts == [30, 30]

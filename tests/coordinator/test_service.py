@@ -192,3 +192,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_every_rpc_refuses_a_wrong_token(coordinator_factory: Callable[..., Coordinator]) -> None:
+    c = coordinator_factory(token="s3cret", embedded_agent=False)
+    requests = {
+        "Report": pb.ReportBatch(token="bad", rank=0, session="x"),
+        "RegisterAgent": pb.AgentRegisterRequest(token="bad", agent=pb.AgentIdentity(host="h")),
+        "AgentPoll": pb.AgentPollRequest(token="bad", agent_id="x"),
+        "GetStatus": pb.QueryRequest(token="bad"),
+        "ListIncidents": pb.QueryRequest(token="bad"),
+        "GetIncident": pb.QueryRequest(token="bad", id="inc-0001"),
+        "DumpStacks": pb.QueryRequest(token="bad", id="all"),
+    }
+    with grpc.insecure_channel(f"127.0.0.1:{c.port}") as channel:
+        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        for method, request in requests.items():
+            with pytest.raises(grpc.RpcError) as err:
+                getattr(stub, method)(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
+    assert c.rejected.get("auth") == len(requests)
+    assert c.job.ranks == {} and c.hub.remote == {}

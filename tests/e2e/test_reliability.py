@@ -96,11 +96,11 @@ def test_coordinator_sigkill_and_restart(tmp_path: Path, torchrun: Callable[...,
     coord.wait(10)
     time.sleep(3.0)  # ranks train on with nobody listening
     assert job.proc.poll() is None, job.output()[-3000:]
-    restarted_at = time.monotonic()
     coord = _start_coordinator(tmp_path, port)
+    restarted_at = time.monotonic()  # serving from here on
     try:
         wait_for(lambda: len(_cli_json(addr, "status")["ranks"]) == 2, 10, 0.2, "re-registration")  # type: ignore[index]
-        assert time.monotonic() - restarted_at < 8
+        assert time.monotonic() - restarted_at < 5
         # detection works for a hang that starts after the restart
         hang_file.write_text("x")
         inc = wait_for(
