@@ -20,6 +20,14 @@ def _bootstrap() -> None:
     owner = os.environ.get(config.ENV_RANK_PID)
     if owner and owner != str(os.getpid()):
         return  # a subprocess started by a rank (DataLoader worker, tool): never a rank itself
+    level = os.environ.get(config.ENV_LOG_LEVEL)
+    if level:
+        import logging
+
+        try:
+            logging.getLogger("hangwatch.client").setLevel(level.upper())
+        except ValueError:
+            pass  # an unknown level name must not cost the job its hook
     if config.env_flag(config.ENV_FLIGHT_RECORDER, True):
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(config.DEFAULT_FR_BUFFER_SIZE))
     from hangwatch.client import importhook

@@ -80,10 +80,6 @@ class GroupTable:
         self.p2p_ops: dict[str, int] = {}  # group -> p2p ops issued (not counted as collectives)
         self._next_index = 0
 
-    def info(self, pg: Any, c10d: Any) -> r.GroupInfo | None:
-        """The cached info of ``pg``, or None if it has not been seen (call ``learn``)."""
-        return self.by_id.get(id(pg))
-
     def learn(self, pg: Any, c10d: Any) -> tuple[r.GroupInfo, bool]:
         """Info for ``pg``, computing and caching it when new; the flag says it was new."""
         known = self.by_id.get(id(pg))
@@ -175,9 +171,6 @@ class Recorder:
                 site = f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
             tb = tb.tb_next
         return site
-
-    def resolve_group(self, group: Any) -> Any:
-        return group if group is not None else self.c10d._get_default_group()
 
     def group_info(self, pg: Any) -> r.GroupInfo:
         info = self.groups.by_id.get(id(pg))
