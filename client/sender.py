@@ -75,6 +75,13 @@ class Sender:
 
     # ---- the thread -----------------------------------------------------------------------
 
+    def _group_announcements(self) -> list[r.RankEvent]:
+        recorder = self.session.recorder
+        with recorder.lock:
+            groups = sorted(recorder.groups.by_id.values(), key=lambda g: g.index)
+        now = time.time()
+        return [r.GroupEvent(recorder.rank, r.GroupEventKind.CREATED, g, now) for g in groups]
+
     def _where(self) -> tuple[str, str]:
         """Innermost frame and innermost user frame of the main thread, sampled now."""
         frame = sys._current_frames().get(self._main_ident or -1)
@@ -122,6 +129,9 @@ class Sender:
                     if not self.registered:
                         reply = transport.register(session.identity)
                         self.registered = True
+                        if self.coordinator_id and reply.coordinator_id != self.coordinator_id:
+                            # a restarted coordinator knows nothing of our groups: announce them again
+                            pending = self._group_announcements() + pending
                         self.coordinator_id = reply.coordinator_id
                     if not pending:
                         pending = [recorder.materialize(item) for item in queue.drain(MAX_BATCH)]

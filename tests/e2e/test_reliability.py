@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 TRAIN = """
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank = dist.get_rank()
+pair = dist.new_group([0, 1])
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 32))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 hang_file = os.environ.get("HANG_FILE", "")
@@ -36,7 +37,7 @@ for step in range(steps):
         def stuck_after_restart():
             time.sleep(600)
         stuck_after_restart()
-    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1), group=pair)  # a subgroup made before the restart
     time.sleep(0.02)
 print(f"rank {rank} done; median step {sorted(times)[len(times)//2]*1e3:.2f} ms", flush=True)
 dist.destroy_process_group()
@@ -110,6 +111,7 @@ def test_coordinator_sigkill_and_restart(tmp_path: Path, torchrun: Callable[...,
             "a stuck incident after the restart",
         )[0]
         assert inc["culprit_ranks"] == [1]
+        assert inc["group"] != "0"  # the subgroup's members were announced again after the restart
         assert "Traceback" not in job.output()
     finally:
         job.kill()
