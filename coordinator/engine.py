@@ -22,6 +22,9 @@ from hangwatch.coordinator.state import JobState
 
 log = logging.getLogger("hangwatch.coordinator")
 
+#: Incidents kept in memory (the store keeps more); the oldest resolved ones are let go first.
+MAX_INCIDENTS_IN_MEMORY = 10_000
+
 #: Hang kinds keyed by a slot, closed once every waiting rank has left that slot.
 SLOT_KINDS = ("stuck_collective", "early_exit", "transport_stall")
 
@@ -99,7 +102,7 @@ class Engine:
                     continue
                 for finding in findings:
                     incident, new = self._absorb(finding, now)
-                    if new:
+                    if new and incident is not None:
                         opened.append(incident)
                         if finding.stack_ranks:
                             stack_jobs.append((incident, finding.stack_ranks, finding.native))
@@ -117,10 +120,12 @@ class Engine:
             self._request_stacks(incident, ranks, native)
         return opened
 
-    def _absorb(self, finding: Finding, now: float) -> tuple[Incident, bool]:
+    def _absorb(self, finding: Finding, now: float) -> tuple[Incident | None, bool]:
         existing_id = self.by_key.get(finding.key)
         if existing_id is not None:
-            incident = self.incidents[existing_id]
+            incident = self.incidents.get(existing_id)
+            if incident is None:
+                return None, False  # reported long ago, and no longer kept in memory
             if incident.status == "open" and (
                 incident.summary != finding.summary
                 or incident.waiting_ranks != sorted(finding.waiting_ranks)
@@ -135,8 +140,16 @@ class Engine:
         incident = Incident.from_finding(self.next_id(), self.job.job_id, finding, now)
         self.incidents[incident.id] = incident
         self.by_key[finding.key] = incident.id
+        if len(self.incidents) > MAX_INCIDENTS_IN_MEMORY:
+            self._forget_oldest()
         self.persist(incident)
         return incident, True
+
+    def _forget_oldest(self) -> None:
+        resolved = [i for i in self.incidents.values() if i.status != "open"]
+        victim = min(resolved or self.incidents.values(), key=lambda i: i.detected_time)
+        del self.incidents[victim.id]
+        # its key stays known, so the same root cause is not reported again
 
     def _resolve(self, now: float) -> None:
         for incident in self.incidents.values():

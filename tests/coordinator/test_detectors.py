@@ -10,6 +10,8 @@ import itertools
 import threading
 from collections.abc import Callable
 
+import pytest
+
 from hangwatch import config
 from hangwatch.coordinator.detectors import Context, ends, frozen, mismatch, p2p, straggler, stuck
 from hangwatch.coordinator.engine import Engine
@@ -730,3 +732,20 @@ def test_engine_tick_uses_the_adaptive_threshold() -> None:
     sim.beat(T0 + 1 + config.MIN_STUCK_AFTER + 0.5)
     (inc,) = engine.tick(T0 + 1 + config.MIN_STUCK_AFTER + 0.5)
     assert inc.kind == "stuck_collective"
+
+
+def test_incidents_in_memory_are_capped_and_forgotten_ones_stay_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hangwatch.coordinator import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MAX_INCIDENTS_IN_MEMORY", 3)
+    job = JobState()
+    eng = engine_mod.Engine(job, threading.RLock(), detectors=[])
+    for n in range(5):
+        finding = Finding("straggler", f"k{n}", [1], [0], f"s{n}", "h", onset_time=float(n))
+        incident, new = eng._absorb(finding, now=float(n))
+        assert new and incident is not None
+        incident.status = "resolved"
+    assert len(eng.incidents) == 3
+    assert sorted(eng.incidents) == ["inc-0003", "inc-0004", "inc-0005"]
+    again, new = eng._absorb(Finding("straggler", "k0", [1], [0], "s0", "h", onset_time=0.0), now=9.0)
+    assert again is None and not new  # the same root cause is not reported twice
