@@ -318,8 +318,9 @@ class Coordinator:
             with self.lock:
                 self.job.aborted_at = time.time()
                 targets = [st.target() for st in self.job.ranks.values() if st.end is None]
-            log.warning("--abort-on-hang: terminating %d rank(s) after incident %s", len(targets), incident.id)
-            self.hub.abort(targets, self._hosts())
+            if targets:
+                log.warning("--abort-on-hang: terminating %d rank(s) after incident %s", len(targets), incident.id)
+                self.hub.abort(targets, self._hosts())
 
         threading.Thread(target=abort_after_stacks, name="hangwatch-abort", daemon=True).start()
 

@@ -110,7 +110,7 @@ class Engine:
                         ctx.claimed.add(f"{finding.group}:{finding.seq}")
             self._resolve(now)
         for incident in opened:
-            log.warning("incident %s [%s]: %s", incident.id, incident.kind, incident.summary)
+            log.info("incident %s [%s]: %s", incident.id, incident.kind, incident.summary)
             for listener in self.listeners:
                 try:
                     listener(incident)

@@ -53,7 +53,12 @@ def _printer(coordinator: Any) -> None:
     coordinator.engine.listeners.append(on_incident)
 
 
-def run_torchrun(args: argparse.Namespace, torchrun_args: list[str], extra_env: dict[str, str] | None = None) -> int:
+def run_torchrun(
+    args: argparse.Namespace,
+    torchrun_args: list[str],
+    extra_env: dict[str, str] | None = None,
+    job_log: str | None = None,
+) -> int:
     from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 
     options = CoordinatorOptions(
@@ -77,12 +82,16 @@ def run_torchrun(args: argparse.Namespace, torchrun_args: list[str], extra_env: 
     sys.stdout.write(f"hangwatch: coordinator on 127.0.0.1:{coordinator.port}, data in {options.data_dir}\n")
     sys.stdout.flush()
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    log_file = open(job_log, "w") if job_log else None  # noqa: SIM115 - closed below
     try:
-        proc = subprocess.Popen(cmd, env=env)
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
         code = proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
         code = proc.wait()
+    finally:
+        if log_file is not None:
+            log_file.close()
     time.sleep(1.0)  # let the last batches and detections land
     coordinator.engine.tick()
     time.sleep(0.5)
@@ -90,6 +99,8 @@ def run_torchrun(args: argparse.Namespace, torchrun_args: list[str], extra_env: 
     sys.stdout.write(
         f"\nhangwatch: job exited with code {code}; {len(incidents)} incident(s) stored in {options.data_dir}\n"
     )
+    if job_log:
+        sys.stdout.write(f"hangwatch: the job's own output is in {job_log}\n")
     coordinator.stop()
     return code
 
@@ -118,5 +129,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     script = os.path.join(os.path.dirname(demos.__file__), "scenarios.py")
     torchrun_args = ["--nproc-per-node", str(args.nproc), "--standalone", script, args.scenario]
-    run_torchrun(args, torchrun_args, {"OMP_NUM_THREADS": "1"})
+    args.data_dir = args.data_dir or tempfile.mkdtemp(prefix="hangwatch-demo-")
+    run_torchrun(args, torchrun_args, {"OMP_NUM_THREADS": "1"}, job_log=os.path.join(args.data_dir, "job.log"))
     return 0
