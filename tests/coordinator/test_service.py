@@ -57,7 +57,7 @@ def test_shape_mismatch_over_the_wire_within_a_second(coordinator_factory: Calla
     sent = time.time()
     send(t, ids[1], [call(1, 1, (1, 2, 5))])
     incidents = wait_for(lambda: c.incidents_json(), 5, 0.05, "an incident")
-    assert time.time() - sent < 1.5
+    assert time.time() - sent < 1.0  # mismatches within a second of the last involved call
     inc = incidents[0]
     assert inc["kind"] == "shape_mismatch"
     assert "[1, 5]" in inc["summary"] and "[1, 2, 5]" in inc["summary"]
