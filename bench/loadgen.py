@@ -387,7 +387,8 @@ class Worker:
             ncalls = sum(1 for e in events if isinstance(e, self.r.CallRecord))
             with self.lock:
                 stats.events_offered += len(events)
-                stats.behind.append(started - due) if len(stats.behind) < LATENCY_SAMPLES else None
+                if len(stats.behind) < LATENCY_SAMPLES:
+                    stats.behind.append(started - due)
                 if reply is None:
                     stats.batches_failed += 1
                     stats.errors[error] = stats.errors.get(error, 0) + 1

@@ -19,7 +19,8 @@ class CoordinatorUnreachable(RuntimeError):
 def query(addr: str, method: str, *, token: str | None = None, timeout: float = 5.0, **fields: Any) -> Any:
     """Call ``method`` (GetStatus, ListIncidents, GetIncident, DumpStacks) and decode its JSON."""
     request = pb.QueryRequest(token=token or "", **fields)
-    with tls.channel(addr) as channel:
+    # status of thousands of ranks is megabytes: lift gRPC's 4 MB default for replies
+    with tls.channel(addr, [("grpc.max_receive_message_length", 512 * 1024 * 1024)]) as channel:
         stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
         try:
             reply = getattr(stub, method)(request, timeout=timeout)

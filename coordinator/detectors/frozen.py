@@ -24,12 +24,14 @@ _STATE_TEXT = {
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
-    for st in job.ranks.values():
-        if st.end is not None or not st.alive:
-            continue
+    live = [st for st in job.ranks.values() if st.end is None and st.alive]
+    silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after]
+    if len(silent) > max(1, len(live) // 2):
+        # Most of the job silent at once is the network or an overloaded coordinator, not frozen
+        # ranks (a freeze is one process's doing); their collectives will tell if they hang.
+        return []
+    for st in silent:
         silent_for = ctx.now - st.last_seen
-        if silent_for < ctx.silence_after:
-            continue
         proc = st.proc
         if proc is None:
             how = "has gone silent and no node agent reports on its process"

@@ -749,3 +749,14 @@ def test_incidents_in_memory_are_capped_and_forgotten_ones_stay_reported(monkeyp
     assert sorted(eng.incidents) == ["inc-0003", "inc-0004", "inc-0005"]
     again, new = eng._absorb(Finding("straggler", "k0", [1], [0], "s0", "h", onset_time=0.0), now=9.0)
     assert again is None and not new  # the same root cause is not reported twice
+
+
+def test_most_of_the_job_silent_at_once_is_not_a_freeze() -> None:
+    # an overloaded coordinator or a network cut silences everyone: not rank_frozen x N
+    sim = Sim(8)
+    sim.collective(1, T0 + 1)
+    sim.beat(T0 + 2)
+    sim.beat(T0 + 20, ranks=[0, 1])  # six of eight ranks silent for 18 s
+    assert frozen.detect(sim.job, sim.ctx(T0 + 20)) == []
+    sim.beat(T0 + 20, ranks=[2, 3, 4, 5, 6])  # now only rank 7 is silent: that one is frozen
+    assert only(frozen.detect(sim.job, sim.ctx(T0 + 20)), "rank_frozen").culprit_ranks == [7]
