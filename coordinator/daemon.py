@@ -105,6 +105,7 @@ class Coordinator:
             self.engine.by_key[incident.key] = incident.id
         self._id_counter = self.store.next_number()
         self.rejected: dict[str, int] = {}
+        self._apply_failed = False
         self.started = time.time()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -237,11 +238,19 @@ class Coordinator:
             state.dropped = batch.dropped
             state.where = batch.where
             state.where_user = batch.where_user
+            applied = 0
             for event in events:
                 if event.rank != state.rank:
                     continue
-                self.job.apply(state, event, now)
-        return len(events)
+                try:
+                    self.job.apply(state, event, now)
+                    applied += 1
+                except Exception:  # a bug or a hostile event must not block this rank's stream
+                    self.metrics_rejected("internal")
+                    if not self._apply_failed:
+                        self._apply_failed = True
+                        log.exception("could not apply an event from rank %d (reported once)", state.rank)
+        return applied
 
     def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None:
         with self.lock:

@@ -198,7 +198,7 @@ class JobState:
         slot.first_enter = min(slot.first_enter, call.enter_time)
         self.changed_slots.add((call.group, call.seq))
         members = self.members(call.group)
-        if members and len(slot.calls) == len(members):
+        if len(members) > 1 and len(slot.calls) == len(members):
             arrivals = sorted((c.enter_time, rk) for rk, c in slot.calls.items())
             others = arrivals[:-1]  # the last rank's lag behind the median of the others
             median = others[len(others) // 2][0]

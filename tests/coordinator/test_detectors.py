@@ -760,3 +760,11 @@ def test_most_of_the_job_silent_at_once_is_not_a_freeze() -> None:
     assert frozen.detect(sim.job, sim.ctx(T0 + 20)) == []
     sim.beat(T0 + 20, ranks=[2, 3, 4, 5, 6])  # now only rank 7 is silent: that one is frozen
     assert only(frozen.detect(sim.job, sim.ctx(T0 + 20)), "rank_frozen").culprit_ranks == [7]
+
+
+def test_single_member_group_is_not_a_straggler_candidate() -> None:
+    job = JobState()
+    st = job.register(RankIdentity("job", 0, 2, "h", 1, session="s0"), T0)
+    job.apply(st, GroupEvent(0, GroupEventKind.CREATED, GroupInfo("2", (0,)), T0), T0)
+    job.apply(st, CallRecord(rank=0, call_id=1, op="all_reduce", group="2", seq=1, enter_time=T0), T0)
+    assert job.arrivals == {}

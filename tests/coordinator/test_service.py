@@ -213,3 +213,26 @@ def test_every_rpc_refuses_a_wrong_token(coordinator_factory: Callable[..., Coor
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
     assert c.rejected.get("auth") == len(requests)
     assert c.job.ranks == {} and c.hub.remote == {}
+
+
+def test_an_event_the_coordinator_cannot_apply_does_not_block_the_rank(
+    coordinator_factory: Callable[..., Coordinator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = coordinator_factory(embedded_agent=False)
+    t = Transport(f"127.0.0.1:{c.port}", None)
+    ident = identity(0)
+    t.register(ident)
+    real_apply = c.job.apply
+    calls = {"n": 0}
+
+    def flaky_apply(state: Any, event: Any, now: float) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise IndexError("a bug in the detection core")
+        real_apply(state, event, now)
+
+    monkeypatch.setattr(c.job, "apply", flaky_apply)
+    ack = send(t, ident, [call(0, 1, (4,)), call(0, 2, (4,))])
+    assert ack.accepted == 1 and not ack.reregister  # the batch is not refused: no resend loop
+    assert c.rejected.get("internal") == 1
+    assert send(t, ident, [call(0, 3, (4,))]).accepted == 1
