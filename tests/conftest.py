@@ -6,6 +6,7 @@ Every wait is bounded. Tests clean the HANGWATCH_* variables they did not set th
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,36 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def start_coordinator_cli(tmp_path: Path, port: int = 0, stuck_after: float = 3.0) -> tuple[str, subprocess.Popen[str]]:
+    """A real ``hangwatch coordinator`` process; returns the HANGWATCH_ADDR it prints, and the process."""
+    proc = subprocess.Popen(
+        [
+            str(BIN / "hangwatch"),
+            "coordinator",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--stuck-after",
+            str(stuck_after),
+            "--metrics-port",
+            "0",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        match = re.search(r"export HANGWATCH_ADDR=(\S+)", proc.stdout.readline())
+        if match:
+            return match.group(1), proc
+    proc.kill()
+    raise AssertionError("the coordinator did not print the HANGWATCH_ADDR to export")
 
 
 class Job:

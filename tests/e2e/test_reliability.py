@@ -4,7 +4,6 @@ black-holed coordinator that accepts connections but never answers. Real process
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, Job, wait_for
+from tests.conftest import BIN, Job, start_coordinator_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -45,30 +44,7 @@ dist.destroy_process_group()
 
 
 def _start_coordinator(tmp_path: Path, port: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [
-            str(BIN / "hangwatch"),
-            "coordinator",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--stuck-after",
-            "3",
-            "--metrics-port",
-            "0",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if re.search(r"export HANGWATCH_ADDR", proc.stdout.readline()):
-            return proc
-    raise AssertionError("coordinator did not start")
+    return start_coordinator_cli(tmp_path, port)[1]
 
 
 def _cli_json(addr: str, *args: str) -> object:

@@ -5,7 +5,6 @@ with the culprit's py-spy stack, long before gloo's timeout."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, Job, wait_for
+from tests.conftest import BIN, Job, start_coordinator_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,33 +31,7 @@ for step in range(100):
 
 @pytest.fixture
 def coordinator_cli(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    proc = subprocess.Popen(
-        [
-            str(BIN / "hangwatch"),
-            "coordinator",
-            "--port",
-            "0",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--stuck-after",
-            "4",
-            "--metrics-port",
-            "0",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    addr = ""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not addr:
-        line = proc.stdout.readline()
-        match = re.search(r"export HANGWATCH_ADDR=(\S+)", line)
-        if match:
-            addr = match.group(1)
-    assert addr, "coordinator did not print the HANGWATCH_ADDR to export"
+    addr, proc = start_coordinator_cli(tmp_path, stuck_after=4)
     yield addr, proc
     proc.terminate()
     proc.wait(10)
