@@ -248,6 +248,29 @@ def detect(ranks: int, rate: float, faults: list[str], pattern: str, fault_at: f
             print(f"| {fault} | {k} | MISSED ({want}) | - | - | - | {', '.join(others) or '-'} |", flush=True)
 
 
+def soak(ranks: int, rate: float, seconds: float, pattern: str) -> None:
+    """Coordinator RSS over a long run: bounded state shows as a flat line after warm-up."""
+    coord = CoordinatorProc()
+    try:
+        res = loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern])
+        t0 = res["t0"]
+        status = coord.query("GetStatus")
+        print(
+            f"soak: {ranks} ranks x {rate:g} coll/s, {pattern}, {seconds:.0f} s; "
+            f"{status['job']['records_received']:,} records received; "
+            f"incidents: {dict(collections.Counter(i['kind'] for i in coord.query('ListIncidents'))) or 'none'}"
+        )
+        print("    t (s)   coordinator RSS (MB)")
+        step = max(1.0, seconds / 10)
+        mark = step
+        for t, _cpu, rss in coord.samples:
+            if t - t0 >= mark:
+                print(f"    {t - t0:5.0f}   {rss / 2**20:8.1f}")
+                mark += step
+    finally:
+        coord.close()
+
+
 def _short(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 4 else f"{ranks[:3]}… ({len(ranks)})"
 
@@ -336,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="(internal) run the coordinator under test")
     s.add_argument("--data-dir", required=True)
     s.add_argument("--stuck-after", type=float, default=5.0)
-    for name in ("ladder", "ceiling", "detect", "profile"):
+    for name in ("ladder", "ceiling", "detect", "profile", "soak"):
         p = sub.add_parser(name)
         p.add_argument("--pattern", default="ddp", choices=("ddp", "fsdp", "pipeline", "mixed"))
         p.add_argument("--seconds", type=float, default=15.0)
@@ -356,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         ceiling(args.ranks, [float(x) for x in args.rates.split(",")], args.seconds, args.pattern)
     elif args.mode == "detect":
         detect(args.ranks, args.rate, args.faults.split(","), args.pattern, args.fault_at)
+    elif args.mode == "soak":
+        soak(args.ranks, args.rate, args.seconds, args.pattern)
     else:
         profile(args.ranks, args.rate, args.seconds, args.pattern, args.top)
     return 0
