@@ -108,7 +108,9 @@ def _worker(rank: int, mode: str, port: int, addr: str, out: str) -> None:
             result["enter_exit_us"] = statistics.median(samples) * 1e6
             # the full wrapper around a no-op original, minus the bare no-op
             wrapped = capture._wrap_op(spec, lambda tensor, op=None, group=None, async_op=False: None)
-            sender = type("Snd", (), {"registered": False})()
+            # registered, so the steady-state novel-signature check is paid as in a real rank (the
+            # first call's flush is answered at once; every later call repeats its signature)
+            sender = type("Snd", (), {"registered": True, "flush": lambda self, timeout: True})()
             fake = type("S", (), {"recorder": rec, "sender": sender, "fail": lambda *a: None})()
             capture.set_session(fake)
 

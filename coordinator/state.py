@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from hangwatch import records as r
+from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.rules import Mismatch
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
@@ -100,6 +102,11 @@ class JobState:
         self.records_received = 0
         self.started = time.time()
         self.changed_slots: set[tuple[str, int]] = set()
+        # detectors recompute these only when their inputs change (see mismatch.py, p2p.py)
+        self.groups_changed = False
+        self.membership_mismatches: list[Finding] = []
+        self.p2p_changed = False
+        self.p2p_pair_mismatches: list[Mismatch] = []
         self.aborted_at: float | None = None
         self.dropped_calls = (
             0  # calls refused because they would exceed MAX_GROUPS  # when hangwatch itself terminated the ranks
@@ -142,6 +149,7 @@ class JobState:
             state.step = event.step
             state.last_progress = now
         elif isinstance(event, r.GroupEvent):
+            self.groups_changed = True
             if event.kind is r.GroupEventKind.CREATED:
                 state.groups[event.group.name] = event.group
                 self.groups.setdefault(event.group.name, event.group)
@@ -176,6 +184,7 @@ class JobState:
                 oldest = min(state.open_calls)
                 self._unslot(state.open_calls.pop(oldest))
         if call.kind is r.OpKind.P2P:
+            self.p2p_changed = True
             if call.exit_time is None:
                 self.p2p_open[(state.rank, call.call_id)] = call
             return

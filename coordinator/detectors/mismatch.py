@@ -9,16 +9,17 @@ in a different order).
 from __future__ import annotations
 
 from hangwatch.coordinator.detectors import Context, slot_key
-from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT
+from hangwatch.coordinator.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
 from hangwatch.coordinator.incidents import Finding
 from hangwatch.coordinator.rules import compare_collective, explain_extra_call, format_ranks
 from hangwatch.coordinator.state import JobState
 
-BARRIERS = ("barrier", "monitored_barrier")
-
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
-    findings = _group_membership(job)
+    if job.groups_changed:  # compare memberships only when a rank created or destroyed a group
+        job.groups_changed = False
+        job.membership_mismatches = _group_membership(job)
+    findings = list(job.membership_mismatches)
     changed = job.changed_slots
     job.changed_slots = set()
     for group, seq in sorted(changed):

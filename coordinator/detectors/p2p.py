@@ -13,22 +13,10 @@ P2P_GRACE_S = 2.0
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
-    found: list[Mismatch] = []
-    sends: dict[tuple[str, int, int, int], r.CallRecord] = {}
-    recvs: dict[tuple[str, int, int, int], r.CallRecord] = {}
-    for st in job.ranks.values():
-        for hist in st.history.values():
-            for c in hist:
-                if c.op in r.SEND_OPS and c.peer is not None:
-                    sends[(c.group, c.rank, c.peer, c.seq)] = c
-                elif c.op in r.RECV_OPS and c.peer is not None:
-                    recvs[(c.group, c.peer, c.rank, c.seq)] = c
-    for key, send in sends.items():
-        recv = recvs.get(key)
-        if recv is not None:
-            m = match_p2p(send, recv)
-            if m is not None:
-                found.append(m)
+    if job.p2p_changed:  # pair sends with receives only when new p2p calls arrived
+        job.p2p_changed = False
+        job.p2p_pair_mismatches = _paired(job)
+    found = list(job.p2p_pair_mismatches)
     open_calls = list(job.p2p_open.values())
     if open_calls:
         found.extend(unmatched_p2p(open_calls, ctx.now, min(P2P_GRACE_S, ctx.stuck_after)))
@@ -50,3 +38,24 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             )
         )
     return findings
+
+
+def _paired(job: JobState) -> list[Mismatch]:
+    """Sends and receives that pair up (same group, pair and seq) but disagree on size or dtype."""
+    sends: dict[tuple[str, int, int, int], r.CallRecord] = {}
+    recvs: dict[tuple[str, int, int, int], r.CallRecord] = {}
+    for st in job.ranks.values():
+        for hist in st.history.values():
+            for c in hist:
+                if c.op in r.SEND_OPS and c.peer is not None:
+                    sends[(c.group, c.rank, c.peer, c.seq)] = c
+                elif c.op in r.RECV_OPS and c.peer is not None:
+                    recvs[(c.group, c.peer, c.rank, c.seq)] = c
+    found: list[Mismatch] = []
+    for key, send in sends.items():
+        recv = recvs.get(key)
+        if recv is not None:
+            m = match_p2p(send, recv)
+            if m is not None:
+                found.append(m)
+    return found

@@ -54,20 +54,52 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     return findings
 
 
+BARRIERS = ("barrier", "monitored_barrier")
+KEY_PREFIX = {"stuck_collective": "stuck", "early_exit": "early", "transport_stall": "stall"}
+
+
+def _left_the_loop(state: RankState, op: str) -> bool:
+    """Ended cleanly, or waits in a barrier of its own while the others are in something else."""
+    if state.end is not None:
+        return state.end.kind in (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
+    blocked = state.oldest_open()
+    return blocked is not None and blocked.op in BARRIERS and op not in BARRIERS
+
+
 def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...], waiting: list[int]) -> Finding | None:
     absent = [m for m in members if m not in slot.calls]
+    waiting = sorted(waiting)
     sample = slot.calls[waiting[0]]
     op = sample.op
-    waited = ctx.now - min(slot.calls[rk].enter_time for rk in waiting)
+    entered = min(slot.calls[rk].enter_time for rk in waiting)
+    waited = ctx.now - entered
     key = slot_key(slot.group, slot.seq)
-    base = {
-        "op": op,
-        "group": slot.group,
-        "seq": slot.seq,
-        "step": max(c.step for c in slot.calls.values()),
-        "onset_time": slot.last_enter if not absent else min(slot.calls[rk].enter_time for rk in waiting),
+    where = f"{op} (group {slot.group}, seq {slot.seq})"
+    details: dict[str, object] = {
+        "calls": {str(rk): describe_call(c) for rk, c in sorted(slot.calls.items())},
+        "waited_s": round(waited, 1),
     }
-    calls = {str(rk): describe_call(c) for rk, c in sorted(slot.calls.items())}
+
+    def finding(
+        kind: str, culprits: list[int], summary: str, hint: str, stack_ranks: list[int], native: bool = False
+    ) -> Finding:
+        return Finding(
+            kind=kind,
+            key=f"{KEY_PREFIX[kind]}:{key}",
+            culprit_ranks=culprits,
+            waiting_ranks=waiting,
+            summary=summary,
+            hint=hint,
+            onset_time=slot.last_enter if not absent else entered,
+            op=op,
+            group=slot.group,
+            seq=slot.seq,
+            step=max(c.step for c in slot.calls.values()),
+            details=details,
+            stack_ranks=stack_ranks,
+            native=native,
+        )
+
     if not absent:
         if not members:
             return None  # membership unknown: "every member entered" cannot be told
@@ -75,97 +107,58 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             return None  # completion of C++-issued calls is not observable precisely enough
         if any(c.exit_time is not None for c in slot.calls.values()):
             return None  # someone returned: the others are being delivered, not stalled
-        return Finding(
-            kind="transport_stall",
-            key=f"stall:{key}",
-            culprit_ranks=[],
-            waiting_ranks=sorted(waiting),
-            summary=(
-                f"all {len(members)} ranks of group {slot.group} entered {op} (seq {slot.seq}) with matching "
-                f"arguments and none has returned after {waited:.0f} s: the transport is stalled"
-            ),
-            hint=(
-                "The ranks agree, so the backend is stuck: check the network (NCCL_DEBUG=INFO, "
-                "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), a failed NIC or switch, or a GPU that stopped "
-                "responding; the native stacks show where each rank waits."
-            ),
-            details={"calls": calls, "waited_s": round(waited, 1)},
-            stack_ranks=sorted(waiting)[:8],
+        return finding(
+            "transport_stall",
+            [],
+            f"all {len(members)} ranks of group {slot.group} entered {op} (seq {slot.seq}) with matching "
+            f"arguments and none has returned after {waited:.0f} s: the transport is stalled",
+            "The ranks agree, so the backend is stuck: check the network (NCCL_DEBUG=INFO, "
+            "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), a failed NIC or switch, or a GPU that stopped "
+            "responding; the native stacks show where each rank waits.",
+            waiting[:8],
             native=True,
-            **base,  # type: ignore[arg-type]
         )
     states = {rk: job.ranks.get(rk) for rk in absent}
-    if any(s is None for s in states.values()):
-        unregistered = [rk for rk, s in states.items() if s is None]
-        return Finding(
-            kind="stuck_collective",
-            key=f"stuck:{key}",
-            culprit_ranks=unregistered,
-            waiting_ranks=sorted(waiting),
-            summary=(
-                f"ranks {format_ranks(sorted(waiting))} wait in {op} (group {slot.group}, seq {slot.seq}) for "
-                f"{waited:.0f} s; rank(s) {format_ranks(unregistered)} never registered with hangwatch"
-            ),
-            hint="Check that every rank started and has HANGWATCH_ADDR set; look at its launcher's logs.",
-            details={"calls": calls, "waited_s": round(waited, 1)},
-            stack_ranks=sorted(waiting)[:2],
-            **base,  # type: ignore[arg-type]
+    unregistered = [rk for rk, st in states.items() if st is None]
+    if unregistered:
+        return finding(
+            "stuck_collective",
+            unregistered,
+            f"ranks {format_ranks(waiting)} wait in {where} for {waited:.0f} s; rank(s) "
+            f"{format_ranks(unregistered)} never registered with hangwatch",
+            "Check that every rank started and has HANGWATCH_ADDR set; look at its launcher's logs.",
+            waiting[:2],
         )
-    present = {rk: s for rk, s in states.items() if s is not None}
-    if any(not s.alive for s in present.values()):
+    present = {rk: st for rk, st in states.items() if st is not None}
+    if any(not st.alive for st in present.values()):
         return None  # rank_died explains it
-    if any(s.end is None and _silent(s, ctx) for s in present.values()):
+    if any(st.end is None and _silent(st, ctx) for st in present.values()):
         return None  # rank_frozen explains it (or will, once the silence lasts silence_after)
-    doings = {rk: doing(s, ctx.now) for rk, s in present.items()}
-    left = [
-        rk
-        for rk, s in present.items()
-        if (s.end is not None and s.end.kind in (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED))
-        or (
-            s.oldest_open() is not None
-            and s.oldest_open().op in ("barrier", "monitored_barrier")  # type: ignore[union-attr]
-            and op not in ("barrier", "monitored_barrier")
+    doings = {rk: doing(st, ctx.now) for rk, st in sorted(present.items())}
+    details["absent"] = {str(rk): text for rk, text in doings.items()}
+    absent_text = "; ".join(f"rank {rk} {text}" for rk, text in doings.items())
+    plural = len(absent) > 1
+    who = format_ranks(absent)
+    stack_ranks = absent + waiting[:1]
+    if all(_left_the_loop(st, op) for st in present.values()):
+        steps = ", ".join(str(step) for step in sorted({st.step for st in present.values()}))
+        return finding(
+            "early_exit",
+            absent,
+            f"rank{'s' if plural else ''} {who} left the training loop at step {steps} ({absent_text}) while "
+            f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} entered {where} and wait for "
+            f"{waited:.0f} s",
+            EARLY_EXIT_HINT,
+            stack_ranks,
         )
-    ]
-    who = format_ranks(sorted(absent))
-    waiting_txt = format_ranks(sorted(waiting))
-    if left and len(left) == len(absent):
-        last_steps = sorted({present[rk].step for rk in absent})
-        absent_text = "; ".join(f"rank {rk} {d}" for rk, d in sorted(doings.items()))
-        return Finding(
-            kind="early_exit",
-            key=f"early:{key}",
-            culprit_ranks=sorted(absent),
-            waiting_ranks=sorted(waiting),
-            summary=(
-                f"rank{'s' if len(absent) > 1 else ''} {who} left the training loop at step "
-                f"{', '.join(map(str, last_steps))} ({absent_text}) "
-                f"while rank{'s' if len(waiting) > 1 else ''} {waiting_txt} entered {op} "
-                f"(group {slot.group}, seq {slot.seq}) and wait for {waited:.0f} s"
-            ),
-            hint=EARLY_EXIT_HINT,
-            details={"calls": calls, "absent": {str(k): v for k, v in doings.items()}, "waited_s": round(waited, 1)},
-            stack_ranks=sorted(absent) + sorted(waiting)[:1],
-            **base,  # type: ignore[arg-type]
-        )
-    return Finding(
-        kind="stuck_collective",
-        key=f"stuck:{key}",
-        culprit_ranks=sorted(absent),
-        waiting_ranks=sorted(waiting),
-        summary=(
-            f"rank{'s' if len(waiting) > 1 else ''} {waiting_txt} wait{'' if len(waiting) > 1 else 's'} in {op} "
-            f"(group {slot.group}, seq {slot.seq}) at {sample.call_site or '?'} for {waited:.0f} s; "
-            + "; ".join(f"rank {rk} {d}" for rk, d in sorted(doings.items()))
-        ),
-        hint=(
-            f"Rank{'s' if len(absent) > 1 else ''} {who} never reached this {op}. Look at "
-            f"{'their' if len(absent) > 1 else 'its'} stack below: work that only some ranks do (a checkpoint "
-            "save or evaluation on rank 0, a data loader that stalls, a conditional branch) must either be "
-            "done by every rank or finish before the others' next collective; if it is legitimately long, "
-            "raise --stuck-after."
-        ),
-        details={"calls": calls, "absent": {str(k): v for k, v in doings.items()}, "waited_s": round(waited, 1)},
-        stack_ranks=sorted(absent) + sorted(waiting)[:1],
-        **base,  # type: ignore[arg-type]
+    return finding(
+        "stuck_collective",
+        absent,
+        f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
+        f"{where} at {sample.call_site or '?'} for {waited:.0f} s; {absent_text}",
+        f"Rank{'s' if plural else ''} {who} never reached this {op}. Look at {'their' if plural else 'its'} stack "
+        "below: work that only some ranks do (a checkpoint save or evaluation on rank 0, a data loader that "
+        "stalls, a conditional branch) must either be done by every rank or finish before the others' next "
+        "collective; if it is legitimately long, raise --stuck-after.",
+        stack_ranks,
     )
