@@ -87,6 +87,35 @@ class Slot:
     first_enter: float = 0.0  # coordinator time
     last_enter: float = 0.0
     checked: int = 0  # number of calls when the mismatch check last ran
+    checked_size: int = 0  # the group size that check used
+    open: int = 0  # calls in this slot not yet exited (kept in step by JobState)
+    #: What every call so far agrees on, while they are unrooted, extra-free and identical in op,
+    #: tensors, reduce op and async-ness: then a new call with the same key cannot create a
+    #: mismatch the last full check did not see (see detectors/mismatch.py).
+    key: tuple[object, ...] | None = None
+    uniform: bool = True
+
+    def add(self, call: r.CallRecord) -> None:
+        prev = self.calls.get(call.rank)
+        if prev is not None and prev.exit_time is None:
+            self.open -= 1
+        self.calls[call.rank] = call
+        if call.exit_time is None:
+            self.open += 1
+        if self.uniform:
+            if call.root is not None or call.extra:
+                self.uniform = False
+                return
+            key = (call.op, call.inputs, call.outputs, call.reduce_op, call.async_op)
+            if self.key is None:
+                self.key = key
+            elif key != self.key:
+                self.uniform = False
+
+    def remove(self, rank: int) -> None:
+        call = self.calls.pop(rank, None)
+        if call is not None and call.exit_time is None:
+            self.open -= 1
 
 
 class JobState:
@@ -113,6 +142,7 @@ class JobState:
         )
         # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time)
         self.arrivals: dict[str, collections.deque[tuple[int, float, int, float]]] = {}
+        self._world: tuple[int, ...] = ()
 
     # ---- registration ---------------------------------------------------------------------
 
@@ -202,7 +232,7 @@ class JobState:
             slot = slots[call.seq] = Slot(call.group, call.seq, first_enter=call.enter_time)
             while len(slots) > MAX_SLOTS_PER_GROUP:
                 slots.popitem(last=False)
-        slot.calls[state.rank] = call
+        slot.add(call)
         slot.last_enter = max(slot.last_enter, call.enter_time)
         slot.first_enter = min(slot.first_enter, call.enter_time)
         self.changed_slots.add((call.group, call.seq))
@@ -215,6 +245,9 @@ class JobState:
             if lasts is None:
                 lasts = self.arrivals[call.group] = collections.deque(maxlen=ARRIVALS_KEPT)
             lasts.append((arrivals[-1][1], arrivals[-1][0] - median, call.seq, slot.first_enter))
+        if call.exit_time is not None and call.error is None:  # reported already complete
+            self.wait_durations.append(max(0.0, call.exit_time - call.enter_time))
+            self._prune(call.group, call.seq)
 
     def _exit(self, state: RankState, done: r.CallExit, now: float) -> None:
         call = state.open_calls.get(done.call_id)
@@ -225,6 +258,11 @@ class JobState:
         call.seq_count = done.seq_count
 
     def _close(self, state: RankState, call: r.CallRecord, when: float, error: str | None) -> None:
+        if call.exit_time is None and call.kind is r.OpKind.COLLECTIVE:
+            slots = self.slots.get(call.group)
+            slot = None if slots is None else slots.get(call.seq)
+            if slot is not None and slot.calls.get(call.rank) is call:
+                slot.open -= 1
         call.exit_time = when
         call.error = error
         state.open_calls.pop(call.call_id, None)
@@ -236,7 +274,7 @@ class JobState:
     def _unslot(self, call: r.CallRecord) -> None:
         slots = self.slots.get(call.group)
         if slots is not None and call.seq in slots:
-            slots[call.seq].calls.pop(call.rank, None)
+            slots[call.seq].remove(call.rank)
 
     def _prune(self, group: str, seq: int) -> None:
         """Drop slots older than ``seq`` whose calls have all completed, keeping a short tail."""
@@ -248,7 +286,7 @@ class JobState:
             first_seq, first = next(iter(slots.items()))
             if first_seq >= seq - 8:
                 break
-            if any(c.exit_time is None for c in first.calls.values()):
+            if first.open:
                 break
             if members and len(first.calls) < len(members) and first_seq >= seq - 256:
                 break  # someone has not arrived yet: keep it for the detectors
@@ -261,7 +299,9 @@ class JobState:
         if info is not None and info.ranks:
             return info.ranks
         if group == "0" and self.world_size:
-            return tuple(range(self.world_size))
+            if len(self._world) != self.world_size:
+                self._world = tuple(range(self.world_size))
+            return self._world
         return ()
 
     def median_step_time(self) -> float | None:

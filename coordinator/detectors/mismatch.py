@@ -26,8 +26,12 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         slot = job.slots[group].get(seq) if group in job.slots else None
         if slot is None or len(slot.calls) < 2 or len(slot.calls) == slot.checked:
             continue
-        slot.checked = len(slot.calls)
-        mismatch = compare_collective(slot.calls, len(job.members(group)) or None)
+        size = len(job.members(group))
+        if slot.uniform and slot.checked >= 2 and slot.checked_size == size:
+            slot.checked = len(slot.calls)  # more of the same calls: nothing new to compare
+            continue
+        slot.checked, slot.checked_size = len(slot.calls), size
+        mismatch = compare_collective(slot.calls, size or None)
         if mismatch is None:
             continue
         key = slot_key(group, seq)

@@ -40,6 +40,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     for group, slots in job.slots.items():
         members = job.members(group)
         for seq, slot in slots.items():
+            if not slot.open:
+                continue
             waiting = [rk for rk, c in slot.calls.items() if c.exit_time is None]
             if not waiting:
                 continue

@@ -555,6 +555,64 @@ def test_mismatch_third_rank_updates_not_duplicates() -> None:
     assert len(engine.incidents) == 1
 
 
+def test_mismatch_after_agreeing_ticks_is_still_found() -> None:
+    """Slots whose calls all agree skip the full rule check when more of the same arrive; a
+    different call arriving after several agreeing ticks must still be compared in full."""
+    sim = Sim(8)
+    for rk in range(4):
+        sim.call(rk, T0 + 1 + rk * 0.01)
+        assert mismatch.detect(sim.job, sim.ctx(T0 + 1.5 + rk)) == []
+    sim.call(4, T0 + 6, dtype=F64)
+    f = only(mismatch.detect(sim.job, sim.ctx(T0 + 6.1)), "dtype_mismatch")
+    assert f.culprit_ranks == [4]
+
+
+def test_rooted_slots_are_always_compared_in_full() -> None:
+    """For rooted ops a call identical to the others can still be wrong for its rank (the root
+    of a scatter must pass the list), so the agreeing-slot shortcut never applies to them."""
+    sim = Sim(2)
+    slot_calls = []
+    for rk in range(2):
+        record = CallRecord(
+            rank=rk,
+            call_id=rk + 1,
+            op="broadcast",
+            group="0",
+            seq=1,
+            inputs=(TensorMeta((4,), F32),),
+            root=0,
+            call_site=SITE,
+            enter_time=T0 + 1,
+        )
+        sim.job.apply(sim.states[rk], record, T0 + 1)
+        slot_calls.append(record)
+    slot = sim.job.slots["0"][1]
+    assert not slot.uniform
+    assert slot.open == 2
+    sim.exit(slot_calls[0], T0 + 1.5)
+    assert slot.open == 1
+
+
+def test_slot_open_count_follows_exits_replacements_and_completed_reports() -> None:
+    sim = Sim(3)
+    a = sim.call(0, T0 + 1)
+    sim.call(1, T0 + 1, exit_time=T0 + 1.2)  # reported already complete
+    slot = sim.job.slots["0"][1]
+    assert slot.open == 1
+    sim.call(2, T0 + 1.1)
+    assert slot.open == 2
+    sim.exit(a, T0 + 1.3)
+    assert slot.open == 1
+    sim.call(2, T0 + 2, seq=2)  # a later collective on the group closes rank 2's older one
+    assert slot.open == 0
+    # completed slots are pruned once the job is well past them
+    for seq in range(3, 30):
+        for rk in range(3):
+            sim.call(rk, T0 + seq, seq=seq, exit_time=T0 + seq + 0.1)
+    assert 1 not in sim.job.slots["0"]
+    assert len(sim.job.wait_durations) > 0
+
+
 def test_mismatch_third_rank_can_change_the_culprit() -> None:
     sim = Sim(3)
     sim.call(0, T0 + 2)
