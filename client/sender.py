@@ -29,6 +29,7 @@ MAX_BATCH = 2000
 #: thread's CPU, so batching matters more than latency here: the coordinator's detection tick is
 #: 0.25 s, and a call of a new kind is flushed at once anyway.
 SEND_INTERVAL_S = 0.2
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 5.0  # bounds on the interval a coordinator may ask for
 MAX_BACKOFF_S = 2.0  # a restarted coordinator is found again within a few seconds
 
 
@@ -133,6 +134,8 @@ class Sender:
                             # a restarted coordinator knows nothing of our groups: announce them again
                             pending = self._group_announcements() + pending
                         self.coordinator_id = reply.coordinator_id
+                        if reply.report_interval_s > 0:  # large jobs: the coordinator asks for fewer RPCs
+                            self.interval_s = min(max(reply.report_interval_s, MIN_INTERVAL_S), MAX_INTERVAL_S)
                     if not pending:
                         pending = [recorder.materialize(item) for item in queue.drain(MAX_BATCH)]
                     if pending or now - last_sent >= self.heartbeat_s or flushing:

@@ -15,6 +15,7 @@ from hangwatch import records as r
 from hangwatch import tls, wire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+from hangwatch.signatures import CallEncoder
 
 #: Keepalive settings aligned with the coordinator's (server permits pings every 10 s).
 CHANNEL_OPTIONS = [
@@ -35,6 +36,7 @@ class Transport:
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CoordinatorStub | None = None
+        self.encoder = CallEncoder()
 
     def _get_stub(self) -> pb_grpc.CoordinatorStub:
         if self._stub is None:
@@ -54,6 +56,7 @@ class Transport:
     def register(self, identity: r.RankIdentity) -> pb.RegisterReply:
         req = pb.RegisterRequest(token=self.token)
         wire.identity_to_pb(identity, req.identity)
+        self.encoder.reset()  # whatever the outcome, the coordinator's table for us starts empty
         reply: pb.RegisterReply = self._get_stub().Register(req, timeout=self.timeout_s)
         return reply
 
@@ -79,7 +82,6 @@ class Transport:
             where=where,
             where_user=where_user,
         )
-        for ev in events:
-            wire.event_to_pb(ev, batch.events.add())
+        self.encoder.encode(events, batch)
         reply: pb.ReportReply = self._get_stub().Report(batch, timeout=self.timeout_s)
         return reply

@@ -54,6 +54,9 @@ ENV_MAX_DATA_MB = "HANGWATCH_MAX_DATA_MB"
 ENV_ALERT_WEBHOOK = "HANGWATCH_ALERT_WEBHOOK"
 #: Port of the coordinator's Prometheus ``/metrics`` endpoint (``0``: off).
 ENV_METRICS_PORT = "HANGWATCH_METRICS_PORT"
+#: Node agent: port of its relay for this node's ranks (point their ``HANGWATCH_ADDR`` at it);
+#: unset or ``0``: no relay, ranks talk to the coordinator directly.
+ENV_RELAY_PORT = "HANGWATCH_RELAY_PORT"
 
 # --- defaults --------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ coordinator.stop()
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -33,6 +32,8 @@ from hangwatch.coordinator.state import JobState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import status_json
 from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.serving import is_loopback
+from hangwatch.signatures import CallDecoder
 
 log = logging.getLogger("hangwatch.coordinator")
 
@@ -64,18 +65,9 @@ class CoordinatorOptions:
     alert_webhook: str | None = None
 
 
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class Coordinator:
     def __init__(self, options: CoordinatorOptions) -> None:
-        if not _is_loopback(options.host) and not options.token and not options.allow_insecure_bind:
+        if not is_loopback(options.host) and not options.token and not options.allow_insecure_bind:
             raise ConfigError(
                 f"refusing to listen on {options.host} without a token: pass --token (or set "
                 f"{config.ENV_TOKEN}), or --allow-insecure-bind on a trusted network"
@@ -84,6 +76,7 @@ class Coordinator:
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.lock = threading.RLock()
         self.job = JobState()
+        self.decoders: dict[str, CallDecoder] = {}  # session -> its interned call signatures
         self.store = IncidentStore(options.data_dir, max_bytes=int(options.max_data_mb * 1024 * 1024))
         embedded = None
         if options.embedded_agent:
@@ -216,7 +209,11 @@ class Coordinator:
 
     def register_rank(self, identity: r.RankIdentity) -> None:
         with self.lock:
+            previous = self.job.ranks.get(identity.rank)
+            if previous is not None and previous.identity.session != identity.session:
+                self.decoders.pop(previous.identity.session, None)
             self.job.register(identity, time.time())
+            self.decoders[identity.session] = CallDecoder()  # the rank's table starts empty too
         log.info(
             "rank %d registered (pid %d on %s, job %s)",
             identity.rank,
@@ -225,13 +222,24 @@ class Coordinator:
             identity.job_id,
         )
 
-    def report(self, batch: pb.ReportBatch, events: list[r.RankEvent]) -> int | None:
+    def decoder_for(self, session: str) -> CallDecoder | None:
+        """The signature table of a registered session (None: the rank must register)."""
+        return self.decoders.get(session)
+
+    def report_interval(self) -> float:
+        """How often ranks should send: every 0.2 s up to ~400 ranks, then less often as the
+        job grows (1 s from 2048 ranks), so the coordinator's RPC rate stays bounded. Calls of
+        a new kind are flushed at once whatever this says, so mismatches are not delayed."""
+        return max(0.2, min(1.0, self.job.world_size / 2048))
+
+    def report(self, batch: pb.ReportBatch, events: list[r.RankEvent], relay: str = "") -> int | None:
         now = time.time()
         with self.lock:
             state = self.job.rank_for_session(batch.session)
             if state is None or state.rank != batch.rank:
                 return None
             state.last_seen = now
+            state.relay = relay
             if batch.sent_time:
                 state.clock_offset = now - batch.sent_time
             state.queued = batch.queued

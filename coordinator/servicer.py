@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from hangwatch import records as r
 from hangwatch import wire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+from hangwatch.serving import add_service
 
 if TYPE_CHECKING:
     from hangwatch.coordinator.daemon import Coordinator
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hangwatch.coordinator")
 
 MAX_EVENTS_PER_BATCH = 20_000
+MAX_REPORTS_PER_RELAY = 4096
 MAX_WORLD_SIZE = 1 << 20
 MAX_POLL_WAIT_S = 10.0
 
@@ -65,30 +66,59 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if not ident.session:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "registration without a session id")
         self.c.register_rank(ident)
-        return pb.RegisterReply(coordinator_id=self.c.coordinator_id, server_time=time.time())
+        return pb.RegisterReply(
+            coordinator_id=self.c.coordinator_id,
+            server_time=time.time(),
+            report_interval_s=self.c.report_interval(),
+        )
 
     def Report(self, request: pb.ReportBatch, context: grpc.ServicerContext) -> pb.ReportReply:
         self._auth(request.token, context)
-        if len(request.events) > MAX_EVENTS_PER_BATCH:
+        problem = self._oversized(request)
+        if problem:
+            self.c.metrics_rejected("oversized")
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return self._report(request, "")
+
+    def ReportMany(self, request: pb.RelayBatch, context: grpc.ServicerContext) -> pb.RelayReply:
+        """A node agent's relayed batches: the relay's token vouches for them (it checked each
+        rank's); each batch is bounded and applied exactly as if its rank had sent it."""
+        self._auth(request.token, context)
+        if len(request.reports) > MAX_REPORTS_PER_RELAY:
             self.c.metrics_rejected("oversized")
             _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"batch of {len(request.events)} events exceeds the limit of {MAX_EVENTS_PER_BATCH}",
+                f"relay batch of {len(request.reports)} reports exceeds the limit of {MAX_REPORTS_PER_RELAY}",
             )
-        events: list[r.RankEvent] = []
-        rejected = 0
-        for msg in request.events:
-            try:
-                events.append(wire.event_from_pb(request.rank, msg))
-            except (wire.WireError, ValueError, OverflowError):
-                rejected += 1
-        accepted = self.c.report(request, events)
+        reply = pb.RelayReply()
+        for report in request.reports:
+            if self._oversized(report):
+                self.c.metrics_rejected("oversized")
+                reply.replies.add(server_time=time.time())  # refused: accepted = 0
+                continue
+            reply.replies.append(self._report(report, request.relay_host))
+        reply.server_time = time.time()
+        return reply
+
+    @staticmethod
+    def _oversized(request: pb.ReportBatch) -> str:
+        events = len(request.events) + len(request.calls.signature) + len(request.signatures)
+        if events > MAX_EVENTS_PER_BATCH:
+            return f"batch of {events} events exceeds the limit of {MAX_EVENTS_PER_BATCH}"
+        return ""
+
+    def _report(self, request: pb.ReportBatch, relay: str) -> pb.ReportReply:
+        decoder = self.c.decoder_for(request.session)
+        if decoder is None:
+            return pb.ReportReply(reregister=True, server_time=time.time())
+        events, rejected, folded = decoder.decode(request.rank, request)
+        accepted = self.c.report(request, events, relay)
         if accepted is None:
             return pb.ReportReply(reregister=True, server_time=time.time())
         if rejected:
             self.c.metrics_rejected("malformed", rejected)
-        return pb.ReportReply(server_time=time.time(), accepted=accepted)
+        return pb.ReportReply(server_time=time.time(), accepted=accepted + folded)
 
     # ---- agents ---------------------------------------------------------------------------
 
@@ -172,42 +202,5 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.JsonReply(json=json.dumps(result))
 
 
-class _Malformed:
-    """Stands in for a request whose bytes did not parse."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _safe_deserializer(message_class: Any) -> Any:
-    def parse(data: bytes) -> Any:
-        try:
-            return message_class.FromString(data)
-        except Exception as exc:  # DecodeError, and anything else a hostile payload can provoke
-            return _Malformed(f"{type(exc).__name__}: {exc}")
-
-    return parse
-
-
-def _guarded(method: Any) -> Any:
-    def handler(request: Any, context: grpc.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message ({request.error})")
-        return method(request, context)
-
-    return handler
-
-
 def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
-    """Register the service like the generated helper does, but answer undecodable bytes with
-    INVALID_ARGUMENT instead of gRPC's generic INTERNAL."""
-    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
-    handlers = {}
-    for method in service.methods:
-        request_class = getattr(pb, method.input_type.name)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _guarded(getattr(servicer, method.name)),
-            request_deserializer=_safe_deserializer(request_class),
-            response_serializer=lambda message: message.SerializeToString(),
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    add_service(servicer, server)

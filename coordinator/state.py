@@ -44,6 +44,7 @@ class RankState:
     proc: r.ProcessStatus | None = None
     where: str = ""
     where_user: str = ""
+    relay: str = ""  # the node agent relaying this rank's batches, if any
     queued: int = 0
     dropped: int = 0
     markers: collections.deque[r.MarkerEvent] = field(default_factory=lambda: collections.deque(maxlen=16))

@@ -155,6 +155,32 @@ class Event(_message.Message):
     end: End
     def __init__(self, call: _Optional[_Union[Call, _Mapping]] = ..., done: _Optional[_Union[CallDone, _Mapping]] = ..., group: _Optional[_Union[GroupChange, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., marker: _Optional[_Union[Marker, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
 
+class Signature(_message.Message):
+    __slots__ = ("id", "call")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    call: Call
+    def __init__(self, id: _Optional[int] = ..., call: _Optional[_Union[Call, _Mapping]] = ...) -> None: ...
+
+class CallColumns(_message.Message):
+    __slots__ = ("signature", "call_id", "seq", "step", "enter_time", "exit_time", "seq_count")
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ENTER_TIME_FIELD_NUMBER: _ClassVar[int]
+    EXIT_TIME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_COUNT_FIELD_NUMBER: _ClassVar[int]
+    signature: _containers.RepeatedScalarFieldContainer[int]
+    call_id: _containers.RepeatedScalarFieldContainer[int]
+    seq: _containers.RepeatedScalarFieldContainer[int]
+    step: _containers.RepeatedScalarFieldContainer[int]
+    enter_time: _containers.RepeatedScalarFieldContainer[float]
+    exit_time: _containers.RepeatedScalarFieldContainer[float]
+    seq_count: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, signature: _Optional[_Iterable[int]] = ..., call_id: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., enter_time: _Optional[_Iterable[float]] = ..., exit_time: _Optional[_Iterable[float]] = ..., seq_count: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class RankIdentity(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version", "pid_namespace")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -192,15 +218,17 @@ class RegisterRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("coordinator_id", "server_time")
+    __slots__ = ("coordinator_id", "server_time", "report_interval_s")
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     coordinator_id: str
     server_time: float
-    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ...) -> None: ...
+    report_interval_s: float
+    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class ReportBatch(_message.Message):
-    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user")
+    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +240,8 @@ class ReportBatch(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
     WHERE_USER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
     token: str
     job_id: str
     rank: int
@@ -223,7 +253,9 @@ class ReportBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[Event]
     where: str
     where_user: str
-    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ...) -> None: ...
+    signatures: _containers.RepeatedCompositeFieldContainer[Signature]
+    calls: CallColumns
+    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ..., calls: _Optional[_Union[CallColumns, _Mapping]] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("reregister", "server_time", "accepted")
@@ -234,6 +266,24 @@ class ReportReply(_message.Message):
     server_time: float
     accepted: int
     def __init__(self, reregister: _Optional[bool] = ..., server_time: _Optional[float] = ..., accepted: _Optional[int] = ...) -> None: ...
+
+class RelayBatch(_message.Message):
+    __slots__ = ("token", "relay_host", "reports")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RELAY_HOST_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    relay_host: str
+    reports: _containers.RepeatedCompositeFieldContainer[ReportBatch]
+    def __init__(self, token: _Optional[str] = ..., relay_host: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[ReportBatch, _Mapping]]] = ...) -> None: ...
+
+class RelayReply(_message.Message):
+    __slots__ = ("replies", "server_time")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[ReportReply]
+    server_time: float
+    def __init__(self, replies: _Optional[_Iterable[_Union[ReportReply, _Mapping]]] = ..., server_time: _Optional[float] = ...) -> None: ...
 
 class AgentIdentity(_message.Message):
     __slots__ = ("host", "pid", "version", "embedded", "can_ptrace", "ptrace_note")

@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.ReportBatch.SerializeToString,
                 response_deserializer=hangwatch_dot_protos_dot_hangwatch__pb2.ReportReply.FromString,
                 _registered_method=True)
+        self.ReportMany = channel.unary_unary(
+                '/hangwatch.v1.Coordinator/ReportMany',
+                request_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.RelayBatch.SerializeToString,
+                response_deserializer=hangwatch_dot_protos_dot_hangwatch__pb2.RelayReply.FromString,
+                _registered_method=True)
         self.RegisterAgent = channel.unary_unary(
                 '/hangwatch.v1.Coordinator/RegisterAgent',
                 request_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.AgentRegisterRequest.SerializeToString,
@@ -88,6 +93,13 @@ class CoordinatorServicer:
 
     def Report(self, request, context):
         """A rank's batch of events; every batch doubles as a heartbeat. One unary call per batch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportMany(self, request, context):
+        """A node agent relaying its node's ranks: their batches in one call, one reply per batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +156,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=hangwatch_dot_protos_dot_hangwatch__pb2.ReportBatch.FromString,
                     response_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.ReportReply.SerializeToString,
+            ),
+            'ReportMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportMany,
+                    request_deserializer=hangwatch_dot_protos_dot_hangwatch__pb2.RelayBatch.FromString,
+                    response_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.RelayReply.SerializeToString,
             ),
             'RegisterAgent': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterAgent,
@@ -230,6 +247,33 @@ class Coordinator:
             '/hangwatch.v1.Coordinator/Report',
             hangwatch_dot_protos_dot_hangwatch__pb2.ReportBatch.SerializeToString,
             hangwatch_dot_protos_dot_hangwatch__pb2.ReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hangwatch.v1.Coordinator/ReportMany',
+            hangwatch_dot_protos_dot_hangwatch__pb2.RelayBatch.SerializeToString,
+            hangwatch_dot_protos_dot_hangwatch__pb2.RelayReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from hangwatch import __version__, config
+from hangwatch import __version__, config, tls
 from hangwatch.cli import render
 from hangwatch.cli.client import CoordinatorUnreachable, query
 
@@ -146,6 +146,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-name",
         default=os.environ.get(config.ENV_NODE_NAME),
         help=f"node name the ranks on this node report (default ${config.ENV_NODE_NAME}, then the hostname)",
+    )
+    p.add_argument(
+        "--relay-port",
+        type=int,
+        default=config.env_int(config.ENV_RELAY_PORT, 0) or None,
+        help=f"also relay this node's ranks: listen here (0: any free port, printed) and point their "
+        f"{config.ENV_ADDR} at it, so the coordinator sees one connection per node "
+        f"(default ${config.ENV_RELAY_PORT}, else no relay)",
+    )
+    p.add_argument(
+        "--relay-host",
+        default="127.0.0.1",
+        help="interface the relay listens on (default 127.0.0.1; a non-loopback one needs --token)",
+    )
+    p.add_argument(
+        "--relay-interval",
+        type=float,
+        default=0.1,
+        metavar="SECONDS",
+        help="how long the relay gathers its ranks' batches into one call to the coordinator (default 0.1)",
+    )
+    p.add_argument(
+        "--tls-cert", default=os.environ.get(config.ENV_TLS_CERT), help="relay: serve TLS with this certificate"
+    )
+    p.add_argument("--tls-key", default=os.environ.get(config.ENV_TLS_KEY), help="relay: ... and this key")
+    p.add_argument(
+        "--allow-insecure-bind",
+        action="store_true",
+        help="allow a non-loopback --relay-host without a token (trusted networks only)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -315,13 +344,50 @@ def cmd_agent(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
     addr = args.coordinator or config.default_addr()
     stop = threading.Event()
+    core = NodeAgentCore(host=args.node_name)
+    relay = None
+    if args.relay_port is not None:
+        relay = _start_relay(args, addr, core.host)
+        if relay is None:
+            return 2
     sys.stdout.write(f"hangwatch agent serving coordinator {addr}\n")
+    if relay is not None:
+        sys.stdout.write(f"relaying this node's ranks: export {config.ENV_ADDR}={relay.addr}\n")
     sys.stdout.flush()
     try:
-        run_agent(addr, token=args.token, stop=stop, core=NodeAgentCore(host=args.node_name))
+        run_agent(addr, token=args.token, stop=stop, core=core)
     except KeyboardInterrupt:
         stop.set()
+    finally:
+        if relay is not None:
+            relay.stop()
     return 0
+
+
+def _start_relay(args: argparse.Namespace, addr: str, host: str) -> Any:
+    from hangwatch.agent.relay import Relay, RelayServer
+    from hangwatch.serving import is_loopback
+
+    if not is_loopback(args.relay_host) and not args.token and not args.allow_insecure_bind:
+        sys.stderr.write(
+            f"hangwatch agent: refusing to relay on non-loopback {args.relay_host} without a token "
+            f"(--token / ${config.ENV_TOKEN}), or --allow-insecure-bind on a trusted network\n"
+        )
+        return None
+    credentials = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            sys.stderr.write("hangwatch agent: TLS needs both --tls-cert and --tls-key\n")
+            return None
+        credentials = tls.server_credentials(args.tls_cert, args.tls_key)
+    relay = Relay(addr, args.token, host, interval_s=max(0.0, args.relay_interval))
+    try:
+        server = RelayServer(relay, args.token, args.relay_host, args.relay_port, credentials)
+    except (OSError, RuntimeError) as exc:
+        sys.stderr.write(f"hangwatch agent: {exc}\n")
+        return None
+    server.start()
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:

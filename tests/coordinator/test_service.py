@@ -197,7 +197,9 @@ def _free_port() -> int:
 def test_every_rpc_refuses_a_wrong_token(coordinator_factory: Callable[..., Coordinator]) -> None:
     c = coordinator_factory(token="s3cret", embedded_agent=False)
     requests = {
+        "Register": pb.RegisterRequest(token="bad", identity=pb.RankIdentity(rank=0, world_size=1, session="x")),
         "Report": pb.ReportBatch(token="bad", rank=0, session="x"),
+        "ReportMany": pb.RelayBatch(token="bad", reports=[pb.ReportBatch(token="s3cret", rank=0, session="x")]),
         "RegisterAgent": pb.AgentRegisterRequest(token="bad", agent=pb.AgentIdentity(host="h")),
         "AgentPoll": pb.AgentPollRequest(token="bad", agent_id="x"),
         "GetStatus": pb.QueryRequest(token="bad"),
@@ -205,6 +207,7 @@ def test_every_rpc_refuses_a_wrong_token(coordinator_factory: Callable[..., Coor
         "GetIncident": pb.QueryRequest(token="bad", id="inc-0001"),
         "DumpStacks": pb.QueryRequest(token="bad", id="all"),
     }
+    assert set(requests) == {m.name for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods}
     with grpc.insecure_channel(f"127.0.0.1:{c.port}") as channel:
         stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
         for method, request in requests.items():
@@ -236,3 +239,31 @@ def test_an_event_the_coordinator_cannot_apply_does_not_block_the_rank(
     assert ack.accepted == 1 and not ack.reregister  # the batch is not refused: no resend loop
     assert c.rejected.get("internal") == 1
     assert send(t, ident, [call(0, 3, (4,))]).accepted == 1
+
+
+def test_relayed_batches_are_applied_as_their_ranks_sent_them(coordinator_factory: Callable[..., Coordinator]) -> None:
+    c = coordinator_factory(token="s3cret", embedded_agent=False)
+    t = Transport(f"127.0.0.1:{c.port}", "s3cret")
+    ids = [identity(0), identity(1)]
+    reg = t.register(ids[0])
+    assert 0.2 <= reg.report_interval_s <= 1.0
+    t.register(ids[1])
+    reports = []
+    for rank, shape in ((0, (1, 5)), (1, (1, 2, 5))):
+        batch = pb.ReportBatch(rank=rank, session=ids[rank].session, sent_time=time.time())
+        t.encoder.reset()
+        t.encoder.encode([call(rank, 1, shape)], batch)
+        reports.append(batch)
+    stranger = pb.ReportBatch(rank=1, session="never-registered")
+    with grpc.insecure_channel(f"127.0.0.1:{c.port}") as channel:
+        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        reply = stub.ReportMany(
+            pb.RelayBatch(token="s3cret", relay_host="node-7", reports=[*reports, stranger]), timeout=5
+        )
+        assert [(x.accepted, x.reregister) for x in reply.replies] == [(1, False), (1, False), (0, True)]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportMany(pb.RelayBatch(token="s3cret", reports=[stranger] * 5000), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    inc = wait_for(lambda: c.incidents_json(), 5, 0.05, "an incident")[0]
+    assert inc["kind"] == "shape_mismatch"
+    assert c.job.ranks[0].relay == "node-7"

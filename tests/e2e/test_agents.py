@@ -119,3 +119,52 @@ def test_abort_on_hang_terminates_the_job_after_the_diagnosis(
     kinds = [i["kind"] for i in incidents]
     assert kinds == ["stuck_collective"], kinds  # our own SIGTERM is not blamed as a death
     assert incidents[0]["stacks"].get("1")
+
+
+def test_relaying_agent_carries_a_real_jobs_ranks(
+    coordinator_factory: Callable[..., Coordinator], torchrun: Callable[..., Job], tmp_path: Path
+) -> None:
+    """Ranks point HANGWATCH_ADDR at their node's agent: the hang is diagnosed with the culprit's
+    stack as usual, and no rank holds a connection to the coordinator (only the agent does)."""
+    import psutil
+
+    c = coordinator_factory(embedded_agent=False, stuck_after=3.0)
+    relay = ("--relay-port", "0")  # any free port; the agent prints it
+    agent = subprocess.Popen(
+        [str(BIN / "hangwatch"), "agent", "--coordinator", f"127.0.0.1:{c.port}", "--node-name", "node-r", *relay],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert agent.stdout is not None
+        relay_addr = ""
+        for _ in range(5):
+            line = agent.stdout.readline()
+            if "HANGWATCH_ADDR=" in line:
+                relay_addr = line.strip().split("HANGWATCH_ADDR=")[1]
+                break
+        assert relay_addr.startswith("127.0.0.1:"), relay_addr
+        job = torchrun(STUCK, addr=relay_addr, env={"HANGWATCH_NODE_NAME": "node-r"}, name="relayed_job")
+
+        def stuck_with_stacks() -> dict | None:  # type: ignore[type-arg]
+            for inc in c.incidents_json():
+                if inc["kind"] == "stuck_collective" and inc["stacks"].get("1"):
+                    return inc
+            return None
+
+        inc = wait_for(stuck_with_stacks, 60, 0.3, "a stuck incident with the culprit's stack")
+        assert inc["culprit_ranks"] == [1]
+        assert "load_next_batch" in inc["stacks"]["1"]
+        assert all(st.relay == "node-r" for st in c.job.ranks.values()) and len(c.job.ranks) == 2
+        rank_pids = [st.identity.pid for st in c.job.ranks.values()]
+        for pid in rank_pids:
+            remote_ports = {conn.raddr.port for conn in psutil.Process(pid).net_connections("tcp") if conn.raddr}
+            assert c.port not in remote_ports, f"rank pid {pid} talks to the coordinator directly"
+        agent_ports = {conn.raddr.port for conn in psutil.Process(agent.pid).net_connections("tcp") if conn.raddr}
+        assert c.port in agent_ports
+        job.kill()
+    finally:
+        agent.kill()
+        agent.wait(10)

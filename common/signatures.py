@@ -1,0 +1,223 @@
+"""Interned calls on the wire: each rank session defines a call's fixed part once and then sends
+a handful of numbers per call (``Signature`` and ``CallColumns`` in the proto).
+
+A training loop repeats the same few dozen calls (same op, group, tensors, call site) millions of
+times; only the id, seq, step and times change. The sender (:class:`CallEncoder`) keeps a bounded
+table from fixed part to id and puts calls in columns, folding a call's exit into its entry when
+both are in the same batch; the coordinator (:class:`CallDecoder`, one per session) keeps the
+ids it was told and rebuilds ordinary :class:`~hangwatch.records.CallRecord` objects, so nothing
+past this module sees the difference. Both tables start empty at every ``Register``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+
+from hangwatch import records as r
+from hangwatch import wire
+from hangwatch.protos import hangwatch_pb2 as pb
+
+#: Signatures one session may define. The sender evicts its least recently used one beyond this
+#: (and reuses the id); the coordinator refuses definitions past it.
+MAX_SIGNATURES = 4096
+
+_NAN = float("nan")
+
+Key = tuple[object, ...]
+
+
+def _key(c: r.CallRecord) -> Key:
+    extra = tuple(sorted(c.extra.items())) if c.extra else ()
+    return (c.op, c.group, c.inputs, c.outputs, c.reduce_op, c.root, c.peer, c.async_op, c.call_site, c.source, extra)
+
+
+class CallEncoder:
+    """The sender's side: interns calls into a batch. Not thread-safe (the sender thread owns it)."""
+
+    def __init__(self, capacity: int = MAX_SIGNATURES) -> None:
+        self.capacity = capacity
+        self._ids: collections.OrderedDict[Key, int] = collections.OrderedDict()
+        self._free: list[int] = []
+        self._next = 1
+
+    def reset(self) -> None:
+        """Forget every definition (after each registration: the coordinator's table is new)."""
+        self._ids.clear()
+        self._free.clear()
+        self._next = 1
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def _intern(self, call: r.CallRecord, used: set[int], batch: pb.ReportBatch) -> int | None:
+        key = _key(call)
+        sid = self._ids.get(key)
+        if sid is not None:
+            self._ids.move_to_end(key)
+            return sid
+        if len(self._ids) >= self.capacity:
+            victim_key, victim = next(iter(self._ids.items()))
+            if victim in used:  # evicting it would change a call already in this batch
+                return None
+            del self._ids[victim_key]
+            sid = victim
+        else:
+            sid = self._next
+            self._next += 1
+        self._ids[key] = sid
+        sig = batch.signatures.add(id=sid)
+        template = sig.call
+        template.op = call.op
+        template.group = call.group
+        for t in call.inputs:
+            wire.tensor_to_pb(t, template.inputs.add())
+        for t in call.outputs:
+            wire.tensor_to_pb(t, template.outputs.add())
+        if call.reduce_op:
+            template.reduce_op = call.reduce_op
+        if call.root is not None:
+            template.root = call.root
+        if call.peer is not None:
+            template.peer = call.peer
+        template.async_op = call.async_op
+        template.call_site = call.call_site
+        template.source = call.source
+        if call.extra:
+            template.extra.update(call.extra)
+        return sid
+
+    def encode(self, events: Sequence[r.RankEvent], batch: pb.ReportBatch) -> None:
+        """Add ``events`` to ``batch``: calls as columns, everything else as events."""
+        sigs: list[int] = []
+        ids: list[int] = []
+        seqs: list[int] = []
+        steps: list[int] = []
+        enters: list[float] = []
+        exits: list[float] = []
+        counts: list[int] = []
+        position: dict[int, int] = {}  # call id -> column index, for exits in the same batch
+        used: set[int] = set()
+        for ev in events:
+            kind = type(ev)
+            if kind is r.CallRecord:
+                call: r.CallRecord = ev  # type: ignore[assignment]
+                sid = None if call.error else self._intern(call, used, batch)
+                if sid is None:
+                    wire.event_to_pb(call, batch.events.add())
+                    continue
+                used.add(sid)
+                position[call.call_id] = len(ids)
+                sigs.append(sid)
+                ids.append(call.call_id)
+                seqs.append(call.seq)
+                steps.append(call.step)
+                enters.append(call.enter_time)
+                exits.append(_NAN if call.exit_time is None else call.exit_time)
+                counts.append(call.seq_count)
+                continue
+            if kind is r.CallExit:
+                done: r.CallExit = ev  # type: ignore[assignment]
+                i = position.get(done.call_id)
+                if i is not None and done.error is None and math.isnan(exits[i]):
+                    exits[i] = done.exit_time
+                    counts[i] = done.seq_count
+                    continue
+            wire.event_to_pb(ev, batch.events.add())
+        if ids:
+            cols = batch.calls
+            cols.signature.extend(sigs)
+            cols.call_id.extend(ids)
+            cols.seq.extend(seqs)
+            cols.step.extend(steps)
+            cols.enter_time.extend(enters)
+            cols.exit_time.extend(exits)
+            cols.seq_count.extend(counts)
+
+
+class CallDecoder:
+    """The coordinator's side for one rank session: its signature table."""
+
+    def __init__(self, capacity: int = MAX_SIGNATURES) -> None:
+        self.capacity = capacity
+        self.table: dict[int, r.CallRecord] = {}
+
+    def decode(self, rank: int, batch: pb.ReportBatch) -> tuple[list[r.RankEvent], int, int]:
+        """Records in the order the coordinator applies them (see the proto), the number of
+        entries rejected (malformed, or naming an undefined signature), and the number of exits
+        folded into column entries (counted as accepted events)."""
+        rejected = 0
+        for sig in batch.signatures:
+            if sig.id not in self.table and len(self.table) >= self.capacity:
+                rejected += 1
+                continue
+            try:
+                self.table[sig.id] = wire.call_from_pb(rank, sig.call)
+            except (wire.WireError, ValueError, OverflowError):
+                self.table.pop(sig.id, None)
+                rejected += 1
+        first: list[r.RankEvent] = []
+        rest: list[r.RankEvent] = []
+        in_columns = set(batch.calls.call_id) if batch.events else set()
+        for msg in batch.events:
+            try:
+                ev = wire.event_from_pb(rank, msg)
+            except (wire.WireError, ValueError, OverflowError):
+                rejected += 1
+                continue
+            kind = type(ev)
+            if kind is r.GroupEvent and ev.kind is r.GroupEventKind.CREATED:  # type: ignore[union-attr]
+                first.append(ev)
+            elif kind is r.CallExit and ev.call_id not in in_columns:  # type: ignore[union-attr]
+                first.append(ev)  # a call from an earlier batch ended before this batch's calls began
+            else:
+                rest.append(ev)
+        calls, bad, folded = self._columns(rank, batch.calls)
+        return first + calls + rest, rejected + bad, folded
+
+    def _columns(self, rank: int, cols: pb.CallColumns) -> tuple[list[r.RankEvent], int, int]:
+        n = len(cols.signature)
+        if not n:
+            return [], 0, 0
+        lengths = {len(cols.call_id), len(cols.seq), len(cols.step), len(cols.enter_time), len(cols.exit_time)}
+        counts = list(cols.seq_count) or [1] * n
+        if lengths != {n} or len(counts) != n:
+            return [], n, 0  # columns that do not line up cannot be trusted at all
+        table = self.table
+        calls: list[r.RankEvent] = []
+        rejected = folded = 0
+        record = r.CallRecord
+        for sid, cid, seq, step, enter, exit_time, count in zip(
+            cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, strict=True
+        ):
+            t = table.get(sid)
+            if t is None:
+                rejected += 1
+                continue
+            done = exit_time == exit_time  # not NaN
+            folded += done
+            calls.append(
+                record(
+                    rank,
+                    cid,
+                    t.op,
+                    t.group,
+                    seq,
+                    t.inputs,
+                    t.outputs,
+                    t.reduce_op,
+                    t.root,
+                    t.peer,
+                    t.async_op,
+                    step,
+                    t.call_site,
+                    enter,
+                    exit_time if done else None,
+                    t.source,
+                    None,
+                    count or 1,
+                    t.extra,
+                )
+            )
+        return calls, rejected, folded

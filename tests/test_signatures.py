@@ -1,0 +1,147 @@
+"""Interned calls on the wire (``hangwatch.signatures``): what the coordinator rebuilds is what the
+rank recorded, in an order that keeps the job state right, and bad or stale input is refused."""
+
+from __future__ import annotations
+
+import math
+
+from hangwatch import records as r
+from hangwatch import wire
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.signatures import CallDecoder, CallEncoder
+
+F32 = r.TensorMeta((4, 8), "float32", "cuda")
+
+
+def call(
+    call_id: int, seq: int, *, op: str = "all_reduce", site: str = "train.py:10 in step", **kw: object
+) -> r.CallRecord:
+    fields: dict[str, object] = {
+        "rank": 3,
+        "call_id": call_id,
+        "op": op,
+        "group": "0",
+        "seq": seq,
+        "inputs": (F32,),
+        "reduce_op": "sum",
+        "step": seq // 4,
+        "call_site": site,
+        "enter_time": 100.0 + seq,
+    }
+    fields.update(kw)
+    return r.CallRecord(**fields)  # type: ignore[arg-type]
+
+
+def roundtrip(enc: CallEncoder, dec: CallDecoder, events: list[r.RankEvent]) -> tuple[list[r.RankEvent], int, int, int]:
+    batch = pb.ReportBatch(rank=3)
+    enc.encode(events, batch)
+    wire_bytes = batch.SerializeToString()
+    got, rejected, folded = dec.decode(3, pb.ReportBatch.FromString(wire_bytes))
+    return got, rejected, folded, len(wire_bytes)
+
+
+def test_calls_come_back_equal_with_exits_folded_in() -> None:
+    enc, dec = CallEncoder(), CallDecoder()
+    group = r.GroupInfo("1", (0, 3), "gloo", 1, "tp")
+    events: list[r.RankEvent] = [
+        r.GroupEvent(3, r.GroupEventKind.CREATED, group, 99.0, "train.py:5"),
+        r.StepEvent(3, 1, 100.5),
+    ]
+    expected: list[r.CallRecord] = []
+    for i in range(1, 9):
+        c = call(i, i, extra={"group_ranks": "0,3"} if i % 2 else {})
+        events.append(c)
+        events.append(r.CallExit(3, i, 100.0 + i + 0.25, None, 2 if i == 5 else 1))
+        expected.append(call(i, i, extra=c.extra, exit_time=100.0 + i + 0.25, seq_count=2 if i == 5 else 1))
+    p2p = call(9, 1, op="send", peer=0, reduce_op=None, group="1")
+    events.append(p2p)  # still open at send time
+    got, rejected, folded, _ = roundtrip(enc, dec, events)
+    assert rejected == 0
+    assert folded == 8  # the eight exits travelled inside their calls' entries
+    assert got[0] == events[0]  # group creation first
+    calls = [e for e in got if isinstance(e, r.CallRecord)]
+    assert calls == [*expected, p2p]
+    assert calls[-1].exit_time is None
+    assert r.StepEvent(3, 1, 100.5) in got
+
+
+def test_steady_loop_sends_a_few_numbers_per_call() -> None:
+    enc, dec = CallEncoder(), CallDecoder()
+    roundtrip(enc, dec, [call(i, i) for i in range(1, 101)])
+    later, rejected, _, size_later = roundtrip(enc, dec, [call(i, i) for i in range(101, 201)])
+    assert rejected == 0 and len(later) == 100
+    assert later[0].call_site == "train.py:10 in step" and later[0].inputs == (F32,)
+    full = pb.ReportBatch(rank=3)
+    for i in range(101, 201):
+        wire.event_to_pb(call(i, i), full.events.add())
+    assert size_later * 4 < len(full.SerializeToString())  # vs every call spelled out
+    again = pb.ReportBatch(rank=3)
+    enc.encode([call(201, 201)], again)
+    assert len(again.signatures) == 0  # the definition went once, with the first batch
+
+
+def test_error_exits_stay_events_after_their_call_and_earlier_exits_come_first() -> None:
+    enc, dec = CallEncoder(), CallDecoder()
+    old = call(1, 1, async_op=True)
+    roundtrip(enc, dec, [old])
+    # batch 2: the async call from batch 1 ends, a new call enters and fails
+    new = call(2, 2)
+    events: list[r.RankEvent] = [new, r.CallExit(3, 1, 102.5, None, 3), r.CallExit(3, 2, 102.6, "RuntimeError: x")]
+    got, rejected, folded, _ = roundtrip(enc, dec, events)
+    assert rejected == 0 and folded == 0
+    assert got[0] == r.CallExit(3, 1, 102.5, None, 3)  # before the call that would close it implicitly
+    assert isinstance(got[1], r.CallRecord) and got[1].call_id == 2 and got[1].exit_time is None
+    assert got[2] == r.CallExit(3, 2, 102.6, "RuntimeError: x")
+
+
+def test_bounded_table_evicts_least_recently_used_and_redefines_its_id() -> None:
+    enc, dec = CallEncoder(capacity=4), CallDecoder(capacity=4)
+    sites = [f"train.py:{n} in step" for n in range(6)]
+    for n, site in enumerate(sites[:4]):
+        roundtrip(enc, dec, [call(n + 1, n + 1, site=site)])
+    roundtrip(enc, dec, [call(10, 10, site=sites[0])])  # site 0 is now the most recent
+    got, rejected, _, _ = roundtrip(enc, dec, [call(11, 11, site=sites[4]), call(12, 12, site=sites[0])])
+    assert rejected == 0
+    assert [c.call_site for c in got if isinstance(c, r.CallRecord)] == [sites[4], sites[0]]
+    assert len(enc) == 4 and len(dec.table) == 4
+    # site 1 was evicted: using it again defines it again, correctly
+    got, rejected, _, _ = roundtrip(enc, dec, [call(13, 13, site=sites[1])])
+    assert rejected == 0 and got[0].call_site == sites[1]  # type: ignore[union-attr]
+
+
+def test_a_batch_never_redefines_an_id_it_already_used() -> None:
+    enc, dec = CallEncoder(capacity=2), CallDecoder(capacity=2)
+    events: list[r.RankEvent] = [call(n, n, site=f"train.py:{n}") for n in range(1, 5)]
+    got, rejected, _, _ = roundtrip(enc, dec, events)
+    assert rejected == 0
+    assert [c.call_site for c in got if isinstance(c, r.CallRecord)] == [f"train.py:{n}" for n in range(1, 5)]
+
+
+def test_unknown_ids_misaligned_columns_and_overflowing_tables_are_refused() -> None:
+    dec = CallDecoder(capacity=2)
+    batch = pb.ReportBatch(rank=0)
+    batch.calls.signature.extend([7])
+    batch.calls.call_id.extend([1])
+    batch.calls.seq.extend([1])
+    batch.calls.step.extend([0])
+    batch.calls.enter_time.extend([1.0])
+    batch.calls.exit_time.extend([math.nan])
+    got, rejected, _ = dec.decode(0, batch)
+    assert (got, rejected) == ([], 1)  # a signature this session never defined
+    batch.calls.seq.append(2)  # columns of different lengths
+    got, rejected, _ = dec.decode(0, batch)
+    assert (got, rejected) == ([], 1)
+    for sid in (1, 2, 3):
+        batch.signatures.add(id=sid).call.op = "all_reduce"
+    batch.signatures.add(id=4)  # no op: malformed
+    _, rejected, _ = dec.decode(0, batch)
+    assert len(dec.table) == 2 and rejected >= 2  # the third is over capacity, the fourth malformed
+
+
+def test_reset_starts_both_tables_afresh() -> None:
+    enc, dec = CallEncoder(), CallDecoder()
+    roundtrip(enc, dec, [call(1, 1)])
+    enc.reset()
+    fresh = CallDecoder()  # what a restarted coordinator (or a new registration) holds
+    got, rejected, _, _ = roundtrip(enc, fresh, [call(2, 2)])
+    assert rejected == 0 and isinstance(got[0], r.CallRecord) and got[0].op == "all_reduce"
