@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any, NoReturn
@@ -32,8 +33,9 @@ from hangwatch.serving import add_service
 
 log = logging.getLogger(__name__)
 
-#: How long batches gather before one upstream call carries them all.
-DEFAULT_INTERVAL_S = 0.1
+#: The least time between two upstream calls: batches arriving meanwhile gather into the next one
+#: (urgent ones, which a rank is waiting on, go at once).
+DEFAULT_INTERVAL_S = 0.2
 MAX_PENDING = 4096  # batches waiting for the next upstream call
 MAX_REPORTS_PER_CALL = 1024  # the coordinator accepts up to 4096
 UPSTREAM_TIMEOUT_S = 5.0
@@ -87,7 +89,9 @@ class Relay:
         self._pending: list[_Waiting] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._urgent = threading.Event()
         self._stop = threading.Event()
+        self._last_call = 0.0
         self._thread: threading.Thread | None = None
         # counters, for the agent's log and the bench
         self.forwarded_reports = 0
@@ -122,7 +126,10 @@ class Relay:
                 return "full"
             self._pending.append(waiting)
             first = len(self._pending) == 1
-        if first:
+        if report.urgent:  # a rank waits on it (a call of a new kind): no gathering
+            self._urgent.set()
+            self._wake.set()
+        elif first:
             self._wake.set()
         if not waiting.done.wait(wait_s):
             with self._lock:  # still queued: take it back, the rank will resend it
@@ -144,7 +151,12 @@ class Relay:
             self._wake.clear()
             if self._stop.is_set():
                 break
-            self._stop.wait(self.interval_s)  # let this interval's batches gather
+            # gather: at most one upstream call per interval, unless a batch is urgent
+            delay = self._last_call + self.interval_s - time.monotonic()
+            if delay > 0 and not self._urgent.is_set():
+                self._urgent.wait(delay)
+            self._urgent.clear()
+            self._last_call = time.monotonic()
             while True:
                 with self._lock:
                     batch, self._pending = self._pending[:MAX_REPORTS_PER_CALL], self._pending[MAX_REPORTS_PER_CALL:]

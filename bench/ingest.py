@@ -83,6 +83,7 @@ class CoordinatorProc:
         self.port = int(line)
         self.ps = psutil.Process(self.proc.pid)
         self.samples: list[tuple[float, float, int]] = []  # (time, cpu seconds, rss bytes)
+        self.connections: list[tuple[float, int]] = []  # (time, established client connections)
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
@@ -91,7 +92,12 @@ class CoordinatorProc:
         while not self._stop.is_set():
             try:
                 t = self.ps.cpu_times()
-                self.samples.append((time.time(), t.user + t.system, self.ps.memory_info().rss))
+                now = time.time()
+                self.samples.append((now, t.user + t.system, self.ps.memory_info().rss))
+                if not self.connections or now - self.connections[-1][0] >= 1.0:
+                    conns = self.ps.net_connections("tcp")
+                    n = sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == self.port)
+                    self.connections.append((now, n))
             except psutil.Error:
                 return
             self._stop.wait(0.25)
@@ -99,10 +105,15 @@ class CoordinatorProc:
     def window(self, t0: float, t1: float) -> dict[str, Any]:
         """CPU cores used and peak RSS between t0 and t1 (from the 0.25 s samples)."""
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        conns = [n for t, n in self.connections if t0 <= t <= t1]
         if len(inside) < 2:
-            return {"cores": None, "rss_mb": None}
+            return {"cores": None, "rss_mb": None, "connections": max(conns, default=None)}
         (ta, ca, _), (tb, cb, _) = inside[0], inside[-1]
-        return {"cores": (cb - ca) / (tb - ta), "rss_mb": max(s[2] for s in inside) / 2**20}
+        return {
+            "cores": (cb - ca) / (tb - ta),
+            "rss_mb": max(s[2] for s in inside) / 2**20,
+            "connections": max(conns, default=None),
+        }
 
     def rss_mb(self) -> float:
         return float(self.ps.memory_info().rss) / 2**20
@@ -149,11 +160,11 @@ def loadgen(port: int, ranks: int, rate: float, seconds: float, extra: list[str]
         return dict(json.loads(Path(out.name).read_text()))
 
 
-def measure(ranks: int, rate: float, seconds: float, pattern: str) -> dict[str, Any]:
+def measure(ranks: int, rate: float, seconds: float, pattern: str, via: str = "direct") -> dict[str, Any]:
     coord = CoordinatorProc()
     try:
         idle_rss = coord.rss_mb()
-        res = loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern])
+        res = loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern, *_via(via)])
         # skip the first second (connection warm-up) when measuring the coordinator
         win = coord.window(res["t0"] + 1.0, res["t_end"])
         status = coord.query("GetStatus") if coord.alive() else {}
@@ -161,6 +172,7 @@ def measure(ranks: int, rate: float, seconds: float, pattern: str) -> dict[str, 
         res.update(
             coord_cores=win["cores"],
             coord_rss_mb=win["rss_mb"],
+            coord_connections=win["connections"],
             coord_idle_rss_mb=idle_rss,
             coord_alive=coord.alive(),
             records_received=status.get("records_received"),
@@ -169,6 +181,13 @@ def measure(ranks: int, rate: float, seconds: float, pattern: str) -> dict[str, 
         return res
     finally:
         coord.close()
+
+
+REPLAY: list[str] = []  # ["--replay"] when asked: batches built before t0, then sent as bytes
+
+
+def _via(via: str) -> list[str]:
+    return (["--relay"] if via == "relay" else []) + REPLAY
 
 
 def row(res: dict[str, Any]) -> str:
@@ -183,44 +202,55 @@ def row(res: dict[str, Any]) -> str:
         and not res["incidents"]
     )
     inc = ",".join(f"{k}:{v}" for k, v in sorted(res["incidents"].items())) or "-"
+    via = ("relay" if res.get("relay") else "direct") + (" (replay)" if res.get("replay") else "")
     return (
-        f"| {res['ranks']} | {res['rate']:g} | {res['target_events_per_s']:,} | {res['offered_events_per_s']:,} "
-        f"| {acc:,} | {cores:.2f} | {per_core:,.0f} | {res['coord_rss_mb']:.0f} | {rss_rank:.0f} "
+        f"| {res['ranks']} | {via} | {res['rate']:g} | {res['target_calls_per_s']:,} | {res['calls_per_s']:,} "
+        f"| {res['target_events_per_s']:,} | {res['offered_events_per_s']:,} "
+        f"| {acc:,} | {res['report_interval_s']:g} | {res['coordinator_rpcs_per_s']:,} | {res['coord_connections']} "
+        f"| {cores:.2f} | {per_core:,.0f} | {res['coord_rss_mb']:.0f} | {rss_rank:.0f} "
         f"| {res['rpc_p50_ms']} / {res['rpc_p99_ms']} | {res['server_lag_p99_ms']} | {res['gen_behind_p99_ms']} "
         f"| {res['batches_failed']} | {inc} | {'yes' if kept else 'NO'} |"
     )
 
 
 HEADER = (
-    "| ranks | coll/s/rank | scheduled ev/s | offered ev/s | accepted ev/s | coord cores | accepted ev/s/core "
+    "| ranks | via | coll/s/rank | scheduled coll/s | sent coll/s | scheduled ev/s | offered ev/s | accepted ev/s "
+    "| rank send interval s | coord RPC/s | coord conns | coord cores | accepted ev/s/core "
     "| coord RSS MB | RSS KB/rank | Report RPC p50 / p99 ms | server lag p99 ms | loadgen behind p99 ms "
     "| failed batches | false incidents | kept up |\n"
-    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- |"
+    "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+    "| --- | ---: | ---: | ---: | --- | --- |"
 )
 
 
-def ladder(scales: list[int], rate: float, seconds: float, pattern: str) -> None:
+def _vias(via: str) -> list[str]:
+    return ["direct", "relay"] if via == "both" else [via]
+
+
+def ladder(scales: list[int], rate: float, seconds: float, pattern: str, via: str) -> None:
     print(f"# ladder: pattern={pattern} rate={rate:g} collectives/s/rank, {seconds:g} s each", flush=True)
     print(f"# machine: {os.cpu_count()} cores; loadgen and coordinator share them", flush=True)
     print(HEADER, flush=True)
     for n in scales:
-        try:
-            print(row(measure(n, rate, seconds, pattern)), flush=True)
-        except Exception as exc:
-            print(f"| {n} | {rate:g} | failed: {exc} |", flush=True)
+        for v in _vias(via):  # side by side: the same scale direct and through relays
+            try:
+                print(row(measure(n, rate, seconds, pattern, v)), flush=True)
+            except Exception as exc:
+                print(f"| {n} | {v} | {rate:g} | failed: {exc} |", flush=True)
 
 
-def ceiling(ranks: int, rates: list[float], seconds: float, pattern: str) -> None:
+def ceiling(ranks: int, rates: list[float], seconds: float, pattern: str, via: str) -> None:
     print(f"# ceiling: {ranks} ranks, pattern={pattern}, {seconds:g} s each; stops after the first miss", flush=True)
     print(HEADER, flush=True)
-    for rate in rates:
-        res = measure(ranks, rate, seconds, pattern)
-        print(row(res), flush=True)
-        if res["accepted_events_per_s"] < 0.9 * res["target_events_per_s"] or (res["rpc_p99_ms"] or 0) > 2000:
-            break
+    for v in _vias(via):
+        for rate in rates:
+            res = measure(ranks, rate, seconds, pattern, v)
+            print(row(res), flush=True)
+            if res["accepted_events_per_s"] < 0.9 * res["target_events_per_s"] or (res["rpc_p99_ms"] or 0) > 2000:
+                break
 
 
-def detect(ranks: int, rate: float, faults: list[str], pattern: str, fault_at: float) -> None:
+def detect(ranks: int, rate: float, faults: list[str], pattern: str, fault_at: float, via: str) -> None:
     print(f"# detection under load: {ranks} ranks x {rate:g} coll/s, pattern={pattern}, stuck_after=5 s", flush=True)
     print("| fault | culprit | incident | culprits | fault → incident s | onset → incident s | other incidents |")
     print("| --- | ---: | --- | --- | ---: | ---: | --- |", flush=True)
@@ -228,7 +258,7 @@ def detect(ranks: int, rate: float, faults: list[str], pattern: str, fault_at: f
     for fault in faults:
         coord = CoordinatorProc()
         try:
-            res = loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern, "--fault", fault])
+            res = loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern, "--fault", fault, *_via(via)])
             res["fault_at"] = str(fault_at)
             incidents = coord.query("ListIncidents")
         finally:
@@ -248,11 +278,11 @@ def detect(ranks: int, rate: float, faults: list[str], pattern: str, fault_at: f
             print(f"| {fault} | {k} | MISSED ({want}) | - | - | - | {', '.join(others) or '-'} |", flush=True)
 
 
-def soak(ranks: int, rate: float, seconds: float, pattern: str) -> None:
+def soak(ranks: int, rate: float, seconds: float, pattern: str, via: str) -> None:
     """Coordinator RSS over a long run: bounded state shows as a flat line after warm-up."""
     coord = CoordinatorProc()
     try:
-        res = loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern])
+        res = loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern, *_via(via)])
         t0 = res["t0"]
         status = coord.query("GetStatus")
         print(
@@ -275,7 +305,7 @@ def _short(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 4 else f"{ranks[:3]}… ({len(ranks)})"
 
 
-def profile(ranks: int, rate: float, seconds: float, pattern: str, top: int) -> None:
+def profile(ranks: int, rate: float, seconds: float, pattern: str, top: int, via: str) -> None:
     spy = Path(PY).with_name("py-spy")
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "coordinator.txt"
@@ -285,7 +315,9 @@ def profile(ranks: int, rate: float, seconds: float, pattern: str, top: int) -> 
             # attach after registration: start loadgen, wait for load, then record by pid
             box: dict[str, Any] = {}
             th = threading.Thread(
-                target=lambda: box.update(loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern])),
+                target=lambda: box.update(
+                    loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern, *_via(via)])
+                ),
                 daemon=True,
             )
             th.start()
@@ -295,7 +327,7 @@ def profile(ranks: int, rate: float, seconds: float, pattern: str, top: int) -> 
             rec = subprocess.run(
                 [
                     *(str(spy), "record", "--pid", str(coord.ps.pid), "--duration", str(dur), "--rate", "200"),
-                    *("--format", "raw", "--threads", "--nonblocking", "-o", str(raw)),
+                    *("--format", "raw", "--threads", "--gil", "-o", str(raw)),
                 ],
                 capture_output=True,
                 text=True,
@@ -370,19 +402,34 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--faults", default="stuck,shape,op,dtype,early_exit")
         p.add_argument("--fault-at", type=float, default=5.0)
         p.add_argument("--top", type=int, default=15)
+        p.add_argument(
+            "--via",
+            default="direct" if name in ("detect", "profile", "soak") else "both",
+            choices=("direct", "relay", "both"),
+            help="ranks talk to the coordinator directly, through one node-agent relay per 8 ranks, or both "
+            "side by side (ladder and ceiling only)",
+        )
+        p.add_argument(
+            "--replay",
+            action="store_true",
+            help="the load generator builds every batch before the run and then only sends bytes, so "
+            "it can offer loads it could not generate live on the cores it shares with the coordinator",
+        )
     args = ap.parse_args(argv)
+    if getattr(args, "replay", False):
+        REPLAY.append("--replay")
     if args.mode == "serve":
         serve(args.data_dir, args.stuck_after)
     elif args.mode == "ladder":
-        ladder([int(x) for x in args.scales.split(",")], args.rate, args.seconds, args.pattern)
+        ladder([int(x) for x in args.scales.split(",")], args.rate, args.seconds, args.pattern, args.via)
     elif args.mode == "ceiling":
-        ceiling(args.ranks, [float(x) for x in args.rates.split(",")], args.seconds, args.pattern)
+        ceiling(args.ranks, [float(x) for x in args.rates.split(",")], args.seconds, args.pattern, args.via)
     elif args.mode == "detect":
-        detect(args.ranks, args.rate, args.faults.split(","), args.pattern, args.fault_at)
+        detect(args.ranks, args.rate, args.faults.split(","), args.pattern, args.fault_at, args.via)
     elif args.mode == "soak":
-        soak(args.ranks, args.rate, args.seconds, args.pattern)
+        soak(args.ranks, args.rate, args.seconds, args.pattern, args.via)
     else:
-        profile(args.ranks, args.rate, args.seconds, args.pattern, args.top)
+        profile(args.ranks, args.rate, args.seconds, args.pattern, args.top, args.via)
     return 0
 
 

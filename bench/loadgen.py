@@ -62,6 +62,8 @@ FSDP_LAYERS = 8
 PP_STAGES = 4
 TP_SIZE = 8
 LATENCY_SAMPLES = 20_000  # per process, reservoir
+REPLAY_BASE = 1_000_000.0  # replay mode: batches are built on this time base
+RELAY_INTERVAL_S = 0.2  # hangwatch.agent.relay.DEFAULT_INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class Config:
     job_id: str
     threads: int
     timeout_s: float
+    relay: bool = False  # ranks report through one in-process node-agent Relay per node
+    ranks_per_node: int = 8
+    replay: bool = False  # build every batch before t0, then only send bytes on schedule
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,8 @@ class RankSim:
     rank: int
     identity: Any  # records.RankIdentity
     transport: Any  # client.transport.Transport
+    relay: Any = None  # agent.relay.Relay of its node, in relay mode
+    interval: float = SEND_INTERVAL_S  # what the coordinator asked for at registration
     next_enter: int = 0
     next_exit: int = 0
     batch_seq: int = 0
@@ -198,8 +205,16 @@ class Worker:
     """Simulates ``ranks`` in one OS process."""
 
     def __init__(self, cfg: Config, ranks: list[int]) -> None:
+        import grpc
+
         from hangwatch import records as r
-        from hangwatch.client.transport import Transport
+        from hangwatch.agent.relay import CHANNEL_OPTIONS as RELAY_OPTIONS
+        from hangwatch.client.transport import CHANNEL_OPTIONS, Transport
+
+        # gRPC shares one connection among a process's channels to the same address; real ranks
+        # and agents are separate processes, each with its own connection: so is every simulated one
+        OWN_CONNECTION = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        RELAY_CONNECTION = [*RELAY_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
         self.r = r
         self.cfg = cfg
@@ -229,7 +244,24 @@ class Worker:
                 torch_version="2.5.0",
                 hook_version="loadgen",
             )
-            self.sims.append(RankSim(rk, ident, Transport(cfg.addr, cfg.token, timeout_s=cfg.timeout_s)))
+            transport = Transport(cfg.addr, cfg.token, timeout_s=cfg.timeout_s, options=OWN_CONNECTION)
+            self.sims.append(RankSim(rk, ident, transport))
+        self.relays: dict[int, Any] = {}
+        self.replay_calls = 0
+        if cfg.relay:
+            from hangwatch.agent.relay import Relay
+
+            for sim in self.sims:
+                node = sim.rank // cfg.ranks_per_node
+                if node not in self.relays:
+                    self.relays[node] = Relay(
+                        cfg.addr,
+                        cfg.token,
+                        host % node,
+                        channel_factory=lambda: grpc.insecure_channel(cfg.addr, options=RELAY_CONNECTION),
+                    )
+                    self.relays[node].start()
+                sim.relay = self.relays[node]
 
     # ---- schedule -----------------------------------------------------------------------
 
@@ -246,7 +278,7 @@ class Worker:
                         break
                     self.fault_target += 1
         for sim in self.sims:
-            sim.next_due = t0 + SEND_INTERVAL_S * ((sim.rank * 0.618) % 1.0)
+            sim.next_due = t0 + sim.interval * ((sim.rank * 0.618) % 1.0)
 
     def enter_time(self, i: int) -> float:
         return self.t0 + i * self.period
@@ -352,7 +384,8 @@ class Worker:
         def reg(sim: RankSim) -> None:
             for attempt in range(20):
                 try:
-                    sim.transport.register(sim.identity)
+                    reply = self._register(sim)
+                    sim.interval = reply.report_interval_s or SEND_INTERVAL_S
                     return
                 except Exception as exc:
                     if attempt == 19:
@@ -361,6 +394,41 @@ class Worker:
 
         with ThreadPoolExecutor(self.cfg.threads) as pool:
             list(pool.map(reg, self.sims))
+
+    def _register(self, sim: RankSim) -> Any:
+        if self.cfg.replay:  # the batches are built: register the sessions they carry, nothing else
+            from hangwatch import wire
+            from hangwatch.protos import hangwatch_pb2 as pb
+
+            request = pb.RegisterRequest(token=self.cfg.token)
+            wire.identity_to_pb(sim.identity, request.identity)
+            reply = sim.transport._get_stub().Register(request, timeout=self.cfg.timeout_s)
+            if abs(reply.report_interval_s - sim.interval) > 1e-9:
+                raise RuntimeError(
+                    f"coordinator asked for {reply.report_interval_s} s, batches built for {sim.interval}"
+                )
+            return reply
+        if sim.relay is None:
+            return sim.transport.register(sim.identity)
+        from hangwatch import wire
+        from hangwatch.protos import hangwatch_pb2 as pb
+
+        request = pb.RegisterRequest(token=self.cfg.token)
+        wire.identity_to_pb(sim.identity, request.identity)
+        sim.transport.encoder.reset()
+        return sim.relay.register(request, timeout=self.cfg.timeout_s)
+
+    def _report(self, sim: RankSim, events: list[Any]) -> Any:
+        if sim.relay is None:
+            return sim.transport.report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
+        batch = sim.transport.build_report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
+        batch.token = ""
+        reply = sim.relay.submit(batch, min(1.8, self.cfg.timeout_s))
+        if isinstance(reply, str):
+            sim.transport.encoder.reset()  # as the real sender does after a failure: register again
+            self._register(sim)
+            raise RuntimeError(reply)
+        return reply
 
     def send(self, sim: RankSim, due: float) -> None:
         stats = self.stats
@@ -376,10 +444,10 @@ class Worker:
             reply = None
             error = ""
             try:
-                reply = sim.transport.report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
+                reply = self._report(sim, events)
                 if reply.reregister:
-                    sim.transport.register(sim.identity)
-                    reply = sim.transport.report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
+                    self._register(sim)
+                    reply = self._report(sim, events)
             except Exception as exc:
                 code = getattr(exc, "code", None)
                 error = str(code()) if callable(code) else type(exc).__name__
@@ -412,11 +480,114 @@ class Worker:
             if sim.ended:
                 sim.stopped = True
         finally:
-            sim.next_due = max(due + SEND_INTERVAL_S, time.time())
+            sim.next_due = max(due + sim.interval, time.time())
             sim.busy = False
 
+    # ---- replay: everything built before t0 ------------------------------------------------
+
+    def generate(self) -> None:
+        """Build every batch (or relay call) of the run with the real encoder, timed from a fixed
+        base; ``replay`` then sends the bytes on schedule. Each batch's ``sent_time`` is in the
+        same base as its events, so the coordinator's clock-offset mapping puts them in real time."""
+        import grpc
+
+        from hangwatch.coordinator.daemon import report_interval_for
+        from hangwatch.protos import hangwatch_pb2 as pb
+
+        cfg = self.cfg
+        base = REPLAY_BASE
+        interval = report_interval_for(cfg.ranks)
+        for sim in self.sims:
+            sim.interval = interval
+        self.set_start(base)
+        reports: list[tuple[float, int, Any, int, int]] = []  # (offset, rank, batch, events, calls)
+        for sim in self.sims:
+            due = sim.next_due
+            while due < base + cfg.seconds and not sim.ended:
+                events = self.events_until(sim, due)
+                sim.batch_seq += 1
+                batch = sim.transport.build_report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
+                batch.sent_time = due
+                ncalls = sum(1 for e in events if isinstance(e, self.r.CallRecord))
+                reports.append((due - base, sim.rank, batch, len(events), ncalls))
+                due += sim.interval
+        self.sends: list[tuple[float, Any, bytes, int, int, int]] = []  # offset, channel key, bytes, ...
+        if not cfg.relay:
+            for offset, rank, batch, nev, ncalls in reports:
+                self.sends.append((offset, rank, batch.SerializeToString(), 1, nev, ncalls))
+            method, reply_type = "/hangwatch.v1.Coordinator/Report", pb.ReportReply
+        else:  # what each node's relay sends: its ranks' batches of one relay interval together
+            window = RELAY_INTERVAL_S
+            calls: dict[tuple[int, int], list[tuple[Any, int, int]]] = {}
+            for offset, rank, batch, nev, ncalls in reports:
+                batch.token = ""
+                calls.setdefault((rank // cfg.ranks_per_node, int(offset / window)), []).append((batch, nev, ncalls))
+            for (node, w), items in calls.items():
+                relayed = pb.RelayBatch(token=cfg.token, relay_host=f"sim-node-{node}")
+                relayed.reports.extend(b for b, _, _ in items)
+                nev = sum(n for _, n, _ in items)
+                ncalls = sum(c for _, _, c in items)
+                self.sends.append(((w + 1) * window, node, relayed.SerializeToString(), len(items), nev, ncalls))
+            method, reply_type = "/hangwatch.v1.Coordinator/ReportMany", pb.RelayReply
+        self.sends.sort(key=lambda x: x[0])
+        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        self.channels = {key: grpc.insecure_channel(cfg.addr, options=options) for key in {x[1] for x in self.sends}}
+        self.methods = {
+            key: ch.unary_unary(method, request_serializer=None, response_deserializer=reply_type.FromString)
+            for key, ch in self.channels.items()
+        }
+
+    def replay(self, t0: float) -> None:
+        stats, lock = self.stats, self.lock
+        outstanding = threading.Semaphore(0)
+        issued = 0
+
+        def done(fut: Any, started: float, nrep: int, nev: int, ncalls: int) -> None:
+            finished = time.time()
+            try:
+                reply = fut.result()
+                replies = list(reply.replies) if self.cfg.relay else [reply]
+                accepted = sum(x.accepted for x in replies)
+                with lock:
+                    stats.batches += nrep
+                    stats.events_sent += nev
+                    stats.calls_sent += ncalls
+                    stats.events_accepted += accepted
+                    if len(stats.latencies) < LATENCY_SAMPLES:
+                        stats.latencies.append(finished - started)
+                        stats.server_lags.append(reply.server_time - started)
+            except Exception as exc:
+                code = getattr(exc, "code", None)
+                with lock:
+                    stats.batches_failed += nrep
+                    err = str(code()) if callable(code) else type(exc).__name__
+                    stats.errors[err] = stats.errors.get(err, 0) + 1
+            outstanding.release()
+
+        for sim in self.sims:  # registration is over: only the replay's own connections remain
+            sim.transport.close()
+        for offset, key, payload, nrep, nev, ncalls in self.sends:
+            due = t0 + offset
+            delay = due - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            started = time.time()
+            with lock:
+                stats.events_offered += nev
+                if len(stats.behind) < LATENCY_SAMPLES:
+                    stats.behind.append(started - due)
+            fut = self.methods[key].future(payload, timeout=self.cfg.timeout_s)
+            self.replay_calls += 1
+            fut.add_done_callback(lambda f, s=started, a=nrep, b=nev, c=ncalls: done(f, s, a, b, c))
+            issued += 1
+        for _ in range(issued):
+            outstanding.acquire(timeout=self.cfg.timeout_s + 5)
+        for ch in self.channels.values():
+            ch.close()
+
     def run(self, end: float) -> None:
-        pool = ThreadPoolExecutor(self.cfg.threads)
+        # relay mode: a batch waits for its relay's next upstream call, so allow one per rank
+        pool = ThreadPoolExecutor(max(self.cfg.threads, len(self.sims)) if self.cfg.relay else self.cfg.threads)
         try:
             while True:
                 now = time.time()
@@ -436,11 +607,15 @@ class Worker:
             pool.shutdown(wait=True, cancel_futures=True)
             for sim in self.sims:
                 sim.transport.close()
+            for relay in self.relays.values():
+                relay.stop()
 
 
 def _worker_main(cfg: Config, ranks: list[int], barrier: Any, start: Any, results: Any) -> None:
     worker = Worker(cfg, ranks)
     try:
+        if cfg.replay:
+            worker.generate()
         worker.register_all()
     except Exception as exc:
         results.put({"error": str(exc)})
@@ -449,10 +624,13 @@ def _worker_main(cfg: Config, ranks: list[int], barrier: Any, start: Any, result
     barrier.wait()
     barrier.wait()  # the parent has set the start time
     t0 = start.value
-    worker.set_start(t0)
-    while time.time() < t0:
-        time.sleep(0.001)
-    worker.run(t0 + cfg.seconds)
+    if cfg.replay:
+        worker.replay(t0)
+    else:
+        worker.set_start(t0)
+        while time.time() < t0:
+            time.sleep(0.001)
+        worker.run(t0 + cfg.seconds)
     s = worker.stats
     results.put(
         {
@@ -467,6 +645,8 @@ def _worker_main(cfg: Config, ranks: list[int], barrier: Any, start: Any, result
             "server_lags": s.server_lags,
             "behind": s.behind,
             "errors": s.errors,
+            "interval_s": max((sim.interval for sim in worker.sims), default=SEND_INTERVAL_S),
+            "upstream_calls": worker.replay_calls or sum(relay.upstream_calls for relay in worker.relays.values()),
         }
     )
 
@@ -481,7 +661,19 @@ def _pct(values: list[float], q: float) -> float | None:
 def run(cfg: Config, procs: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")  # no gRPC state may cross a fork
     procs = max(1, min(procs, cfg.ranks))
-    chunks = [list(range(p, cfg.ranks, procs)) for p in range(procs)]
+    if cfg.relay:  # a node's ranks (and its relay) live in one process
+        nodes = range((cfg.ranks + cfg.ranks_per_node - 1) // cfg.ranks_per_node)
+        chunks = [
+            [
+                rk
+                for n in nodes
+                if n % procs == p
+                for rk in range(n * cfg.ranks_per_node, min(cfg.ranks, (n + 1) * cfg.ranks_per_node))
+            ]
+            for p in range(procs)
+        ]
+    else:
+        chunks = [list(range(p, cfg.ranks, procs)) for p in range(procs)]
     barrier = ctx.Barrier(procs + 1)
     start = ctx.Value("d", 0.0)
     results = ctx.Queue()
@@ -557,6 +749,18 @@ def run(cfg: Config, procs: int) -> dict[str, Any]:
         "gen_behind_p50_ms": _ms(_pct(behind, 0.5)),
         "gen_behind_p99_ms": _ms(_pct(behind, 0.99)),
         "errors": errs,
+        "relay": cfg.relay,
+        "replay": cfg.replay,
+        "report_interval_s": max(o["interval_s"] for o in outs),
+        # RPCs the coordinator received for batches: one per batch, or the relays' calls
+        "coordinator_rpcs_per_s": round(
+            (
+                sum(o["upstream_calls"] for o in outs)
+                if cfg.relay or cfg.replay
+                else agg["batches"] + agg["batches_failed"]
+            )
+            / secs
+        ),
         "fault": cfg.fault,
         "fault_rank": cfg.fault_rank if cfg.fault != "none" else None,
         "fault_onset": (t0 + fault_index / cfg.rate) if fault_index is not None else None,
@@ -583,6 +787,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=32, help="batches in flight per process")
     ap.add_argument("--timeout", type=float, default=2.0, help="RPC deadline (the real transport's: 2 s)")
     ap.add_argument("--job-id", default="loadgen")
+    ap.add_argument("--relay", action="store_true", help="report through one node-agent relay per 8 ranks (in-process)")
+    ap.add_argument(
+        "--replay",
+        action="store_true",
+        help="build every batch first (same encoder, same schedule), then only send bytes: offers loads "
+        "this machine could not generate live next to the coordinator",
+    )
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
     if not 1 <= args.ranks <= 65_536 or args.rate <= 0 or not 0 < args.seconds <= 600:
@@ -601,6 +812,8 @@ def main(argv: list[str] | None = None) -> int:
         job_id=args.job_id,
         threads=args.threads,
         timeout_s=args.timeout,
+        relay=args.relay,
+        replay=args.replay,
     )
     result = run(cfg, args.procs)
     text = json.dumps(result)

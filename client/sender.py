@@ -142,7 +142,14 @@ class Sender:
                         where, where_user = self._where()
                         batch_seq += 1
                         ack = transport.report(
-                            session.identity, batch_seq, pending, len(queue), queue.dropped, where, where_user
+                            session.identity,
+                            batch_seq,
+                            pending,
+                            len(queue),
+                            queue.dropped,
+                            where,
+                            where_user,
+                            urgent=flushing,
                         )
                         if ack.reregister:
                             self.registered = False

@@ -30,8 +30,11 @@ CHANNEL_OPTIONS = [
 
 
 class Transport:
-    def __init__(self, addr: str, token: str | None, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, addr: str, token: str | None, timeout_s: float = 2.0, options: tls.ChannelOptions = CHANNEL_OPTIONS
+    ) -> None:
         self.addr = addr
+        self.options = options
         self.token = token or ""
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
@@ -40,7 +43,7 @@ class Transport:
 
     def _get_stub(self) -> pb_grpc.CoordinatorStub:
         if self._stub is None:
-            self._channel = tls.channel(self.addr, CHANNEL_OPTIONS)
+            self._channel = tls.channel(self.addr, self.options)
             self._stub = pb_grpc.CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 
@@ -69,7 +72,24 @@ class Transport:
         dropped: int,
         where: str = "",
         where_user: str = "",
+        urgent: bool = False,
     ) -> pb.ReportReply:
+        batch = self.build_report(identity, batch_seq, events, queued, dropped, where, where_user)
+        batch.urgent = urgent
+        reply: pb.ReportReply = self._get_stub().Report(batch, timeout=self.timeout_s)
+        return reply
+
+    def build_report(
+        self,
+        identity: r.RankIdentity,
+        batch_seq: int,
+        events: Sequence[r.RankEvent],
+        queued: int,
+        dropped: int,
+        where: str = "",
+        where_user: str = "",
+    ) -> pb.ReportBatch:
+        """The batch ``report`` sends (its new call signatures count as sent from here on)."""
         batch = pb.ReportBatch(
             token=self.token,
             job_id=identity.job_id,
@@ -83,5 +103,4 @@ class Transport:
             where_user=where_user,
         )
         self.encoder.encode(events, batch)
-        reply: pb.ReportReply = self._get_stub().Report(batch, timeout=self.timeout_s)
-        return reply
+        return batch

@@ -65,6 +65,13 @@ class CoordinatorOptions:
     alert_webhook: str | None = None
 
 
+def report_interval_for(world_size: int) -> float:
+    """How often ranks should send: every 0.2 s up to ~400 ranks, then less often as the job
+    grows (1 s from 2048 ranks), so the coordinator's RPC rate stays bounded. Calls of a new kind
+    are flushed at once whatever this says, so mismatches are not delayed by it."""
+    return max(0.2, min(1.0, world_size / 2048))
+
+
 class Coordinator:
     def __init__(self, options: CoordinatorOptions) -> None:
         if not is_loopback(options.host) and not options.token and not options.allow_insecure_bind:
@@ -227,10 +234,7 @@ class Coordinator:
         return self.decoders.get(session)
 
     def report_interval(self) -> float:
-        """How often ranks should send: every 0.2 s up to ~400 ranks, then less often as the
-        job grows (1 s from 2048 ranks), so the coordinator's RPC rate stays bounded. Calls of
-        a new kind are flushed at once whatever this says, so mismatches are not delayed."""
-        return max(0.2, min(1.0, self.job.world_size / 2048))
+        return report_interval_for(self.job.world_size)
 
     def report(self, batch: pb.ReportBatch, events: list[r.RankEvent], relay: str = "") -> int | None:
         now = time.time()

@@ -163,9 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--relay-interval",
         type=float,
-        default=0.1,
+        default=0.2,
         metavar="SECONDS",
-        help="how long the relay gathers its ranks' batches into one call to the coordinator (default 0.1)",
+        help="how long the relay gathers its ranks' batches into one call to the coordinator (default 0.2)",
     )
     p.add_argument(
         "--tls-cert", default=os.environ.get(config.ENV_TLS_CERT), help="relay: serve TLS with this certificate"

@@ -8,6 +8,8 @@ in a different order).
 
 from __future__ import annotations
 
+import itertools
+
 from hangwatch.coordinator.detectors import Context, slot_key
 from hangwatch.coordinator.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
 from hangwatch.coordinator.incidents import Finding
@@ -31,6 +33,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             slot.checked = len(slot.calls)  # more of the same calls: nothing new to compare
             continue
         slot.checked, slot.checked_size = len(slot.calls), size
+        if slot.uniform and compare_collective(dict(itertools.islice(slot.calls.items(), 2)), size or None) is None:
+            continue  # identical calls: two of them answer for all (the full check names culprits)
         mismatch = compare_collective(slot.calls, size or None)
         if mismatch is None:
             continue

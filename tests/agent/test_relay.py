@@ -165,3 +165,20 @@ def _try(fn: Callable[[], pb.ReportReply]) -> pb.ReportReply | None:
         return fn()
     except grpc.RpcError:
         return None
+
+
+def test_urgent_batches_skip_the_gathering(
+    coordinator_factory: Callable[..., Coordinator], relays: Callable[..., RelayServer]
+) -> None:
+    """A rank flushing a call of a new kind waits for the reply: the relay must not hold it for
+    its gathering interval (here 5 s, against the rank's 0.5 s flush timeout)."""
+    c = coordinator_factory(token=TOKEN, embedded_agent=False)
+    relay = relays(c.port, interval_s=5.0)
+    me = ident(0, 1)
+    t = Transport(relay.addr, TOKEN, timeout_s=10.0)
+    t.register(me)
+    t.report(me, 1, calls(0, 1, 1), 0, 0)  # the first call goes at once; the next would gather
+    began = time.monotonic()
+    assert t.report(me, 2, calls(0, 2, 1), 0, 0, urgent=True).accepted == 2
+    assert time.monotonic() - began < 2.5
+    assert relay.relay.upstream_calls == 2
