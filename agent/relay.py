@@ -56,10 +56,11 @@ CHANNEL_OPTIONS = [
 class _Waiting:
     """One rank's batch until the upstream reply for it arrives."""
 
-    __slots__ = ("done", "error", "reply", "report")
+    __slots__ = ("done", "error", "received", "reply", "report")
 
     def __init__(self, report: pb.ReportBatch) -> None:
         self.report = report
+        self.received = time.monotonic()
         self.done = threading.Event()
         self.reply: pb.ReportReply | None = None
         self.error = ""
@@ -168,6 +169,9 @@ class Relay:
 
     def _forward(self, batch: list[_Waiting]) -> None:
         request = pb.RelayBatch(token=self.token, relay_host=self.host)
+        now = time.monotonic()
+        for w in batch:  # the coordinator takes the holding time out of its clock-offset estimate
+            w.report.relay_held_s = now - w.received
         request.reports.extend(w.report for w in batch)
         self.upstream_calls += 1
         try:

@@ -202,7 +202,9 @@ def row(res: dict[str, Any]) -> str:
         and not res["incidents"]
     )
     inc = ",".join(f"{k}:{v}" for k, v in sorted(res["incidents"].items())) or "-"
-    via = ("relay" if res.get("relay") else "direct") + (" (replay)" if res.get("replay") else "")
+    via = (f"relay {res['relay_interval_s']:g} s" if res.get("relay") else "direct") + (
+        " (replay)" if res.get("replay") else ""
+    )
     return (
         f"| {res['ranks']} | {via} | {res['rate']:g} | {res['target_calls_per_s']:,} | {res['calls_per_s']:,} "
         f"| {res['target_events_per_s']:,} | {res['offered_events_per_s']:,} "
@@ -409,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             help="ranks talk to the coordinator directly, through one node-agent relay per 8 ranks, or both "
             "side by side (ladder and ceiling only)",
         )
+        p.add_argument("--relay-interval", type=float, help="the simulated agents' --relay-interval")
         p.add_argument(
             "--replay",
             action="store_true",
@@ -418,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if getattr(args, "replay", False):
         REPLAY.append("--replay")
+    if getattr(args, "relay_interval", None):
+        REPLAY.extend(["--relay-interval", str(args.relay_interval)])
     if args.mode == "serve":
         serve(args.data_dir, args.stuck_after)
     elif args.mode == "ladder":

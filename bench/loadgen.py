@@ -83,6 +83,7 @@ class Config:
     relay: bool = False  # ranks report through one in-process node-agent Relay per node
     ranks_per_node: int = 8
     replay: bool = False  # build every batch before t0, then only send bytes on schedule
+    relay_interval: float = RELAY_INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,7 @@ class Worker:
                         cfg.addr,
                         cfg.token,
                         host % node,
+                        interval_s=cfg.relay_interval,
                         channel_factory=lambda: grpc.insecure_channel(cfg.addr, options=RELAY_CONNECTION),
                     )
                     self.relays[node].start()
@@ -517,12 +519,14 @@ class Worker:
                 self.sends.append((offset, rank, batch.SerializeToString(), 1, nev, ncalls))
             method, reply_type = "/hangwatch.v1.Coordinator/Report", pb.ReportReply
         else:  # what each node's relay sends: its ranks' batches of one relay interval together
-            window = RELAY_INTERVAL_S
+            window = cfg.relay_interval
             calls: dict[tuple[int, int], list[tuple[Any, int, int]]] = {}
             for offset, rank, batch, nev, ncalls in reports:
                 batch.token = ""
                 calls.setdefault((rank // cfg.ranks_per_node, int(offset / window)), []).append((batch, nev, ncalls))
             for (node, w), items in calls.items():
+                for b, _, _ in items:  # what the relay would have measured holding it
+                    b.relay_held_s = (w + 1) * window - (b.sent_time - base)
                 relayed = pb.RelayBatch(token=cfg.token, relay_host=f"sim-node-{node}")
                 relayed.reports.extend(b for b, _, _ in items)
                 nev = sum(n for _, n, _ in items)
@@ -751,6 +755,7 @@ def run(cfg: Config, procs: int) -> dict[str, Any]:
         "errors": errs,
         "relay": cfg.relay,
         "replay": cfg.replay,
+        "relay_interval_s": cfg.relay_interval if cfg.relay else None,
         "report_interval_s": max(o["interval_s"] for o in outs),
         # RPCs the coordinator received for batches: one per batch, or the relays' calls
         "coordinator_rpcs_per_s": round(
@@ -794,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         help="build every batch first (same encoder, same schedule), then only send bytes: offers loads "
         "this machine could not generate live next to the coordinator",
     )
+    ap.add_argument("--relay-interval", type=float, default=RELAY_INTERVAL_S, help="the agents' --relay-interval")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
     if not 1 <= args.ranks <= 65_536 or args.rate <= 0 or not 0 < args.seconds <= 600:
@@ -814,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         relay=args.relay,
         replay=args.replay,
+        relay_interval=args.relay_interval,
     )
     result = run(cfg, args.procs)
     text = json.dumps(result)

@@ -245,7 +245,7 @@ class Coordinator:
             state.last_seen = now
             state.relay = relay
             if batch.sent_time:
-                state.clock_offset = now - batch.sent_time
+                state.observe_clock(now, batch.sent_time, batch.relay_held_s)
             state.queued = batch.queued
             state.dropped = batch.dropped
             state.where = batch.where

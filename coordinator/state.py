@@ -25,6 +25,7 @@ MAX_OPEN_CALLS = 4096  # per rank
 MAX_GROUPS = 16384
 DURATIONS_KEPT = 512
 ARRIVALS_KEPT = 32
+OFFSET_SAMPLES = 32  # clock-offset samples per rank (batches: 6-30 s of them)
 
 
 @dataclass
@@ -32,7 +33,8 @@ class RankState:
     identity: r.RankIdentity
     registered_at: float
     last_seen: float
-    clock_offset: float = 0.0  # coordinator time minus rank time
+    clock_offset: float = 0.0  # coordinator time minus rank time (see observe_clock)
+    offset_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
     step: int = 0
     step_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=64))
     open_calls: dict[int, r.CallRecord] = field(default_factory=dict)
@@ -52,6 +54,15 @@ class RankState:
     @property
     def rank(self) -> int:
         return self.identity.rank
+
+    def observe_clock(self, arrival: float, sent_time: float, held_s: float = 0.0) -> None:
+        """Estimate the rank's clock offset from a batch sent at ``sent_time`` (rank clock) that
+        arrived at ``arrival`` (coordinator clock) after ``held_s`` in a relay. Each sample is the
+        true offset plus the batch's transit and queueing delay, so the estimate is the smallest
+        recent sample: a batch that waited in a busy coordinator's queue does not shift the
+        rank's times (which would make it look like a straggler)."""
+        self.offset_samples.append(arrival - sent_time - max(0.0, held_s))
+        self.clock_offset = min(self.offset_samples)
 
     def to_local(self, rank_time: float) -> float:
         return rank_time + self.clock_offset

@@ -826,3 +826,17 @@ def test_single_member_group_is_not_a_straggler_candidate() -> None:
     job.apply(st, GroupEvent(0, GroupEventKind.CREATED, GroupInfo("2", (0,)), T0), T0)
     job.apply(st, CallRecord(rank=0, call_id=1, op="all_reduce", group="2", seq=1, enter_time=T0), T0)
     assert job.arrivals == {}
+
+
+def test_clock_offset_ignores_queueing_and_relay_holding() -> None:
+    """Rank times are mapped with the smallest recent (arrival - sent) sample: a batch that waited
+    in a busy coordinator or was held by a relay does not shift its rank's times (which would
+    make it look late), while a real clock change is learnt once the window has passed."""
+    st = Sim(1).states[0]
+    st.observe_clock(1000.05, 1000.0)
+    st.observe_clock(1001.9, 1001.0)  # queued 0.85 s in the coordinator
+    st.observe_clock(1002.45, 1002.0, held_s=0.4)  # held 0.4 s by the node's relay
+    assert st.clock_offset == pytest.approx(0.05)
+    for i in range(40):
+        st.observe_clock(2000.0 + i + 3.0, 2000.0 + i)
+    assert st.clock_offset == pytest.approx(3.0)
