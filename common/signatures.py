@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from hangwatch import records as r
 from hangwatch import wire
@@ -136,6 +137,21 @@ class CallEncoder:
             cols.seq_count.extend(counts)
 
 
+#: Tensor lists and extras shared by every session's signatures (ranks of one job make the same
+#: calls): one object each, so comparing two ranks' calls is mostly an identity check.
+_SHARED: dict[object, object] = {}
+MAX_SHARED = 65536
+
+
+def _shared(value: Any) -> Any:
+    found = _SHARED.get(value)
+    if found is not None:
+        return found
+    if len(_SHARED) < MAX_SHARED:
+        _SHARED[value] = value
+    return value
+
+
 class CallDecoder:
     """The coordinator's side for one rank session: its signature table."""
 
@@ -153,7 +169,10 @@ class CallDecoder:
                 rejected += 1
                 continue
             try:
-                self.table[sig.id] = wire.call_from_pb(rank, sig.call)
+                template = wire.call_from_pb(rank, sig.call)
+                template.inputs = _shared(template.inputs)
+                template.outputs = _shared(template.outputs)
+                self.table[sig.id] = template
             except (wire.WireError, ValueError, OverflowError):
                 self.table.pop(sig.id, None)
                 rejected += 1

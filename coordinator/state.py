@@ -205,61 +205,71 @@ class JobState:
             state.last_progress = now
 
     def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
-        if call.group not in self.slots and call.group not in state.history and len(self.slots) >= MAX_GROUPS:
+        # the hot path of ingest (every call of every rank): locals, one kind lookup, no scans
+        group, seq = call.group, call.seq
+        slots = self.slots.get(group)
+        if slots is None and group not in state.history and len(self.slots) >= MAX_GROUPS:
             self.dropped_calls += 1
             return
         self.records_received += 1
-        call.enter_time = state.to_local(call.enter_time)
-        if call.exit_time is not None:
-            call.exit_time = state.to_local(call.exit_time)
-        if state.last_call is None or call.enter_time >= state.last_call.enter_time:
+        offset = state.clock_offset
+        enter = call.enter_time = call.enter_time + offset
+        done = call.exit_time is not None
+        if done:
+            call.exit_time += offset  # type: ignore[operator]
+        last = state.last_call
+        if last is None or enter >= last.enter_time:
             state.last_call = call  # Flight Recorder records may arrive after later Python calls
         state.last_progress = now
-        state.step = max(state.step, call.step)
-        hist = state.history.get(call.group)
+        if call.step > state.step:
+            state.step = call.step
+        hist = state.history.get(group)
         if hist is None:
-            hist = state.history[call.group] = collections.deque(maxlen=HISTORY_PER_GROUP)
+            hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
         hist.append(call)
-        if call.exit_time is None:
-            state.open_calls[call.call_id] = call
-            if len(state.open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
-                oldest = min(state.open_calls)
-                self._unslot(state.open_calls.pop(oldest))
-        if call.kind is r.OpKind.P2P:
+        open_calls = state.open_calls
+        kind = call.kind
+        if kind is r.OpKind.COLLECTIVE and open_calls:
+            # Collectives on one group complete in order on a rank: older open ones are done.
+            for other in list(open_calls.values()):
+                if other.group == group and other.seq < seq and other.kind is r.OpKind.COLLECTIVE:
+                    self._close(state, other, enter, None)
+        if not done:
+            open_calls[call.call_id] = call
+            if len(open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
+                oldest = min(open_calls)
+                self._unslot(open_calls.pop(oldest))
+        if kind is r.OpKind.P2P:
             self.p2p_changed = True
-            if call.exit_time is None:
+            if not done:
                 self.p2p_open[(state.rank, call.call_id)] = call
             return
-        if call.kind is not r.OpKind.COLLECTIVE:
+        if kind is not r.OpKind.COLLECTIVE:
             return
-        # Collectives on one group complete in order on a rank: older open ones are done.
-        for other in list(state.open_calls.values()):
-            if other.group == call.group and other.seq < call.seq and other.kind is r.OpKind.COLLECTIVE:
-                self._close(state, other, call.enter_time, None)
-        slots = self.slots.get(call.group)
         if slots is None:
-            slots = self.slots[call.group] = collections.OrderedDict()
-        slot = slots.get(call.seq)
+            slots = self.slots[group] = collections.OrderedDict()
+        slot = slots.get(seq)
         if slot is None:
-            slot = slots[call.seq] = Slot(call.group, call.seq, first_enter=call.enter_time)
+            slot = slots[seq] = Slot(group, seq, first_enter=enter, last_enter=enter)
             while len(slots) > MAX_SLOTS_PER_GROUP:
                 slots.popitem(last=False)
+        elif enter > slot.last_enter:
+            slot.last_enter = enter
+        elif enter < slot.first_enter:
+            slot.first_enter = enter
         slot.add(call)
-        slot.last_enter = max(slot.last_enter, call.enter_time)
-        slot.first_enter = min(slot.first_enter, call.enter_time)
-        self.changed_slots.add((call.group, call.seq))
-        members = self.members(call.group)
-        if len(members) > 1 and len(slot.calls) == len(members):
-            arrivals = sorted((c.enter_time, rk) for rk, c in slot.calls.items())
-            others = arrivals[:-1]  # the last rank's lag behind the median of the others
-            median = others[len(others) // 2][0]
-            lasts = self.arrivals.get(call.group)
+        self.changed_slots.add((group, seq))
+        members = self.members(group)
+        if len(slot.calls) == len(members) > 1:
+            arrivals = sorted([(c.enter_time, rk) for rk, c in slot.calls.items()])
+            median = arrivals[(len(arrivals) - 1) // 2][0]  # of the others: the last rank's lag behind it
+            lasts = self.arrivals.get(group)
             if lasts is None:
-                lasts = self.arrivals[call.group] = collections.deque(maxlen=ARRIVALS_KEPT)
-            lasts.append((arrivals[-1][1], arrivals[-1][0] - median, call.seq, slot.first_enter))
-        if call.exit_time is not None and call.error is None:  # reported already complete
-            self.wait_durations.append(max(0.0, call.exit_time - call.enter_time))
-            self._prune(call.group, call.seq)
+                lasts = self.arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
+            lasts.append((arrivals[-1][1], arrivals[-1][0] - median, seq, slot.first_enter))
+        if done and call.error is None:  # reported already complete
+            self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
+            self._prune(group, seq, members)
 
     def _exit(self, state: RankState, done: r.CallExit, now: float) -> None:
         call = state.open_calls.get(done.call_id)
@@ -288,12 +298,13 @@ class JobState:
         if slots is not None and call.seq in slots:
             slots[call.seq].remove(call.rank)
 
-    def _prune(self, group: str, seq: int) -> None:
+    def _prune(self, group: str, seq: int, members: tuple[int, ...] | None = None) -> None:
         """Drop slots older than ``seq`` whose calls have all completed, keeping a short tail."""
         slots = self.slots.get(group)
-        if not slots:
+        if not slots or next(iter(slots)) >= seq - 8:
             return
-        members = self.members(group)
+        if members is None:
+            members = self.members(group)
         while slots:
             first_seq, first = next(iter(slots.items()))
             if first_seq >= seq - 8:
