@@ -521,17 +521,24 @@ class Worker:
         else:  # what each node's relay sends: its ranks' batches of one relay interval together
             window = cfg.relay_interval
             calls: dict[tuple[int, int], list[tuple[Any, int, int]]] = {}
+
+            def phase(node: int) -> float:  # relays are not in step: each gathers on its own beat
+                return window * ((node * 0.618) % 1.0)
+
             for offset, rank, batch, nev, ncalls in reports:
                 batch.token = ""
-                calls.setdefault((rank // cfg.ranks_per_node, int(offset / window)), []).append((batch, nev, ncalls))
+                node = rank // cfg.ranks_per_node
+                w = int((offset - phase(node)) // window)
+                calls.setdefault((node, w), []).append((batch, nev, ncalls))
             for (node, w), items in calls.items():
+                sent = phase(node) + (w + 1) * window
                 for b, _, _ in items:  # what the relay would have measured holding it
-                    b.relay_held_s = (w + 1) * window - (b.sent_time - base)
+                    b.relay_held_s = sent - (b.sent_time - base)
                 relayed = pb.RelayBatch(token=cfg.token, relay_host=f"sim-node-{node}")
                 relayed.reports.extend(b for b, _, _ in items)
                 nev = sum(n for _, n, _ in items)
                 ncalls = sum(c for _, _, c in items)
-                self.sends.append(((w + 1) * window, node, relayed.SerializeToString(), len(items), nev, ncalls))
+                self.sends.append((sent, node, relayed.SerializeToString(), len(items), nev, ncalls))
             method, reply_type = "/hangwatch.v1.Coordinator/ReportMany", pb.RelayReply
         self.sends.sort(key=lambda x: x[0])
         options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 64 * 1024 * 1024)]

@@ -6,7 +6,9 @@ INVALID_ARGUMENT (and a reason) instead of gRPC's generic INTERNAL, before any h
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+from concurrent.futures import Executor
 from typing import Any
 
 import grpc
@@ -31,23 +33,65 @@ def _safe_deserializer(message_class: Any) -> Any:
     return parse
 
 
+class Refused(Exception):
+    """Raised by a handler to end its call with ``code`` and a clear message (and no reply);
+    works the same whether the handler runs on a thread-pool server or an asyncio one."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 def _guarded(method: Any) -> Any:
     def handler(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message ({request.error})")
-        return method(request, context)
+        try:
+            return method(request, context)
+        except Refused as refused:
+            context.abort(refused.code, refused.message)
 
     return handler
 
 
-def add_service(servicer: Any, server: grpc.Server) -> None:
-    """Serve every method of the ``Coordinator`` service from ``servicer``'s same-named methods."""
+def _guarded_async(method: Any, executor: Executor | None) -> Any:
+    async def handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message ({request.error})")
+        try:
+            if executor is None:
+                return method(request, context)  # on the event loop itself: short, CPU-only work
+            return await asyncio.get_running_loop().run_in_executor(executor, method, request, context)
+        except Refused as refused:
+            await context.abort(refused.code, refused.message)
+
+    return handler
+
+
+def add_service(
+    servicer: Any,
+    server: grpc.Server | grpc.aio.Server,
+    *,
+    blocking: frozenset[str] = frozenset(),
+    executor: Executor | None = None,
+) -> None:
+    """Serve every method of the ``Coordinator`` service from ``servicer``'s same-named methods
+    (plain functions that raise :class:`Refused` to refuse). On an asyncio server, the methods
+    named in ``blocking`` (those that wait, or build large replies) run in ``executor``; the
+    others run on the event loop."""
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
     handlers = {}
+    is_aio = isinstance(server, grpc.aio.Server)
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
+        function = getattr(servicer, method.name)
+        if is_aio:
+            behaviour = _guarded_async(function, executor if method.name in blocking else None)
+        else:
+            behaviour = _guarded(function)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _guarded(getattr(servicer, method.name)),
+            behaviour,
             request_deserializer=_safe_deserializer(request_class),
             response_serializer=lambda message: message.SerializeToString(),
         )

@@ -13,12 +13,8 @@ import socket
 import threading
 import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hangwatch import config, tls
 from hangwatch import records as r
@@ -27,7 +23,8 @@ from hangwatch.coordinator.alerts import WebhookAlerter
 from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.metrics import MetricsServer
-from hangwatch.coordinator.servicer import CoordinatorServicer, add_to_server
+from hangwatch.coordinator.server import BindError, RpcServer
+from hangwatch.coordinator.servicer import BLOCKING, CoordinatorServicer
 from hangwatch.coordinator.state import JobState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import status_json
@@ -56,7 +53,7 @@ class CoordinatorOptions:
     embedded_agent: bool = True
     abort_on_hang: bool = False
     allow_insecure_bind: bool = False
-    max_workers: int = 16
+    max_workers: int = 64  # threads for the RPCs that wait (agent long polls, stack dumps, queries)
     metrics_port: int = 0  # 0: no /metrics endpoint
     max_data_mb: float = config.DEFAULT_MAX_DATA_MB  # incident store cap; oldest pruned first
     tls_cert: str | None = None
@@ -109,9 +106,8 @@ class Coordinator:
         self.started = time.time()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.server: grpc.Server | None = None
+        self.server: RpcServer | None = None
         self.port = 0
-        self.health = health.HealthServicer()
         if options.abort_on_hang:
             self.engine.listeners.append(self._abort_listener)
         self.alerter: WebhookAlerter | None = None
@@ -128,31 +124,32 @@ class Coordinator:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> int:
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.options.max_workers, thread_name_prefix="hangwatch-rpc"),
+        credentials = None
+        if self.options.tls_cert or self.options.tls_key:
+            if not (self.options.tls_cert and self.options.tls_key):
+                raise ConfigError("TLS needs both --tls-cert and --tls-key")
+            credentials = tls.server_credentials(
+                self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca
+            )
+        server = RpcServer(
+            CoordinatorServicer(self),
+            f"{self.options.host}:{self.options.port}",
+            credentials=credentials,
+            blocking=BLOCKING,
+            blocking_workers=self.options.max_workers,
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ],
         )
-        add_to_server(CoordinatorServicer(self), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        bind = f"{self.options.host}:{self.options.port}"
-        if self.options.tls_cert or self.options.tls_key:
-            if not (self.options.tls_cert and self.options.tls_key):
-                raise ConfigError("TLS needs both --tls-cert and --tls-key")
-            creds = tls.server_credentials(self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca)
-            port = server.add_secure_port(bind, creds)
-        else:
-            port = server.add_insecure_port(bind)
-        if port == 0:
-            raise ConfigError(f"cannot listen on {self.options.host}:{self.options.port} (in use?)")
-        server.start()
+        try:
+            port = server.start()
+        except BindError as exc:
+            server.stop(0)
+            raise ConfigError(str(exc)) from None
         self.server = server
         self.port = port
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set("hangwatch.v1.Coordinator", health_pb2.HealthCheckResponse.SERVING)
         if self.options.metrics_port:
             self.metrics = MetricsServer(self, self.options.host, self.options.metrics_port)
             self.metrics.start()
@@ -177,8 +174,7 @@ class Coordinator:
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
         if self.server is not None:
-            self.health.enter_graceful_shutdown()
-            self.server.stop(grace).wait(grace + 1)
+            self.server.stop(grace)
         for thread in self._threads:
             thread.join(2.0)
         if self.metrics is not None:

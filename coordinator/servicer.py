@@ -19,7 +19,7 @@ import grpc
 from hangwatch import wire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
-from hangwatch.serving import add_service
+from hangwatch.serving import Refused
 
 if TYPE_CHECKING:
     from hangwatch.coordinator.daemon import Coordinator
@@ -33,8 +33,7 @@ MAX_POLL_WAIT_S = 10.0
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
-    raise AssertionError("unreachable")  # context.abort raises
+    raise Refused(code, message)  # the server's wrapper ends the call with it (serving.py)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -202,5 +201,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.JsonReply(json=json.dumps(result))
 
 
-def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
-    add_service(servicer, server)
+#: Handlers that wait (long polls, stack dumps) or build large JSON replies: on the coordinator's
+#: asyncio server they run in a thread pool, everything else on the event loop.
+BLOCKING = frozenset({"AgentPoll", "DumpStacks", "GetStatus", "ListIncidents", "GetIncident"})

@@ -48,6 +48,7 @@ def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]
         "queued": st.queued,
         "dropped": st.dropped,
         "process": st.proc.state.value if st.proc else None,
+        "relay": st.relay or None,
         "end": (
             {"kind": st.end.kind.value, "detail": st.end.detail, "call_site": st.end.call_site} if st.end else None
         ),
@@ -71,6 +72,7 @@ def status_json(
         "registered": len(job.ranks),
         "states": counts,
         "records_received": job.records_received,
+        "relays": sorted({rk["relay"] for rk in ranks if rk["relay"]}),
         "dropped": sum(rk["dropped"] for rk in ranks),
         "time": now,
     }
