@@ -96,7 +96,8 @@ def add_service(
             response_serializer=lambda message: message.SerializeToString(),
         )
     # registered methods are matched in gRPC's core, not by a Python lookup per call
-    server.add_registered_method_handlers(service.full_name, handlers)
+    registrar: Any = server  # (grpcio's type stubs do not know this method yet)
+    registrar.add_registered_method_handlers(service.full_name, handlers)
 
 
 def is_loopback(host: str) -> bool:

@@ -38,6 +38,7 @@ class RankState:
     step: int = 0
     step_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=64))
     open_calls: dict[int, r.CallRecord] = field(default_factory=dict)
+    open_collectives: dict[str, dict[int, r.CallRecord]] = field(default_factory=dict)  # group -> id -> call
     last_call: r.CallRecord | None = None
     last_progress: float = 0.0  # coordinator time of the last enter/exit/step
     history: dict[str, collections.deque[r.CallRecord]] = field(default_factory=dict)
@@ -149,9 +150,7 @@ class JobState:
         self.p2p_changed = False
         self.p2p_pair_mismatches: list[Mismatch] = []
         self.aborted_at: float | None = None
-        self.dropped_calls = (
-            0  # calls refused because they would exceed MAX_GROUPS  # when hangwatch itself terminated the ranks
-        )
+        self.dropped_calls = 0  # calls and group announcements refused because they would exceed MAX_GROUPS
         # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time)
         self.arrivals: dict[str, collections.deque[tuple[int, float, int, float]]] = {}
         self._world: tuple[int, ...] = ()
@@ -164,15 +163,22 @@ class JobState:
             previous.last_seen = now
             return previous
         if previous is not None:
-            self.sessions.pop(previous.identity.session, None)
-            for call in previous.open_calls.values():
-                self._unslot(call)
+            self._forget_session(previous)
         state = RankState(identity=identity, registered_at=now, last_seen=now, last_progress=now)
         self.ranks[identity.rank] = state
         self.sessions[identity.session] = identity.rank
         self.job_id = identity.job_id or self.job_id
         self.world_size = max(self.world_size, identity.world_size)
         return state
+
+    def _forget_session(self, previous: RankState) -> None:
+        """A rank registers again with a new session (its process restarted): the old session's
+        open calls leave their slots and the p2p pairing. (Its completed calls stay; slots the
+        old numbering left behind are pruned as stale, see ``_prune``.)"""
+        self.sessions.pop(previous.identity.session, None)
+        for call in previous.open_calls.values():
+            self._unslot(call)
+            self.p2p_open.pop((previous.rank, call.call_id), None)
 
     def rank_for_session(self, session: str) -> RankState | None:
         rank = self.sessions.get(session)
@@ -191,12 +197,7 @@ class JobState:
             state.step = event.step
             state.last_progress = now
         elif isinstance(event, r.GroupEvent):
-            self.groups_changed = True
-            if event.kind is r.GroupEventKind.CREATED:
-                state.groups[event.group.name] = event.group
-                self.groups.setdefault(event.group.name, event.group)
-            else:
-                state.groups.pop(event.group.name, None)
+            self._group_event(state, event)
         elif isinstance(event, r.RankEnd):
             state.end = event
             state.step = max(state.step, event.step)
@@ -204,11 +205,37 @@ class JobState:
             state.markers.append(event)
             state.last_progress = now
 
+    def _group_event(self, state: RankState, event: r.GroupEvent) -> None:
+        self.groups_changed = True
+        info, name = event.group, event.group.name
+        if event.kind is not r.GroupEventKind.CREATED:
+            state.groups.pop(name, None)
+            if name != "0" and not any(name in st.groups for st in self.ranks.values()):
+                self._forget_group(name)  # every member destroyed it
+            return
+        canonical = self.groups.get(name)
+        if canonical is None:
+            if len(self.groups) >= MAX_GROUPS:
+                self.dropped_calls += 1
+                return
+            canonical = self.groups[name] = info
+        # one membership tuple per group, not one per rank (the world group is O(world) long)
+        state.groups[name] = canonical if canonical.ranks == info.ranks else info
+
+    def _forget_group(self, name: str) -> None:
+        self.groups.pop(name, None)
+        self.slots.pop(name, None)
+        self.arrivals.pop(name, None)
+        self.changed_slots = {key for key in self.changed_slots if key[0] != name}
+        for st in self.ranks.values():
+            st.history.pop(name, None)
+
     def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
         # the hot path of ingest (every call of every rank): locals, one kind lookup, no scans
         group, seq = call.group, call.seq
         slots = self.slots.get(group)
-        if slots is None and group not in state.history and len(self.slots) >= MAX_GROUPS:
+        hist = state.history.get(group)
+        if hist is None and slots is None and len(state.history) >= MAX_GROUPS:
             self.dropped_calls += 1
             return
         self.records_received += 1
@@ -223,22 +250,30 @@ class JobState:
         state.last_progress = now
         if call.step > state.step:
             state.step = call.step
-        hist = state.history.get(group)
         if hist is None:
+            if slots is None and len(self.slots) >= MAX_GROUPS:
+                self.dropped_calls += 1
+                return
             hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
         hist.append(call)
         open_calls = state.open_calls
         kind = call.kind
-        if kind is r.OpKind.COLLECTIVE and open_calls:
-            # Collectives on one group complete in order on a rank: older open ones are done.
-            for other in list(open_calls.values()):
-                if other.group == group and other.seq < seq and other.kind is r.OpKind.COLLECTIVE:
+        if kind is r.OpKind.COLLECTIVE:
+            open_here = state.open_collectives.get(group)
+            if open_here:
+                # Collectives on one group complete in order on a rank: older open ones are done.
+                for other in [c for c in open_here.values() if c.seq < seq]:
                     self._close(state, other, enter, None)
+            if not done:
+                if open_here is None:
+                    open_here = state.open_collectives[group] = {}
+                open_here[call.call_id] = call
         if not done:
             open_calls[call.call_id] = call
             if len(open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
-                oldest = min(open_calls)
-                self._unslot(open_calls.pop(oldest))
+                oldest = open_calls.pop(min(open_calls))
+                self._unslot(oldest)
+                self._drop_open(state, oldest)
         if kind is r.OpKind.P2P:
             self.p2p_changed = True
             if not done:
@@ -288,10 +323,18 @@ class JobState:
         call.exit_time = when
         call.error = error
         state.open_calls.pop(call.call_id, None)
-        self.p2p_open.pop((state.rank, call.call_id), None)
+        self._drop_open(state, call)
         if call.kind is r.OpKind.COLLECTIVE and error is None:
             self.wait_durations.append(max(0.0, when - call.enter_time))
             self._prune(call.group, call.seq)
+
+    def _drop_open(self, state: RankState, call: r.CallRecord) -> None:
+        self.p2p_open.pop((state.rank, call.call_id), None)
+        open_here = state.open_collectives.get(call.group)
+        if open_here is not None:
+            open_here.pop(call.call_id, None)
+            if not open_here:
+                del state.open_collectives[call.group]
 
     def _unslot(self, call: r.CallRecord) -> None:
         slots = self.slots.get(call.group)
@@ -301,12 +344,17 @@ class JobState:
     def _prune(self, group: str, seq: int, members: tuple[int, ...] | None = None) -> None:
         """Drop slots older than ``seq`` whose calls have all completed, keeping a short tail."""
         slots = self.slots.get(group)
-        if not slots or next(iter(slots)) >= seq - 8:
+        if not slots or seq - 8 <= next(iter(slots)) <= seq + 8:
             return
         if members is None:
             members = self.members(group)
         while slots:
             first_seq, first = next(iter(slots.items()))
+            if first_seq > seq + 8 and not first.open:
+                # older than every slot after it, yet numbered ahead: left by a run whose
+                # numbering restarted (torchelastic restarts every worker; seqs start from 1)
+                slots.popitem(last=False)
+                continue
             if first_seq >= seq - 8:
                 break
             if first.open:
