@@ -66,6 +66,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ADDR = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 #: Default Prometheus metrics port of the coordinator.
 DEFAULT_METRICS_PORT = 29601
+#: Port a relaying node agent listens on in the deploy/ examples (``--relay-port``).
+DEFAULT_RELAY_PORT = 29602
 DEFAULT_DATA_DIR = "./hangwatch-data"
 DEFAULT_MAX_DATA_MB = 256.0
 #: Upper bound of the adaptive stuck threshold (seconds) when ``--stuck-after`` is not given.

@@ -150,10 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--relay-port",
         type=int,
-        default=config.env_int(config.ENV_RELAY_PORT, 0) or None,
-        help=f"also relay this node's ranks: listen here (0: any free port, printed) and point their "
-        f"{config.ENV_ADDR} at it, so the coordinator sees one connection per node "
-        f"(default ${config.ENV_RELAY_PORT}, else no relay)",
+        default=config.env_int(config.ENV_RELAY_PORT, 0),
+        help=f"also relay this node's ranks: listen on this port and point their {config.ENV_ADDR} at it, "
+        f"so the coordinator sees one connection per node (default ${config.ENV_RELAY_PORT}; 0: no relay)",
     )
     p.add_argument(
         "--relay-host",
@@ -346,7 +345,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     stop = threading.Event()
     core = NodeAgentCore(host=args.node_name)
     relay = None
-    if args.relay_port is not None:
+    if args.relay_port:
         relay = _start_relay(args, addr, core.host)
         if relay is None:
             return 2

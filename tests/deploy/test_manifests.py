@@ -530,8 +530,19 @@ def test_training_example_attaches_ranks_to_the_coordinator() -> None:
         env = _env(container)
         addr = env.get(config.ENV_ADDR, {}).get("value")
         assert addr, f"training container {container['name']} does not set {config.ENV_ADDR}"
-        # The training job runs in its own namespace: the address must name the coordinator's.
-        _assert_points_at_coordinator(addr, f"training {config.ENV_ADDR}", need_namespace=True)
+        relay = re.fullmatch(r"\$\((\w+)\):(\d+)", addr)
+        if relay:  # the node's own relaying agent: the node's IP and the agent's hostPort
+            field = env[relay.group(1)]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert field == "status.hostIP", f"training {config.ENV_ADDR} host comes from {field}, not status.hostIP"
+            agent = _only_container(_find("DaemonSet"))
+            host_ports = {p.get("hostPort") for p in agent.get("ports", [])}
+            assert int(relay.group(2)) in host_ports, f"no agent hostPort {relay.group(2)} (have {host_ports})"
+            assert _flag(_argv(agent), "--relay-port") == relay.group(2), "agent --relay-port != the ranks' port"
+            assert _flag(_argv(agent), "--relay-host") == "0.0.0.0", "the relay must listen beyond loopback"
+            assert int(relay.group(2)) == config.DEFAULT_RELAY_PORT
+        else:
+            # The training job runs in its own namespace: the address must name the coordinator's.
+            _assert_points_at_coordinator(addr, f"training {config.ENV_ADDR}", need_namespace=True)
         token = env.get(config.ENV_TOKEN, {}).get("valueFrom", {}).get("secretKeyRef", {})
         assert token.get("name") == TOKEN_SECRET, f"training container must read {config.ENV_TOKEN} from a Secret"
         assert "torchrun" in " ".join(_argv(container)), "the training example should run torchrun"
@@ -606,10 +617,18 @@ def test_sbatch_wires_coordinator_agents_and_ranks() -> None:
     assert coordinator < agents < training and export_addr < training, "order: coordinator, agents, training"
     assert re.search(rf"^\s*export {config.ENV_TOKEN}\b", text, re.MULTILINE), "the job token must be exported"
     assert re.search(r"^\s*trap \S+ EXIT", text, re.MULTILINE), "no cleanup trap on EXIT"
-    # Agents and ranks reach the same address.
-    agent_addr = _flag(_shell_tokens(lines[agents]), "--coordinator")
-    rank_addr = lines[export_addr].split("=", 1)[1].strip().strip('"')
-    assert agent_addr == rank_addr, f"agents use {agent_addr}, ranks use {rank_addr}"
+    # Ranks reach either the agents' coordinator, or their own node's agent on its relay port.
+    agent_argv = _shell_tokens(lines[agents])
+    agent_addr = _flag(agent_argv, "--coordinator")
+    relay_port = _flag(agent_argv, "--relay-port")
+    allowed = {agent_addr} | ({f"127.0.0.1:{relay_port}"} if relay_port else set())
+    exports = [line for line in lines if re.match(rf"^\s*export {config.ENV_ADDR}=", line)]
+    for line in exports:
+        rank_addr = line.split("=", 1)[1].split("#")[0].strip().strip('"').replace("${", "$").replace("}", "")
+        assert rank_addr in {a.replace("${", "$").replace("}", "") for a in allowed if a}, (
+            f"ranks use {rank_addr}, agents serve {allowed}"
+        )
+    assert int(defaults["HW_RELAY_PORT"]) in (0, config.DEFAULT_RELAY_PORT)
 
 
 # --- tests: Dockerfile ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ nodes, a real gloo job on "node-b", stacks routed to the right agent, a killed a
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -129,7 +130,9 @@ def test_relaying_agent_carries_a_real_jobs_ranks(
     import psutil
 
     c = coordinator_factory(embedded_agent=False, stuck_after=3.0)
-    relay = ("--relay-port", "0")  # any free port; the agent prints it
+    with socket.socket() as probe:  # a free port for the relay
+        probe.bind(("127.0.0.1", 0))
+        relay = ("--relay-port", str(probe.getsockname()[1]))
     agent = subprocess.Popen(
         [str(BIN / "hangwatch"), "agent", "--coordinator", f"127.0.0.1:{c.port}", "--node-name", "node-r", *relay],
         cwd=tmp_path,
