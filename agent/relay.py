@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 #: The least time between two upstream calls: batches arriving meanwhile gather into the next one
 #: (urgent ones, which a rank is waiting on, go at once).
-DEFAULT_INTERVAL_S = 0.2
+DEFAULT_INTERVAL_S = 0.5
 MAX_PENDING = 4096  # batches waiting for the next upstream call
 MAX_REPORTS_PER_CALL = 1024  # the coordinator accepts up to 4096
 UPSTREAM_TIMEOUT_S = 5.0

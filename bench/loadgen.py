@@ -63,7 +63,7 @@ PP_STAGES = 4
 TP_SIZE = 8
 LATENCY_SAMPLES = 20_000  # per process, reservoir
 REPLAY_BASE = 1_000_000.0  # replay mode: batches are built on this time base
-RELAY_INTERVAL_S = 0.2  # hangwatch.agent.relay.DEFAULT_INTERVAL_S
+RELAY_INTERVAL_S = 0.5  # hangwatch.agent.relay.DEFAULT_INTERVAL_S
 
 
 @dataclass(frozen=True)

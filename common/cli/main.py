@@ -162,9 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--relay-interval",
         type=float,
-        default=0.2,
+        default=0.5,
         metavar="SECONDS",
-        help="how long the relay gathers its ranks' batches into one call to the coordinator (default 0.2)",
+        help="the least time between two calls the relay makes to the coordinator; its ranks' batches "
+        "gather meanwhile (default 0.5; a flush a rank waits on goes at once)",
     )
     p.add_argument(
         "--tls-cert", default=os.environ.get(config.ENV_TLS_CERT), help="relay: serve TLS with this certificate"

@@ -246,7 +246,7 @@ def test_relayed_batches_are_applied_as_their_ranks_sent_them(coordinator_factor
     t = Transport(f"127.0.0.1:{c.port}", "s3cret")
     ids = [identity(0), identity(1)]
     reg = t.register(ids[0])
-    assert 0.2 <= reg.report_interval_s <= 1.0
+    assert reg.report_interval_s == 0.2  # a small job reports every 0.2 s
     t.register(ids[1])
     reports = []
     for rank, shape in ((0, (1, 5)), (1, (1, 2, 5))):
@@ -267,3 +267,13 @@ def test_relayed_batches_are_applied_as_their_ranks_sent_them(coordinator_factor
     inc = wait_for(lambda: c.incidents_json(), 5, 0.05, "an incident")[0]
     assert inc["kind"] == "shape_mismatch"
     assert c.job.ranks[0].relay == "node-7"
+
+
+def test_report_interval_grows_with_the_job_and_stays_inside_the_freeze_window() -> None:
+    from hangwatch import config
+    from hangwatch.coordinator.daemon import report_interval_for
+
+    assert [report_interval_for(n) for n in (8, 204, 512, 1024, 2048, 65536)] == [0.2, 0.2, 0.5, 1.0, 2.0, 2.0]
+    # direct ranks make at most ~1,000 RPCs a second up to 2,048 ranks
+    assert all(n / report_interval_for(n) <= 1024 for n in range(205, 2049))
+    assert report_interval_for(1 << 20) < config.DEFAULT_SILENCE_AFTER_S / 2  # heartbeats well inside it
