@@ -211,10 +211,10 @@ class CallDecoder:
             cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, strict=True
         ):
             t = table.get(sid)
-            if t is None:
+            done = exit_time == exit_time  # not NaN: NaN marks a call still under way
+            if t is None or enter - enter != 0 or (done and exit_time - exit_time != 0):  # infinite times
                 rejected += 1
                 continue
-            done = exit_time == exit_time  # not NaN
             folded += done
             calls.append(
                 record(

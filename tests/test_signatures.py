@@ -128,6 +128,12 @@ def test_unknown_ids_misaligned_columns_and_overflowing_tables_are_refused() -> 
     batch.calls.exit_time.extend([math.nan])
     got, rejected, _ = dec.decode(0, batch)
     assert (got, rejected) == ([], 1)  # a signature this session never defined
+    batch.signatures.add(id=7).call.op = "all_reduce"
+    batch.calls.enter_time[0] = math.inf
+    got, rejected, _ = dec.decode(0, batch)
+    assert (got, rejected) == ([], 1)  # times that are not finite
+    del batch.signatures[:]
+    dec.table.clear()
     batch.calls.seq.append(2)  # columns of different lengths
     got, rejected, _ = dec.decode(0, batch)
     assert (got, rejected) == ([], 1)

@@ -24,7 +24,16 @@ from hangwatch.coordinator.state import MAX_GROUPS
 from hangwatch.protos import hangwatch_pb2 as pb
 
 CORPUS = Path(__file__).parent / "fuzz_corpus"
-METHODS = ("Register", "Report", "RegisterAgent", "AgentPoll", "GetStatus", "ListIncidents", "GetIncident")
+METHODS = (
+    "Register",
+    "Report",
+    "ReportMany",
+    "RegisterAgent",
+    "AgentPoll",
+    "GetStatus",
+    "ListIncidents",
+    "GetIncident",
+)
 ACCEPTABLE = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -152,6 +161,60 @@ def test_adversarial_batches_from_a_registered_rank(server: Coordinator, events:
         channel.close()
     status = server.status()  # the state stays renderable
     assert status["job"]["registered"] >= 1
+
+
+numbers = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=30)
+times = st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=30)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    signatures=st.lists(st.tuples(st.integers(min_value=0, max_value=2**32 - 1), calls), max_size=6),
+    sig=numbers,
+    seq=numbers,
+    enter=times,
+    exit_=times,
+    relayed=st.booleans(),
+)
+def test_adversarial_interned_calls(
+    server: Coordinator,
+    signatures: list[tuple[int, pb.Event]],
+    sig: list[int],
+    seq: list[int],
+    enter: list[float],
+    exit_: list[float],
+    relayed: bool,
+) -> None:
+    """Signatures that are malformed or redefined, columns of different lengths, ids never
+    defined, NaN and infinite times: a clear status, and the coordinator keeps diagnosing."""
+    t = Transport(f"127.0.0.1:{server.port}", None)
+    ident = r.RankIdentity("fuzz", 1, 4, "h", 9100, session=uuid.uuid4().hex)
+    t.register(ident)
+    batch = pb.ReportBatch(rank=1, session=ident.session, sent_time=time.time())
+    for sid, event in signatures:
+        batch.signatures.add(id=sid, call=event.call)
+    n = len(sig)
+    batch.calls.signature.extend(sig)
+    batch.calls.call_id.extend(range(n))
+    batch.calls.seq.extend(seq)
+    batch.calls.step.extend([0] * n)
+    batch.calls.enter_time.extend(enter)
+    batch.calls.exit_time.extend(exit_)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            if relayed:
+                stub.ReportMany(pb.RelayBatch(relay_host="fuzz-node", reports=[batch, batch]), timeout=10)
+            else:
+                stub.Report(batch, timeout=10)
+        except grpc.RpcError as exc:
+            assert exc.code() in ACCEPTABLE, exc  # type: ignore[attr-defined]
+    finally:
+        channel.close()
+    assert server.status()["job"]["registered"] >= 1
 
 
 def test_many_tiny_groups_stay_bounded(server: Coordinator) -> None:
