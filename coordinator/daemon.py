@@ -284,12 +284,14 @@ class Coordinator:
 
     # ---- stacks and abort -----------------------------------------------------------------
 
-    def _hosts(self) -> dict[int, str]:
+    def _hosts(self, ranks: list[int] | None = None) -> dict[int, str]:
         with self.lock:
-            return {rk: st.identity.host for rk, st in self.job.ranks.items()}
+            if ranks is None:
+                return {rk: st.identity.host for rk, st in self.job.ranks.items()}
+            return {rk: st.identity.host for rk in ranks if (st := self.job.ranks.get(rk)) is not None}
 
     def _request_stacks(self, targets: list[r.Target], native: bool, callback: Any) -> None:
-        self.hub.request_stacks(targets, self._hosts(), native, callback)
+        self.hub.request_stacks(targets, self._hosts([t.rank for t in targets]), native, callback)
 
     def dump_stacks(self, ranks: list[int] | None, native: bool) -> dict[str, Any] | None:
         with self.lock:

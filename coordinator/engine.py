@@ -152,10 +152,16 @@ class Engine:
         # its key stays known, so the same root cause is not reported again
 
     def _resolve(self, now: float) -> None:
+        someone_died: bool | None = None  # computed once per tick, and only if needed
         for incident in self.incidents.values():
             if incident.status != "open":
                 continue
-            reason = self._resolution(incident, now)
+            if someone_died is None and incident.kind in SLOT_KINDS:
+                someone_died = any(
+                    st.end is not None and st.end.kind in (r.EndKind.EXCEPTION, r.EndKind.SIGNAL)
+                    for st in self.job.ranks.values()
+                )
+            reason = self._resolution(incident, now, bool(someone_died))
             if reason:
                 incident.status = "resolved"
                 incident.resolved_time = now
@@ -163,12 +169,9 @@ class Engine:
                 self.persist(incident)
                 log.info("incident %s resolved: %s", incident.id, reason)
 
-    def _resolution(self, incident: Incident, now: float) -> str:
+    def _resolution(self, incident: Incident, now: float, someone_died: bool) -> str:
         if incident.kind in SLOT_KINDS and incident.group:
-            if any(
-                st.end is not None and st.end.kind in (r.EndKind.EXCEPTION, r.EndKind.SIGNAL)
-                for st in self.job.ranks.values()
-            ):
+            if someone_died:
                 return ""
             slots = self.job.slots.get(incident.group)
             slot = slots.get(incident.seq) if slots is not None else None
@@ -180,8 +183,9 @@ class Engine:
                 late = ", ".join(str(rk) for rk in incident.culprit_ranks)
                 return f"every rank completed {incident.op} (seq {incident.seq}); late rank(s): {late or '-'}"
         if incident.kind == "rank_frozen":
-            for st in self.job.ranks.values():
-                if st.rank in incident.culprit_ranks and now - st.last_seen < self.silence_after / 2:
+            for rank in incident.culprit_ranks:
+                st = self.job.ranks.get(rank)
+                if st is not None and now - st.last_seen < self.silence_after / 2:
                     return "the rank's heartbeats resumed"
         return ""
 

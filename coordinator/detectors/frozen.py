@@ -22,14 +22,24 @@ _STATE_TEXT = {
 }
 
 
+#: More silent ranks than this, on more than two hosts, is not a freeze without an agent's word.
+MASS_SILENCE = 16
+_EVIDENCE = (r.ProcState.STOPPED, r.ProcState.DISK_SLEEP)
+
+
 def detect(job: JobState, ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
     live = [st for st in job.ranks.values() if st.end is None and st.alive]
     silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after]
-    if len(silent) > max(1, len(live) // 2):
-        # Most of the job silent at once is the network or an overloaded coordinator, not frozen
-        # ranks (a freeze is one process's doing); their collectives will tell if they hang.
-        return []
+    if len(silent) > max(1, len(live) // 2) or (
+        len(silent) > MASS_SILENCE and len({st.identity.host for st in silent}) > 2
+    ):
+        # Many ranks on many hosts silent at once is the network or an overloaded coordinator,
+        # not frozen ranks (a freeze is one process's doing): only a node agent's word that a
+        # process is stopped or in uninterruptible sleep makes one of them frozen then. Their
+        # collectives will tell if they hang.
+        silent = [st for st in silent if st.proc is not None and st.proc.state in _EVIDENCE]
+    blocked = sorted(o.rank for o in job.ranks.values() if o.open_calls and o.end is None) if silent else []
     for st in silent:
         silent_for = ctx.now - st.last_seen
         proc = st.proc
@@ -37,7 +47,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             how = "has gone silent and no node agent reports on its process"
         else:
             how = _STATE_TEXT.get(proc.state, f"is alive ({proc.state.value}) but silent")
-        waiting = sorted(o.rank for o in job.ranks.values() if o is not st and o.open_calls and o.end is None)
+        waiting = [rk for rk in blocked if rk != st.rank]
         last = st.last_call
         where = (
             f"; last seen {'in' if last and last.exit_time is None else 'after'} {last.op} at {last.call_site}"
@@ -45,7 +55,9 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             else ""
         )
         who = f"rank {st.rank} (pid {st.identity.pid} on {st.identity.host})"
-        summary = f"{who} {how}; no heartbeat for {silent_for:.0f} s{where}"
+        # stable text (the duration grows every tick: it lives in details), so an open incident
+        # is not rewritten to the store every tick
+        summary = f"{who} {how}; no heartbeat for over {ctx.silence_after:.0f} s{where}"
         if waiting:
             summary += f"; rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait for it"
         findings.append(

@@ -820,6 +820,21 @@ def test_most_of_the_job_silent_at_once_is_not_a_freeze() -> None:
     assert only(frozen.detect(sim.job, sim.ctx(T0 + 20)), "rank_frozen").culprit_ranks == [7]
 
 
+def test_many_silent_ranks_on_many_hosts_need_an_agents_word() -> None:
+    """64 ranks on 8 hosts: 20 silent on 3 hosts is an overloaded coordinator or the network,
+    unless an agent sees one of them stopped; 8 silent on one host (a node) is reported."""
+    sim = Sim(64)
+    sim.collective(1, T0 + 1)
+    sim.beat(T0 + 2)
+    sim.beat(T0 + 20, ranks=list(range(20, 64)))  # ranks 0-19 (hosts 0-2) silent for 18 s
+    assert frozen.detect(sim.job, sim.ctx(T0 + 20)) == []
+    sim.proc(5, ProcState.STOPPED, T0 + 20)
+    assert only(frozen.detect(sim.job, sim.ctx(T0 + 20)), "rank_frozen").culprit_ranks == [5]
+    sim.beat(T0 + 20, ranks=list(range(0, 8)) + list(range(16, 20)))  # only node 1 (ranks 8-15) silent
+    found = frozen.detect(sim.job, sim.ctx(T0 + 20))
+    assert sorted(f.culprit_ranks[0] for f in found) == list(range(8, 16))
+
+
 def test_single_member_group_is_not_a_straggler_candidate() -> None:
     job = JobState()
     st = job.register(RankIdentity("job", 0, 2, "h", 1, session="s0"), T0)
