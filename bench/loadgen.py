@@ -420,6 +420,25 @@ class Worker:
         sim.transport.encoder.reset()
         return sim.relay.register(request, timeout=self.cfg.timeout_s)
 
+    def heartbeat_all(self) -> None:
+        """One empty batch per rank, straight to the coordinator (setup, not measured)."""
+        from hangwatch.protos import hangwatch_pb2 as pb
+
+        def beat(sim: RankSim) -> None:
+            batch = pb.ReportBatch(
+                token=self.cfg.token, rank=sim.rank, session=sim.identity.session, sent_time=time.time()
+            )
+            try:
+                sim.transport._get_stub().Report(batch, timeout=self.cfg.timeout_s)
+            except Exception:
+                pass  # the run's own batches follow
+
+        with ThreadPoolExecutor(self.cfg.threads) as pool:
+            list(pool.map(beat, self.sims))
+        if self.cfg.relay or self.cfg.replay:  # from now on ranks hold no connection of their own
+            for sim in self.sims:
+                sim.transport.close()
+
     def _report(self, sim: RankSim, events: list[Any]) -> Any:
         if sim.relay is None:
             return sim.transport.report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
@@ -632,6 +651,8 @@ def _worker_main(cfg: Config, ranks: list[int], barrier: Any, start: Any, result
         results.put({"error": str(exc)})
         barrier.abort()
         return
+    barrier.wait()  # every process has registered its ranks
+    worker.heartbeat_all()  # as real ranks do right after registering: none looks silent at t0
     barrier.wait()
     barrier.wait()  # the parent has set the start time
     t0 = start.value
@@ -701,7 +722,8 @@ def run(cfg: Config, procs: int) -> dict[str, Any]:
             child.kill()
         raise SystemExit("loadgen: registration failed or timed out") from None
     registered = time.time()
-    start.value = registered + 0.5
+    barrier.wait(timeout=240)  # heartbeats sent
+    start.value = time.time() + 0.5
     barrier.wait()
     t0 = start.value
     outs = [results.get(timeout=cfg.seconds + 120) for _ in children]

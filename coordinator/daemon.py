@@ -245,6 +245,7 @@ class Coordinator:
             state.relay = relay
             if batch.sent_time:
                 state.observe_clock(now, batch.sent_time, batch.relay_held_s)
+                state.last_sent = max(state.last_sent, batch.sent_time + state.clock_offset)
             state.queued = batch.queued
             state.dropped = batch.dropped
             state.where = batch.where

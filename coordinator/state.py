@@ -41,6 +41,7 @@ class RankState:
     open_collectives: dict[str, dict[int, r.CallRecord]] = field(default_factory=dict)  # group -> id -> call
     last_call: r.CallRecord | None = None
     last_progress: float = 0.0  # coordinator time of the last enter/exit/step
+    last_sent: float = 0.0  # coordinator time the latest batch left the rank (or its latest call began)
     history: dict[str, collections.deque[r.CallRecord]] = field(default_factory=dict)
     groups: dict[str, r.GroupInfo] = field(default_factory=dict)
     end: r.RankEnd | None = None
@@ -247,6 +248,8 @@ class JobState:
         last = state.last_call
         if last is None or enter >= last.enter_time:
             state.last_call = call  # Flight Recorder records may arrive after later Python calls
+            if enter > state.last_sent:
+                state.last_sent = enter  # its batch left after it began
         state.last_progress = now
         if call.step > state.step:
             state.step = call.step

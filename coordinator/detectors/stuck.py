@@ -136,6 +136,11 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         return None  # rank_died explains it
     if any(st.end is None and _silent(st, ctx) for st in present.values()):
         return None  # rank_frozen explains it (or will, once the silence lasts silence_after)
+    if any(st.end is None and st.last_sent < slot.first_enter for st in present.values()):
+        # the latest batch we have from an absent rank was sent before the others entered: its
+        # absence is not known yet (batches travel for up to a report interval, more through a
+        # relay or a busy coordinator; thousands of ranks report every 2 s)
+        return None
     doings = {rk: doing(st, ctx.now) for rk, st in sorted(present.items())}
     details["absent"] = {str(rk): text for rk, text in doings.items()}
     absent_text = "; ".join(f"rank {rk} {text}" for rk, text in doings.items())

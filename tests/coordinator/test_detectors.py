@@ -111,6 +111,7 @@ class Sim:
         for rk in ranks if ranks is not None else list(self.states):
             st = self.states[rk]
             st.last_seen = t
+            st.last_sent = max(st.last_sent, t)
             if where_user is not None:
                 st.where_user = where_user
 
@@ -153,6 +154,21 @@ def test_stuck_two_ranks_not_before_threshold() -> None:
     assert "is busy in train.py:88 in save_checkpoint" in f.details["absent"]["1"]
     assert "rank 1 is busy in train.py:88 in save_checkpoint" in f.summary
     assert f.stack_ranks == [1, 0]
+
+
+def test_absent_rank_is_not_blamed_on_news_older_than_the_slot() -> None:
+    """At scale a rank's batches arrive up to seconds after they leave it. Rank 1's latest batch
+    arrived recently but was sent before rank 0 entered: its absence is not known yet. Once a
+    batch sent after that arrives without the call, it is."""
+    sim = Sim(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2)
+    st = sim.states[1]
+    st.last_seen, st.last_sent = T0 + 12, T0 + 1.9  # delivered late, written before rank 0 entered
+    sim.states[0].last_seen = sim.states[0].last_sent = T0 + 12
+    assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
+    sim.beat(T0 + 12.6)
+    assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.6)), "stuck_collective").culprit_ranks == [1]
 
 
 def test_stuck_eight_ranks_one_absent() -> None:
