@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 #: The least time between two upstream calls: batches arriving meanwhile gather into the next one
 #: (urgent ones, which a rank is waiting on, go at once).
 DEFAULT_INTERVAL_S = 0.5
+MAX_INTERVAL_S = 1.0  # however large the job
 MAX_PENDING = 4096  # batches waiting for the next upstream call
 MAX_REPORTS_PER_CALL = 1024  # the coordinator accepts up to 4096
 UPSTREAM_TIMEOUT_S = 5.0
@@ -83,7 +84,7 @@ class Relay:
         self.coordinator = coordinator
         self.token = token or ""
         self.host = host
-        self.interval_s = interval_s
+        self.interval_s = self.base_interval_s = interval_s
         self.max_pending = max_pending
         self._channel = (channel_factory or (lambda: tls.channel(coordinator, CHANNEL_OPTIONS)))()
         self.stub = CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
@@ -142,6 +143,9 @@ class Relay:
 
     def register(self, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
         reply: pb.RegisterReply = self.stub.Register(request, timeout=timeout)
+        # a large job's ranks report less often (the coordinator says how often): gather longer
+        # too, so the coordinator's call rate stays bounded as nodes are added
+        self.interval_s = max(self.base_interval_s, min(reply.report_interval_s / 2, MAX_INTERVAL_S))
         return reply
 
     # ---- the coordinator side -----------------------------------------------------------------

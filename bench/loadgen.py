@@ -425,9 +425,10 @@ class Worker:
         from hangwatch.protos import hangwatch_pb2 as pb
 
         def beat(sim: RankSim) -> None:
-            batch = pb.ReportBatch(
-                token=self.cfg.token, rank=sim.rank, session=sim.identity.session, sent_time=time.time()
-            )
+            # replayed batches are timed on their own base: a heartbeat on the real clock would
+            # make the coordinator think the rank's clock jumped (no sent_time: no clock sample)
+            sent = 0.0 if self.cfg.replay else time.time()
+            batch = pb.ReportBatch(token=self.cfg.token, rank=sim.rank, session=sim.identity.session, sent_time=sent)
             try:
                 sim.transport._get_stub().Report(batch, timeout=self.cfg.timeout_s)
             except Exception:
@@ -523,7 +524,9 @@ class Worker:
         self.set_start(base)
         reports: list[tuple[float, int, Any, int, int]] = []  # (offset, rank, batch, events, calls)
         for sim in self.sims:
-            due = sim.next_due
+            # a rank's first batch leaves at once (real ranks flush their first, new calls), then
+            # one per interval on its own phase
+            due = base + 0.25 * ((sim.rank * 0.618) % 1.0)
             while due < base + cfg.seconds and not sim.ended:
                 events = self.events_until(sim, due)
                 sim.batch_seq += 1
@@ -531,14 +534,14 @@ class Worker:
                 batch.sent_time = due
                 ncalls = sum(1 for e in events if isinstance(e, self.r.CallRecord))
                 reports.append((due - base, sim.rank, batch, len(events), ncalls))
-                due += sim.interval
+                due = sim.next_due if due < sim.next_due else due + sim.interval
         self.sends: list[tuple[float, Any, bytes, int, int, int]] = []  # offset, channel key, bytes, ...
         if not cfg.relay:
             for offset, rank, batch, nev, ncalls in reports:
                 self.sends.append((offset, rank, batch.SerializeToString(), 1, nev, ncalls))
             method, reply_type = "/hangwatch.v1.Coordinator/Report", pb.ReportReply
         else:  # what each node's relay sends: its ranks' batches of one relay interval together
-            window = cfg.relay_interval
+            window = max(cfg.relay_interval, min(interval / 2, 1.0))  # as Relay.register sets it
             calls: dict[tuple[int, int], list[tuple[Any, int, int]]] = {}
 
             def phase(node: int) -> float:  # relays are not in step: each gathers on its own beat

@@ -25,7 +25,8 @@ MAX_OPEN_CALLS = 4096  # per rank
 MAX_GROUPS = 16384
 DURATIONS_KEPT = 512
 ARRIVALS_KEPT = 32
-OFFSET_SAMPLES = 32  # clock-offset samples per rank (batches: 6-30 s of them)
+OFFSET_SAMPLES = 32  # clock-offset samples per rank (batches: 6-64 s of them)
+CLOCK_STEP_S = 30.0  # a sample this far from the estimate means the rank's clock was stepped
 
 
 @dataclass
@@ -63,7 +64,10 @@ class RankState:
         true offset plus the batch's transit and queueing delay, so the estimate is the smallest
         recent sample: a batch that waited in a busy coordinator's queue does not shift the
         rank's times (which would make it look like a straggler)."""
-        self.offset_samples.append(arrival - sent_time - max(0.0, held_s))
+        sample = arrival - sent_time - max(0.0, held_s)
+        if self.offset_samples and abs(sample - self.clock_offset) > CLOCK_STEP_S:
+            self.offset_samples.clear()  # the rank's clock was stepped (or set): start afresh
+        self.offset_samples.append(sample)
         self.clock_offset = min(self.offset_samples)
 
     def to_local(self, rank_time: float) -> float:

@@ -77,14 +77,13 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     waited = ctx.now - entered
     key = slot_key(slot.group, slot.seq)
     where = f"{op} (group {slot.group}, seq {slot.seq})"
-    details: dict[str, object] = {
-        "calls": {str(rk): describe_call(c) for rk, c in sorted(slot.calls.items())},
-        "waited_s": round(waited, 1),
-    }
+    details: dict[str, object] = {"waited_s": round(waited, 1)}
 
     def finding(
         kind: str, culprits: list[int], summary: str, hint: str, stack_ranks: list[int], native: bool = False
     ) -> Finding:
+        # built only for a finding: a slot of thousands of calls is examined every tick
+        details["calls"] = {str(rk): describe_call(c) for rk, c in sorted(slot.calls.items())}
         return Finding(
             kind=kind,
             key=f"{KEY_PREFIX[kind]}:{key}",

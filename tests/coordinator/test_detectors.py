@@ -871,3 +871,5 @@ def test_clock_offset_ignores_queueing_and_relay_holding() -> None:
     for i in range(40):
         st.observe_clock(2000.0 + i + 3.0, 2000.0 + i)
     assert st.clock_offset == pytest.approx(3.0)
+    st.observe_clock(3000.0, 3000.0 - 3600.0)  # the rank's clock was set back an hour
+    assert st.clock_offset == pytest.approx(3600.0)  # learnt at once, not after the window
