@@ -1260,25 +1260,40 @@ def _extra_at(mine: Sequence[CallRecord], others: Mapping[int, list[CallRecord]]
     return None
 
 
+MAX_BEHAVIOURS = 16  # distinct rank histories explain_extra_call compares
+EXTRA_CALL_WINDOW = (16, 4)  # the calls it looks at: this many seqs before and after the slot
+
+
 def explain_extra_call(history: Mapping[int, Sequence[CallRecord]], seq: int) -> str | None:
     """``"rank 1 made an extra all_reduce at train.py:30 (seq 12); every later call on rank 1 is
     shifted by one"`` when one rank's calls in a group (``history``: rank -> its recent calls,
     ordered by seq) equal the others' with one call inserted at ``seq`` (or, where the calls
     look alike, shortly before it). Needs at least one later call on that rank to confirm the
     shift; None when no single rank is explained that way."""
-    ordered = {r: sorted(calls, key=lambda c: c.seq) for r, calls in history.items() if calls}
+    window = range(seq - EXTRA_CALL_WINDOW[0], seq + EXTRA_CALL_WINDOW[1] + 1)
+    ordered = {r: sorted((c for c in calls if c.seq in window), key=lambda c: c.seq) for r, calls in history.items()}
+    ordered = {r: calls for r, calls in ordered.items() if calls}
     if len(ordered) < 2:
         return None
+    # Ranks with the same calls behave alike: compare one of each kind (a job of thousands of
+    # ranks has two kinds here, the culprit's and everyone else's), counting how many share it.
+    kinds: dict[tuple[Hashable, ...], list[int]] = {}
+    for rank, calls in ordered.items():
+        kinds.setdefault(tuple((c.seq, _fingerprint(c)) for c in calls), []).append(rank)
+    if len(kinds) > MAX_BEHAVIOURS:
+        return None  # too many different histories for one rank's extra call to explain them
+    reps = {ranks[0]: len(ranks) for ranks in kinds.values()}
     found: list[tuple[int, CallRecord]] = []
-    for rank, mine in ordered.items():
+    for rank, count in reps.items():
+        mine = ordered[rank]
         others: dict[int, list[CallRecord]] = {}
-        for other in sorted(ordered):
-            if other != rank:
+        for other in sorted(reps):
+            if other != rank or count > 1:  # ranks that share this history are "others" too
                 for c in ordered[other]:
                     others.setdefault(c.seq, []).append(c)
         at = _extra_at(mine, others, seq)
         if at is not None:
-            found.append((rank, next(c for c in mine if c.seq == at)))
+            found.extend([(rank, next(c for c in mine if c.seq == at))] * count)
     if len(found) != 1:
         return None
     rank, extra = found[0]

@@ -1010,3 +1010,14 @@ def test_one_changed_all_reduce_shape_names_that_rank(
     assert m.kind == "shape_mismatch"
     assert m.culprit_ranks == (odd,)
     assert odd not in m.agreeing_ranks and len(m.agreeing_ranks) == n - 1
+
+
+def test_explain_extra_call_at_a_thousand_ranks() -> None:
+    """Ranks with the same history are compared once (this took minutes when every rank was
+    compared with every other one)."""
+    extra = [*BASE[:2], ("all_reduce", 1), *BASE[2:]]
+    history = {rk: _hist(extra if rk == 700 else BASE, rk, sites={12: "train.py:30"}) for rk in range(1024)}
+    text = explain_extra_call(history, 12)
+    assert text is not None and text.startswith("rank 700 made an extra all_reduce at train.py:30 (seq 12)")
+    history[701] = _hist(extra, 701)  # two ranks made it: not one rank's extra call
+    assert explain_extra_call(history, 12) is None
