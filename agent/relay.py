@@ -16,7 +16,6 @@ once, and the rank's own bounded queue takes the strain. Nothing here waits with
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -29,7 +28,7 @@ import grpc
 from hangwatch import tls
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos.hangwatch_pb2_grpc import CoordinatorStub
-from hangwatch.serving import add_service
+from hangwatch.serving import TOKEN_REFUSED, add_service, token_ok
 
 log = logging.getLogger(__name__)
 
@@ -222,12 +221,8 @@ class RelayServicer:
         self.token = token or ""
 
     def _auth(self, token: str, context: grpc.ServicerContext) -> None:
-        if self.token and not hmac.compare_digest(token.encode(), self.token.encode()):
-            _abort(
-                context,
-                grpc.StatusCode.UNAUTHENTICATED,
-                "wrong or missing hangwatch token (set HANGWATCH_TOKEN to the coordinator's --token)",
-            )
+        if not token_ok(self.token, token):
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSED)
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         self._auth(request.token, context)

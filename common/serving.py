@@ -7,6 +7,7 @@ INVALID_ARGUMENT (and a reason) instead of gRPC's generic INTERNAL, before any h
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 from concurrent.futures import Executor
 from typing import Any
@@ -31,6 +32,14 @@ def _safe_deserializer(message_class: Any) -> Any:
             return _Malformed(f"{type(exc).__name__}: {exc}")
 
     return parse
+
+
+TOKEN_REFUSED = "wrong or missing hangwatch token (set HANGWATCH_TOKEN to the coordinator's --token)"
+
+
+def token_ok(expected: str | None, presented: str) -> bool:
+    """Whether ``presented`` is the shared token (always, when none is configured); constant time."""
+    return not expected or hmac.compare_digest(presented.encode(), expected.encode())
 
 
 class Refused(Exception):

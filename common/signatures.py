@@ -25,6 +25,7 @@ from hangwatch.protos import hangwatch_pb2 as pb
 MAX_SIGNATURES = 4096
 
 _NAN = float("nan")
+_PER_CALL_FIELDS = ("call_id", "seq", "step", "enter_time", "exit_time", "seq_count", "error")
 
 Key = tuple[object, ...]
 
@@ -69,24 +70,9 @@ class CallEncoder:
             self._next += 1
         self._ids[key] = sid
         sig = batch.signatures.add(id=sid)
-        template = sig.call
-        template.op = call.op
-        template.group = call.group
-        for t in call.inputs:
-            wire.tensor_to_pb(t, template.inputs.add())
-        for t in call.outputs:
-            wire.tensor_to_pb(t, template.outputs.add())
-        if call.reduce_op:
-            template.reduce_op = call.reduce_op
-        if call.root is not None:
-            template.root = call.root
-        if call.peer is not None:
-            template.peer = call.peer
-        template.async_op = call.async_op
-        template.call_site = call.call_site
-        template.source = call.source
-        if call.extra:
-            template.extra.update(call.extra)
+        wire.call_to_pb(call, sig.call)
+        for per_call in _PER_CALL_FIELDS:  # those travel in the columns
+            sig.call.ClearField(per_call)
         return sid
 
     def encode(self, events: Sequence[r.RankEvent], batch: pb.ReportBatch) -> None:

@@ -7,7 +7,6 @@ Every handler checks the token first (UNAUTHENTICATED, no state change), bounds 
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import queue
@@ -19,7 +18,7 @@ import grpc
 from hangwatch import wire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
-from hangwatch.serving import Refused
+from hangwatch.serving import TOKEN_REFUSED, Refused, token_ok
 
 if TYPE_CHECKING:
     from hangwatch.coordinator.daemon import Coordinator
@@ -41,14 +40,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.c = coordinator
 
     def _auth(self, token: str, context: grpc.ServicerContext) -> None:
-        expected = self.c.options.token
-        if expected and not hmac.compare_digest(token.encode(), expected.encode()):
+        if not token_ok(self.c.options.token, token):
             self.c.metrics_rejected("auth")
-            _abort(
-                context,
-                grpc.StatusCode.UNAUTHENTICATED,
-                "wrong or missing hangwatch token (set HANGWATCH_TOKEN to the coordinator's --token)",
-            )
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSED)
 
     # ---- ranks ----------------------------------------------------------------------------
 
