@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from hangwatch import config
 from hangwatch import records as r
 from hangwatch.client.ops import FR_DTYPES, FR_OP_NAMES
 from hangwatch.client.recorder import Recorder
@@ -30,7 +31,7 @@ def _dump_function() -> Any:
 
 
 class FlightRecorderPoller:
-    def __init__(self, recorder: Recorder, interval_s: float = 1.0) -> None:
+    def __init__(self, recorder: Recorder, interval_s: float = config.FR_POLL_INTERVAL_S) -> None:
         self.recorder = recorder
         self.interval_s = interval_s
         self._dump = _dump_function()

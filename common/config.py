@@ -80,6 +80,9 @@ DEFAULT_HEARTBEAT_S = 1.0
 DEFAULT_SILENCE_AFTER_S = 5.0
 #: Ring size for PyTorch's Flight Recorder when the user has not chosen one.
 DEFAULT_FR_BUFFER_SIZE = 256
+#: How often a rank reads its Flight Recorder ring (C++-issued collectives reach the coordinator
+#: up to this much later than the batches around them).
+FR_POLL_INTERVAL_S = 1.0
 DEFAULT_JOB_ID = "default"
 
 

@@ -164,7 +164,7 @@ class CallDecoder:
                 rejected += 1
         first: list[r.RankEvent] = []
         rest: list[r.RankEvent] = []
-        in_columns = set(batch.calls.call_id) if batch.events else set()
+        in_columns: set[int] | None = None  # call ids in this batch's columns, built on the first exit
         for msg in batch.events:
             try:
                 ev = wire.event_from_pb(rank, msg)
@@ -174,8 +174,11 @@ class CallDecoder:
             kind = type(ev)
             if kind is r.GroupEvent and ev.kind is r.GroupEventKind.CREATED:  # type: ignore[union-attr]
                 first.append(ev)
-            elif kind is r.CallExit and ev.call_id not in in_columns:  # type: ignore[union-attr]
-                first.append(ev)  # a call from an earlier batch ended before this batch's calls began
+            elif kind is r.CallExit:
+                if in_columns is None:
+                    in_columns = set(batch.calls.call_id)
+                # an exit of a call from an earlier batch: it ended before this batch's calls began
+                (rest if ev.call_id in in_columns else first).append(ev)  # type: ignore[union-attr]
             else:
                 rest.append(ev)
         calls, bad, folded = self._columns(rank, batch.calls)

@@ -11,6 +11,7 @@ Dead and frozen absentees are left to their own detectors.
 
 from __future__ import annotations
 
+from hangwatch import config
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context, slot_key
 from hangwatch.coordinator.detectors.describe import doing
@@ -135,10 +136,14 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         return None  # rank_died explains it
     if any(st.end is None and _silent(st, ctx) for st in present.values()):
         return None  # rank_frozen explains it (or will, once the silence lasts silence_after)
-    if any(st.end is None and st.last_sent < slot.first_enter for st in present.values()):
-        # the latest batch we have from an absent rank was sent before the others entered: its
-        # absence is not known yet (batches travel for up to a report interval, more through a
-        # relay or a busy coordinator; thousands of ranks report every 2 s)
+    # The latest batch we have from an absent rank must have left it after the others entered,
+    # else its absence is not known yet (batches travel for up to a report interval, more
+    # through a relay or a busy coordinator; thousands of ranks report every 2 s). A collective
+    # issued from C++ is known only from the rank's next Flight Recorder read, up to one poll later.
+    known_from = slot.first_enter
+    if any(c.source != "python" for c in slot.calls.values()):
+        known_from += config.FR_POLL_INTERVAL_S
+    if any(st.end is None and st.last_sent < known_from for st in present.values()):
         return None
     doings = {rk: doing(st, ctx.now) for rk, st in sorted(present.items())}
     details["absent"] = {str(rk): text for rk, text in doings.items()}

@@ -171,6 +171,20 @@ def test_absent_rank_is_not_blamed_on_news_older_than_the_slot() -> None:
     assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.6)), "stuck_collective").culprit_ranks == [1]
 
 
+def test_absent_rank_gets_a_flight_recorder_read_before_blame() -> None:
+    """A collective issued from C++ (DDP) is reported after the rank's next Flight Recorder read:
+    a batch sent just after the others entered does not prove the absent rank skipped it."""
+    sim = Sim(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2, source="flight_recorder")
+    sim.states[0].last_seen = sim.states[0].last_sent = T0 + 12
+    st = sim.states[1]
+    st.last_seen, st.last_sent = T0 + 12, T0 + 2 + config.FR_POLL_INTERVAL_S / 2
+    assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
+    st.last_sent = T0 + 2 + config.FR_POLL_INTERVAL_S + 0.1
+    assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective").culprit_ranks == [1]
+
+
 def test_stuck_eight_ranks_one_absent() -> None:
     sim = Sim(8)
     for seq in range(1, 4):

@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,14 @@ for step in range(1000):
     dist.all_reduce(t)
     time.sleep(0.05)
 """
+
+
+def _stuck_with_stacks(c: Coordinator) -> dict[str, Any] | None:
+    """The stuck incident naming rank 1, once its stack is attached."""
+    for inc in c.incidents_json():
+        if inc["kind"] == "stuck_collective" and inc["stacks"].get("1"):
+            return inc
+    return None
 
 
 @pytest.fixture
@@ -67,13 +76,7 @@ def test_stacks_come_from_the_agent_of_the_ranks_node(
     wait_for(lambda: {"node-a", "node-b"} <= set(c.hub.hosts()), 30, 0.2, "both agents to register")
     job = torchrun(STUCK, addr=f"127.0.0.1:{c.port}", env={"HANGWATCH_NODE_NAME": "node-b"}, name="node_b_job")
 
-    def stuck_with_stacks() -> dict | None:  # type: ignore[type-arg]
-        for inc in c.incidents_json():
-            if inc["kind"] == "stuck_collective" and inc["stacks"].get("1"):
-                return inc
-        return None
-
-    inc = wait_for(stuck_with_stacks, 60, 0.3, "a stuck incident with the culprit's stack")
+    inc = wait_for(lambda: _stuck_with_stacks(c), 60, 0.3, "a stuck incident with the culprit's stack")
     assert inc["culprit_ranks"] == [1]
     assert "load_next_batch" in inc["stacks"]["1"]
     assert inc["stacks_time"] - inc["detected_time"] < 5
@@ -151,13 +154,7 @@ def test_relaying_agent_carries_a_real_jobs_ranks(
         assert relay_addr.startswith("127.0.0.1:"), relay_addr
         job = torchrun(STUCK, addr=relay_addr, env={"HANGWATCH_NODE_NAME": "node-r"}, name="relayed_job")
 
-        def stuck_with_stacks() -> dict | None:  # type: ignore[type-arg]
-            for inc in c.incidents_json():
-                if inc["kind"] == "stuck_collective" and inc["stacks"].get("1"):
-                    return inc
-            return None
-
-        inc = wait_for(stuck_with_stacks, 60, 0.3, "a stuck incident with the culprit's stack")
+        inc = wait_for(lambda: _stuck_with_stacks(c), 60, 0.3, "a stuck incident with the culprit's stack")
         assert inc["culprit_ranks"] == [1]
         assert "load_next_batch" in inc["stacks"]["1"]
         assert all(st.relay == "node-r" for st in c.job.ranks.values()) and len(c.job.ranks) == 2
