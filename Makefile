@@ -5,21 +5,20 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 SCENARIO ?= early_stop
 
-.PHONY: setup dev demo test lint typecheck unit protos clean
+.PHONY: setup demo test lint typecheck unit protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# A real (non-editable) install of the package with its test extras, torch 2.13.0 CPU included.
-setup: $(BIN)/python
-	$(BIN)/pip install -q "torch==2.13.0" 
-	$(BIN)/pip install -q ".[test]"
+# An editable install of the package with its test extras (torch 2.13.0 CPU included): edits to
+# hangwatch/ take effect at once, in tests, in the `hangwatch` command and in attached ranks.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
 
-# Development: the source tree importable as `hangwatch` through symlinks (see scripts/devlink.py).
-dev: setup
-	$(BIN)/pip uninstall -q -y hangwatch
-	$(BIN)/python scripts/devlink.py
+setup: $(VENV)/.installed
 
 demo: setup
 	$(BIN)/hangwatch demo $(SCENARIO)
@@ -29,14 +28,17 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 typecheck: setup
-	$(BIN)/python scripts/devlink.py --tree-only build/typecheck
-	cd build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p hangwatch
+	$(BIN)/mypy
 
 protos: setup
-	$(BIN)/python protos/generate.py
+	$(BIN)/python scripts/generate_protos.py
+
+# The edit loop: tests that start no job, no launcher and no sleep (a few seconds).
+unit: setup
+	$(BIN)/pytest -q -m "not slow"
 
 test: setup lint typecheck
 	$(BIN)/pytest -q -ra
 
 clean:
-	rm -rf $(VENV) .dev build dist
+	rm -rf $(VENV) build dist

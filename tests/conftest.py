@@ -23,6 +23,16 @@ from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 BIN = Path(sys.executable).parent
 
 
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under ``tests/e2e`` runs real jobs: it is ``slow`` (left out of ``make unit``)."""
+    for item in items:
+        if E2E in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):

@@ -394,6 +394,7 @@ def assert_plateau(make: Callable[[], Flood], n: int, *, traced: bool = True) ->
 # ---- a healthy job, wide and long ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_flood_of_32_ranks_plateaus_in_size_and_traced_memory() -> None:
     """Windows fill within ~64 steps; from 160 steps on every container keeps its size, and the
     traced memory at 640 steps is that at 160."""
@@ -411,6 +412,7 @@ def test_flood_of_32_ranks_plateaus_in_size_and_traced_memory() -> None:
     assert len(job.slots) == 1 + 32 // 8 + 8
 
 
+@pytest.mark.slow
 def test_flood_of_128_ranks_plateaus() -> None:
     m = assert_plateau(lambda: Flood(128), 160, traced=False)
     assert m.flood.opened == [], [i.summary for i in m.flood.opened]
@@ -442,6 +444,7 @@ def test_long_job_plateaus() -> None:
     assert m.flood.opened == [], [i.summary for i in m.flood.opened]
 
 
+@pytest.mark.slow
 def test_calls_that_never_exit_fill_open_calls_to_the_cap_and_stay() -> None:
     """Rank 0 loses the exits of 32 calls a step (its queue dropped them): its open calls reach
     MAX_OPEN_CALLS after 128 steps and stay there; nothing else grows either."""
@@ -620,6 +623,7 @@ def test_whole_job_restart_keeps_pruning() -> None:
 # ---- the test can fail ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_plateau_check_sees_slow_growth() -> None:
     """A leak of one record per step (what an unbounded container does) trips the checks."""
 

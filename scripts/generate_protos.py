@@ -1,4 +1,4 @@
-"""Regenerate the Python code for protos/hangwatch.proto: ``python protos/generate.py``.
+"""Regenerate the Python code for hangwatch/protos/hangwatch.proto: ``python scripts/generate_protos.py``.
 
 ``--check`` regenerates into a temporary directory and exits 1 if the checked-in files differ.
 Needs grpcio-tools (a dev/test dependency, pinned in pyproject.toml so output is reproducible).
@@ -12,18 +12,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
+HERE = ROOT / "hangwatch" / "protos"
 OUTPUTS = ("hangwatch_pb2.py", "hangwatch_pb2.pyi", "hangwatch_pb2_grpc.py")
 
 
 def generate(out_dir: Path) -> None:
     from grpc_tools import protoc
 
-    # The virtual import path "hangwatch/protos" makes the generated modules import each other
-    # as ``hangwatch.protos.*``, matching where the package installs them.
+    # Compiled from the repository root, the generated modules import each other as
+    # ``hangwatch.protos.*``, which is where they live.
     args = [
         "protoc",
-        f"-Ihangwatch/protos={HERE}",
+        f"-I{ROOT}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
                 if not (HERE / name).exists() or not filecmp.cmp(produced / name, HERE / name, shallow=False)
             ]
             if stale:
-                print(f"stale generated code: {', '.join(stale)}; run: python protos/generate.py")
+                print(f"stale generated code: {', '.join(stale)}; run: python scripts/generate_protos.py")
                 return 1
             return 0
         for name in OUTPUTS:

@@ -1,10 +1,10 @@
 """hangwatch: out-of-process hang diagnosis for PyTorch distributed training.
 
-The namespace gathers the repository's top-level folders: ``client/`` is ``hangwatch.client``
-(the in-rank hook), ``coordinator/`` is ``hangwatch.coordinator``, ``agent/`` is
-``hangwatch.agent`` and ``protos/`` is ``hangwatch.protos``. This package itself (the
-repository's ``common/`` folder) holds what they share: configuration, the typed records, the
-wire conversion and the CLI.
+Folders are import paths: ``hangwatch/client/`` is ``hangwatch.client`` (the in-rank hook),
+``hangwatch/coordinator/`` the coordinator, ``hangwatch/agent/`` the node agent,
+``hangwatch/protos/`` the wire contract and ``hangwatch/cli/`` the command line. The modules at
+this level are what they share: the op catalogue, configuration, the typed records, the wire
+conversion.
 """
 
 from __future__ import annotations
