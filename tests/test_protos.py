@@ -1,4 +1,7 @@
-"""The checked-in generated code must match hangwatch/protos/hangwatch.proto (regenerate: python scripts/generate_protos.py)."""
+"""The checked-in generated code must match hangwatch/protos/hangwatch.proto.
+
+Regenerate with ``python scripts/generate_protos.py``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_generated_code_is_fresh() -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "generate_protos.py"), "--check"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "scripts" / "generate_protos.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -17,7 +17,7 @@ from hangwatch import config
 from hangwatch import records as r
 from hangwatch.agent.stacks import summarize
 from hangwatch.coordinator.detectors import Context, Detector, all_detectors
-from hangwatch.coordinator.incidents import Finding, Incident
+from hangwatch.coordinator.incidents import Finding, Incident, IncidentKind
 from hangwatch.coordinator.state import JobState
 
 log = logging.getLogger("hangwatch.coordinator")
@@ -26,7 +26,7 @@ log = logging.getLogger("hangwatch.coordinator")
 MAX_INCIDENTS_IN_MEMORY = 10_000
 
 #: Hang kinds keyed by a slot, closed once every waiting rank has left that slot.
-SLOT_KINDS = ("stuck_collective", "early_exit", "transport_stall")
+SLOT_KINDS = (IncidentKind.STUCK_COLLECTIVE, IncidentKind.EARLY_EXIT, IncidentKind.TRANSPORT_STALL)
 
 StackRequester = Callable[[list[r.Target], bool, Callable[[dict[int, r.StackDump]], None]], None]
 IncidentListener = Callable[[Incident], None]
@@ -182,7 +182,7 @@ class Engine:
             if done and (not members or len(slot.calls) >= len(members)):
                 late = ", ".join(str(rk) for rk in incident.culprit_ranks)
                 return f"every rank completed {incident.op} (seq {incident.seq}); late rank(s): {late or '-'}"
-        if incident.kind == "rank_frozen":
+        if incident.kind == IncidentKind.RANK_FROZEN:
             for rank in incident.culprit_ranks:
                 st = self.job.ranks.get(rank)
                 if st is not None and now - st.last_seen < self.silence_after / 2:

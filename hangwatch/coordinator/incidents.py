@@ -6,29 +6,38 @@ root cause, keyed), attaches stacks, persists them, and closes them when they re
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = (
-    "op_mismatch",
-    "shape_mismatch",
-    "dtype_mismatch",
-    "arg_mismatch",
-    "p2p_mismatch",
-    "stuck_collective",
-    "early_exit",
-    "rank_died",
-    "rank_frozen",
-    "transport_stall",
-    "straggler",
-)
+
+class IncidentKind(str, enum.Enum):
+    """What an incident is about. A ``str`` enum: its values are the JSON contract's ``kind``."""
+
+    OP_MISMATCH = "op_mismatch"
+    SHAPE_MISMATCH = "shape_mismatch"
+    DTYPE_MISMATCH = "dtype_mismatch"
+    ARG_MISMATCH = "arg_mismatch"
+    P2P_MISMATCH = "p2p_mismatch"
+    STUCK_COLLECTIVE = "stuck_collective"
+    EARLY_EXIT = "early_exit"
+    RANK_DIED = "rank_died"
+    RANK_FROZEN = "rank_frozen"
+    TRANSPORT_STALL = "transport_stall"
+    STRAGGLER = "straggler"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KINDS = tuple(k.value for k in IncidentKind)
 #: Kinds that are warnings about a healthy-but-slow job, not hangs.
-WARNING_KINDS = frozenset({"straggler"})
+WARNING_KINDS = frozenset({IncidentKind.STRAGGLER})
 
 
 @dataclass
 class Finding:
-    kind: str
+    kind: IncidentKind
     key: str  # one root cause, one key: a finding with a known key updates that incident
     culprit_ranks: list[int]
     waiting_ranks: list[int]
@@ -48,7 +57,7 @@ class Finding:
 class Incident:
     id: str
     job: str
-    kind: str
+    kind: IncidentKind
     key: str
     culprit_ranks: list[int]
     waiting_ranks: list[int]
@@ -68,6 +77,9 @@ class Incident:
     stack_notes: dict[int, str] = field(default_factory=dict)  # rank -> why its stack is missing
     stacks_time: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.kind = IncidentKind(self.kind)  # a plain string of a known kind is accepted
 
     @classmethod
     def from_finding(cls, incident_id: str, job: str, f: Finding, now: float) -> Incident:
@@ -95,7 +107,7 @@ class Incident:
         return {
             "id": self.id,
             "job": self.job,
-            "kind": self.kind,
+            "kind": self.kind.value,
             "severity": self.severity,
             "status": self.status,
             "culprit_ranks": self.culprit_ranks,
@@ -121,7 +133,7 @@ class Incident:
         return cls(
             id=str(data["id"]),
             job=str(data.get("job", "")),
-            kind=str(data["kind"]),
+            kind=IncidentKind(str(data["kind"])),
             key=str(data.get("key", data["id"])),
             culprit_ranks=[int(x) for x in data.get("culprit_ranks", [])],
             waiting_ranks=[int(x) for x in data.get("waiting_ranks", [])],

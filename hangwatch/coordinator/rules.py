@@ -41,13 +41,14 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from hangwatch.coordinator.incidents import IncidentKind
 from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord, TensorMeta
 
-OP_MISMATCH = "op_mismatch"
-SHAPE_MISMATCH = "shape_mismatch"
-DTYPE_MISMATCH = "dtype_mismatch"
-ARG_MISMATCH = "arg_mismatch"
-P2P_MISMATCH = "p2p_mismatch"
+OP_MISMATCH = IncidentKind.OP_MISMATCH
+SHAPE_MISMATCH = IncidentKind.SHAPE_MISMATCH
+DTYPE_MISMATCH = IncidentKind.DTYPE_MISMATCH
+ARG_MISMATCH = IncidentKind.ARG_MISMATCH
+P2P_MISMATCH = IncidentKind.P2P_MISMATCH
 
 INPUT_SPLITS = "input_split_sizes"
 OUTPUT_SPLITS = "output_split_sizes"
@@ -62,7 +63,7 @@ _SHOW_TENSORS = 3
 class Mismatch:
     """A disagreement between ranks, worded for a person."""
 
-    kind: str  # "op_mismatch" | "shape_mismatch" | "dtype_mismatch" | "arg_mismatch" | "p2p_mismatch"
+    kind: IncidentKind  # one of the five *_mismatch kinds
     culprit_ranks: tuple[int, ...]  # the ranks that disagree with the rest
     agreeing_ranks: tuple[int, ...]
     summary: str  # one line
@@ -228,7 +229,7 @@ def _tensors_word(n: int) -> str:
 class _Problem:
     """Something wrong with one rank's call on its own (against the group size)."""
 
-    kind: str
+    kind: IncidentKind
     text: str  # completes "rank 3 ..."
     hint: str
 
@@ -583,7 +584,7 @@ class _Slot:
         """``"check the code at x.py:3 on rank 1, which builds"``: ``verb`` (base form) agrees."""
         return f"check {self.where(ranks)}, which {_conj(verb, ranks)}"
 
-    def mismatch(self, kind: str, culprits: Iterable[int], summary: str, hint: str) -> Mismatch:
+    def mismatch(self, kind: IncidentKind, culprits: Iterable[int], summary: str, hint: str) -> Mismatch:
         bad = tuple(sorted(set(culprits)))
         return Mismatch(
             kind=kind,
@@ -600,7 +601,7 @@ class _Slot:
     def cross(
         self,
         sigs: Mapping[int, Hashable],
-        kind: str,
+        kind: IncidentKind,
         what: str,
         show: Callable[[int], str],
         hint: Callable[[list[int], list[int]], str],
@@ -727,7 +728,7 @@ def _dtype_field(s: _Slot, field: str) -> Mismatch | None:
     return s.cross(sigs, DTYPE_MISMATCH, f"{label}dtype mismatch", show, hint)
 
 
-def _intrinsic(s: _Slot, kind: str) -> Mismatch | None:
+def _intrinsic(s: _Slot, kind: IncidentKind) -> Mismatch | None:
     """Ranks whose call is inconsistent in itself (against the group size) in the way ``kind``."""
     check = s.spec.intrinsic
     if check is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT
-from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.incidents import Finding, IncidentKind
 from hangwatch.coordinator.rules import describe_call, format_ranks
 from hangwatch.coordinator.state import JobState, RankState
 
@@ -121,7 +121,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         summary += f"; rank{'s' if len(affected) > 1 else ''} {format_ranks(affected)} then failed or wait for it"
     return [
         Finding(
-            kind="rank_died",
+            kind=IncidentKind.RANK_DIED,
             key=f"died:{first.identity.session}",
             culprit_ranks=[first.rank],
             waiting_ranks=affected,
@@ -188,7 +188,7 @@ def _early_exit(
     action = "called destroy_process_group()" if end.kind is r.EndKind.DESTROYED else "exited"
     return [
         Finding(
-            kind="early_exit",
+            kind=IncidentKind.EARLY_EXIT,
             key=f"early-end:{first.identity.session}",
             culprit_ranks=[first.rank],
             waiting_ranks=sorted(waiting),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
-from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.incidents import Finding, IncidentKind
 from hangwatch.coordinator.rules import format_ranks
 from hangwatch.coordinator.state import JobState
 
@@ -62,7 +62,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             summary += f"; rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait for it"
         findings.append(
             Finding(
-                kind="rank_frozen",
+                kind=IncidentKind.RANK_FROZEN,
                 key=f"frozen:{st.identity.session}",
                 culprit_ranks=[st.rank],
                 waiting_ranks=waiting,

@@ -12,7 +12,7 @@ import itertools
 
 from hangwatch.coordinator.detectors import Context, slot_key
 from hangwatch.coordinator.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
-from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.incidents import Finding, IncidentKind
 from hangwatch.coordinator.rules import compare_collective, explain_extra_call, format_ranks
 from hangwatch.coordinator.state import JobState
 
@@ -46,7 +46,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         step = max(c.step for c in slot.calls.values())
         details: dict[str, object] = {"calls": {str(k): v for k, v in sorted(mismatch.details.items())}}
         summary, hint, kind = mismatch.summary, mismatch.hint, mismatch.kind
-        if kind == "op_mismatch":
+        if kind == IncidentKind.OP_MISMATCH:
             history = {rk: list(st.history.get(group, ())) for rk, st in job.ranks.items()}
             extra = explain_extra_call(history, seq)
             if extra:
@@ -57,7 +57,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             if in_barrier and others:
                 # One side is waiting in a barrier the others never reach: it left the loop early.
                 kind, culprit, agreeing, hint = (
-                    "early_exit",
+                    IncidentKind.EARLY_EXIT,
                     sorted(in_barrier),
                     sorted(others),
                     EARLY_EXIT_HINT,
@@ -108,7 +108,7 @@ def _group_membership(job: JobState) -> list[Finding]:
         )
         findings.append(
             Finding(
-                kind="arg_mismatch",
+                kind=IncidentKind.ARG_MISMATCH,
                 key=f"group:{name}",
                 culprit_ranks=culprits,
                 waiting_ranks=sorted(agreeing),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 from hangwatch.coordinator.detectors import Context
-from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.incidents import Finding, IncidentKind
 from hangwatch.coordinator.state import JobState
 
 WINDOW = 20  # complete collectives looked at per group
@@ -27,7 +27,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             continue
         findings.append(
             Finding(
-                kind="straggler",
+                kind=IncidentKind.STRAGGLER,
                 key=f"straggler:{group}:{rank}",
                 culprit_ranks=[rank],
                 waiting_ranks=[m for m in job.members(group) if m != rank],

@@ -15,7 +15,7 @@ from hangwatch import config
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context, slot_key
 from hangwatch.coordinator.detectors.describe import doing
-from hangwatch.coordinator.incidents import Finding
+from hangwatch.coordinator.incidents import Finding, IncidentKind
 from hangwatch.coordinator.rules import describe_call, format_ranks
 from hangwatch.coordinator.state import JobState, RankState, Slot
 
@@ -58,7 +58,11 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
 
 
 BARRIERS = ("barrier", "monitored_barrier")
-KEY_PREFIX = {"stuck_collective": "stuck", "early_exit": "early", "transport_stall": "stall"}
+KEY_PREFIX = {
+    IncidentKind.STUCK_COLLECTIVE: "stuck",
+    IncidentKind.EARLY_EXIT: "early",
+    IncidentKind.TRANSPORT_STALL: "stall",
+}
 
 
 def _left_the_loop(state: RankState, op: str) -> bool:
@@ -81,7 +85,12 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     details: dict[str, object] = {"waited_s": round(waited, 1)}
 
     def finding(
-        kind: str, culprits: list[int], summary: str, hint: str, stack_ranks: list[int], native: bool = False
+        kind: IncidentKind,
+        culprits: list[int],
+        summary: str,
+        hint: str,
+        stack_ranks: list[int],
+        native: bool = False,
     ) -> Finding:
         # built only for a finding: a slot of thousands of calls is examined every tick
         details["calls"] = {str(rk): describe_call(c) for rk, c in sorted(slot.calls.items())}
@@ -110,7 +119,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         if any(c.exit_time is not None for c in slot.calls.values()):
             return None  # someone returned: the others are being delivered, not stalled
         return finding(
-            "transport_stall",
+            IncidentKind.TRANSPORT_STALL,
             [],
             f"all {len(members)} ranks of group {slot.group} entered {op} (seq {slot.seq}) with matching "
             f"arguments and none has returned after {waited:.0f} s: the transport is stalled",
@@ -124,7 +133,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     unregistered = [rk for rk, st in states.items() if st is None]
     if unregistered:
         return finding(
-            "stuck_collective",
+            IncidentKind.STUCK_COLLECTIVE,
             unregistered,
             f"ranks {format_ranks(waiting)} wait in {where} for {waited:.0f} s; rank(s) "
             f"{format_ranks(unregistered)} never registered with hangwatch",
@@ -154,7 +163,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     if all(_left_the_loop(st, op) for st in present.values()):
         steps = ", ".join(str(step) for step in sorted({st.step for st in present.values()}))
         return finding(
-            "early_exit",
+            IncidentKind.EARLY_EXIT,
             absent,
             f"rank{'s' if plural else ''} {who} left the training loop at step {steps} ({absent_text}) while "
             f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} entered {where} and wait for "
@@ -163,7 +172,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             stack_ranks,
         )
     return finding(
-        "stuck_collective",
+        IncidentKind.STUCK_COLLECTIVE,
         absent,
         f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
         f"{where} at {sample.call_site or '?'} for {waited:.0f} s; {absent_text}",
