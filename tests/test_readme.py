@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import time
 from pathlib import Path
 
@@ -21,3 +22,17 @@ def test_readme_samples_match_the_renderers(monkeypatch: pytest.MonkeyPatch) -> 
     expected = module.updated_readme()
     assert (ROOT / "README.md").read_text() == expected, "run: TZ=UTC python scripts/readme_samples.py"
     assert "<!-- sample:status -->\n```text\njob " in expected
+
+
+#: Backticked repository paths in the docs (``bench/overhead.py``, ``hangwatch/wire.py``).
+_TOPS = "hangwatch|common|client|coordinator|agent|protos|tests|bench|scripts|deploy|docs|\\.ci"
+_PATH = re.compile(rf"`((?:{_TOPS})/[A-Za-z0-9_./-]*)`")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "BENCHMARKS.md", "deploy/README.md"])
+def test_every_path_the_docs_name_exists(doc: str) -> None:
+    text = (ROOT / doc).read_text()
+    named = sorted(set(_PATH.findall(text)))
+    assert named, f"{doc} names no repository path: the pattern is broken"
+    missing = [p for p in named if not (ROOT / p.rstrip("/")).exists()]
+    assert not missing, f"{doc} names paths that do not exist: {missing}"

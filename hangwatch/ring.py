@@ -1,0 +1,305 @@
+"""A rank's records in shared memory: written by the rank, read from outside it.
+
+The evidence a rank leaves must outlive the rank: a record that waits in a Python queue dies with
+a process that gloo aborts, the OOM killer SIGKILLs or a native call freezes with the GIL held.
+So the hook writes each record into a memory region the node agent maps too, before the call it
+describes is issued; whatever happens to the rank afterwards, the agent reads it.
+
+The region is a ``memfd`` (anonymous, never on disk, private to whoever holds its descriptor),
+handed to the node agent over a Unix socket; the agent reads it with :class:`RingReader`. Where no
+agent runs on the node the rank's own sender thread reads it with the same reader: one format,
+one fallback.
+
+Layout (little endian)::
+
+    header   HEADER_SIZE bytes: magic, version, geometry, the write counters (see _HEADER)
+    slots    capacity x SLOT_SIZE bytes: fixed-size records, a ring (the newest overwrite the
+             oldest: what matters about a rank is what it did last)
+    blobs    blob_bytes: append-only variable-size entries (a call signature's fixed part, an
+             error text, a group) that slots refer to by id; when full, new blobs are counted
+             as dropped and the slots that need them carry id 0
+
+Ordering: each slot carries its own position (plus one, so an empty slot reads as 0) at both
+ends, written in one copy; a reader takes the slot at position ``p`` only when both stamps say
+``p + 1``, so a slot being written (stamps differ) or not yet written (older stamp) is left for
+the next poll, and a newer stamp means the writer lapped the reader: the skipped slots are
+counted as lost, never returned torn. There is no shared head counter to update per record: one
+``pack_into`` per record is the whole cost. A blob's bytes are in place before ``blob_used``
+covers them, and before any slot names it. One writer per ring (the rank's calling threads hold
+the GIL while they write); any number of readers. The stamps at both ends rely on stores
+becoming visible in order (x86-64's rule); on weakly ordered CPUs a torn slot is still caught by
+the stamps in nearly every case, not provably every one.
+
+Measured here (CPython 3.11, ``bench/ring_micro.py``): writing one record costs about as much as
+appending a tuple to the deque the hook used before, and leaves no object for the garbage
+collector; the figures are in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+MAGIC = b"HWRING01"
+VERSION = 1
+
+#: magic, version, header size, slot size, capacity, blob bytes, pid, rank, then the blob
+#: counters (blob_used, blobs_dropped, blob_count) and a spare word.
+_HEADER = struct.Struct("<8sIIIIQiiQQQQ")
+HEADER_SIZE = 128
+_BLOB_USED_OFFSET = struct.calcsize("<8sIIIIQii")  # the counters, one u64 each, after the geometry
+_BLOBS_DROPPED_OFFSET = _BLOB_USED_OFFSET + 8
+_BLOB_COUNT_OFFSET = _BLOB_USED_OFFSET + 16
+_U64 = struct.Struct("<Q")
+_MASK = 0xFFFFFFFF
+_CHUNK = 512  # slots a reader copies at once
+
+#: One slot: stamp, kind, flags, aux (16 bits), ref (blob id), call id, seq, step, arg, time, stamp.
+#: The stamps are the slot's position + 1 (see the module docstring). Ids, seq and step are kept
+#: modulo 2**32; readers extend them.
+SLOT = struct.Struct("<QBBHIIIIIdQ")
+SLOT_SIZE = SLOT.size
+_BLOB_HEAD = struct.Struct("<II")  # an entry's id and length, then its bytes
+
+assert _HEADER.size <= HEADER_SIZE and _HEADER.size == _BLOB_COUNT_OFFSET + 16 and SLOT_SIZE == 48
+
+
+class Kind:
+    """What a slot records (its first byte). Zero is never written: it marks an empty slot."""
+
+    ENTER = 1  # a call about to be issued: ref = its signature blob
+    EXIT = 2  # a call returned: aux = collectives it issued, ref = error text blob (0: none)
+    STEP = 3  # the training step advanced to ``step``
+    GROUP = 4  # a process group was created (flags 0) or destroyed (flags 1): ref = its blob
+    END = 5  # the rank's end: aux = how (an EndKind index), ref = detail blob
+    BLOB_LOST = 6  # a blob did not fit: what the slots that follow cannot name
+
+
+class Slot(NamedTuple):
+    """One record as read back: the struct's fields in order (a tuple: reading is the agent's
+    hot path, thousands of records per second per rank)."""
+
+    stamp: int  # position + 1
+    kind: int
+    flags: int
+    aux: int
+    ref: int
+    call_id: int
+    seq: int
+    step: int
+    arg: int
+    time: float
+    stamp_end: int
+
+    @property
+    def position(self) -> int:
+        """From 0, in the order the writer wrote."""
+        return self.stamp - 1
+
+
+@dataclass
+class Batch:
+    """What one :meth:`RingReader.poll` found: new slots and blobs, and what was lost."""
+
+    slots: list[Slot]
+    blobs: dict[int, bytes]
+    lost: int  # slots overwritten before this reader got to them
+
+
+def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
+    access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+    return mmap.mmap(fd, size, access=access)
+
+
+class RingWriter:
+    """The rank's side. Creates the region (a ``memfd``) and writes records into it.
+
+    ``fd`` is what to hand the node agent (it keeps the region alive after the rank is gone)."""
+
+    def __init__(self, capacity: int = 16384, blob_bytes: int = 1 << 20, rank: int = -1) -> None:
+        if capacity <= 0 or blob_bytes < _BLOB_HEAD.size:
+            raise ValueError("ring capacity and blob area must be positive")
+        self.capacity = capacity
+        self.blob_bytes = blob_bytes
+        self.size = HEADER_SIZE + capacity * SLOT_SIZE + blob_bytes
+        self.fd = os.memfd_create("hangwatch-ring", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size)
+        self.mm = _map(self.fd, self.size, writable=True)
+        self._blobs = HEADER_SIZE + capacity * SLOT_SIZE
+        self.head = 0
+        self.blob_used = 0
+        self.blob_count = 0
+        self.blobs_dropped = 0
+        _HEADER.pack_into(
+            self.mm, 0, MAGIC, VERSION, HEADER_SIZE, SLOT_SIZE, capacity, blob_bytes, os.getpid(), rank, 0, 0, 0, 0
+        )
+        self.pack_slot = SLOT.pack_into  # the hook's hot path calls these directly
+        self.slots_base = HEADER_SIZE
+        self._pack_u64 = _U64.pack_into
+
+    def write(
+        self, kind: int, flags: int, aux: int, ref: int, call_id: int, seq: int, step: int, arg: int, t: float
+    ) -> None:
+        """Append one slot. Never blocks, never fails for lack of room (the oldest is overwritten)."""
+        head = self.head
+        self.head = head + 1
+        self.pack_slot(self.mm, HEADER_SIZE + (head % self.capacity) * SLOT_SIZE, head + 1, kind, flags, aux, ref,
+                       call_id & _MASK, seq & _MASK, step & _MASK, arg & _MASK, t, head + 1)  # fmt: skip
+
+    def blob(self, data: bytes) -> int:
+        """Store ``data``; returns its id (from 1), or 0 when the blob area is full (counted)."""
+        need = _BLOB_HEAD.size + len(data)
+        if self.blob_used + need > self.blob_bytes:
+            self.blobs_dropped += 1
+            self._pack_u64(self.mm, _BLOBS_DROPPED_OFFSET, self.blobs_dropped)
+            return 0
+        blob_id = self.blob_count + 1
+        at = self._blobs + self.blob_used
+        _BLOB_HEAD.pack_into(self.mm, at, blob_id, len(data))
+        self.mm[at + _BLOB_HEAD.size : at + need] = data
+        self.blob_count = blob_id
+        self.blob_used += need
+        self._pack_u64(self.mm, _BLOB_COUNT_OFFSET, blob_id)
+        self._pack_u64(self.mm, _BLOB_USED_OFFSET, self.blob_used)  # published last
+        return blob_id
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        finally:
+            os.close(self.fd)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    capacity: int
+    blob_bytes: int
+    pid: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + self.capacity * SLOT_SIZE + self.blob_bytes
+
+
+class RingError(ValueError):
+    """The descriptor is not a hangwatch ring (or one of another version)."""
+
+
+def read_geometry(buf: bytes | mmap.mmap) -> Geometry:
+    if len(buf) < HEADER_SIZE:
+        raise RingError(f"too small for a ring header ({len(buf)} bytes)")
+    magic, version, header_size, slot_size, capacity, blob_bytes, pid, rank, *_ = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise RingError("not a hangwatch ring (bad magic)")
+    if version != VERSION or header_size != HEADER_SIZE or slot_size != SLOT_SIZE:
+        raise RingError(f"ring version {version} (header {header_size}, slot {slot_size}) is not {VERSION}")
+    if capacity <= 0:
+        raise RingError("ring capacity is 0")
+    return Geometry(capacity, blob_bytes, pid, rank)
+
+
+class RingReader:
+    """The node agent's side (or the rank's own sender thread, where no agent runs).
+
+    Reads a ring from its descriptor without ever writing to it; safe against a writer that
+    keeps writing, and against one that died mid-record (a slot is only read once published)."""
+
+    def __init__(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        if size < HEADER_SIZE:
+            raise RingError(f"too small for a ring header ({size} bytes)")
+        head_map = _map(fd, HEADER_SIZE, writable=False)
+        try:
+            self.geometry = read_geometry(head_map)
+        finally:
+            head_map.close()
+        if size < self.geometry.size:
+            raise RingError(f"ring is {size} bytes, its header says {self.geometry.size}")
+        self.mm = _map(fd, self.geometry.size, writable=False)
+        self.capacity = self.geometry.capacity
+        self._blobs = HEADER_SIZE + self.capacity * SLOT_SIZE
+        self.position = 0  # the next slot this reader wants
+        self.blob_position = 0  # bytes of the blob area already read
+        self.lost = 0
+
+    def _u64(self, offset: int) -> int:
+        value: int = _U64.unpack_from(self.mm, offset)[0]
+        return value
+
+    @property
+    def blobs_dropped(self) -> int:
+        return self._u64(_BLOBS_DROPPED_OFFSET)
+
+    def _new_blobs(self) -> dict[int, bytes]:
+        used = min(self._u64(_BLOB_USED_OFFSET), self.geometry.blob_bytes)
+        out: dict[int, bytes] = {}
+        at = self.blob_position
+        while at + _BLOB_HEAD.size <= used:
+            blob_id, length = _BLOB_HEAD.unpack_from(self.mm, self._blobs + at)
+            end = at + _BLOB_HEAD.size + length
+            if end > used:
+                break  # cannot happen with a sane writer: blob_used covers whole entries
+            out[blob_id] = bytes(self.mm[self._blobs + at + _BLOB_HEAD.size : self._blobs + end])
+            at = end
+        self.blob_position = at
+        return out
+
+    def _read(self, position: int) -> Slot:
+        return Slot._make(SLOT.unpack_from(self.mm, HEADER_SIZE + (position % self.capacity) * SLOT_SIZE))
+
+    def head(self) -> int:
+        """Slots written so far, found from the stamps (a scan of the ring: for rare questions)."""
+        ring = self.mm[HEADER_SIZE : HEADER_SIZE + self.capacity * SLOT_SIZE]
+        return max((rec[0] for rec in SLOT.iter_unpack(ring) if rec[0] == rec[10]), default=0)
+
+    def poll(self, limit: int | None = None) -> Batch:
+        """Everything published since the last poll (at most ``limit`` slots, oldest first)."""
+        blobs = self._new_blobs()  # before the slots: every slot read names a blob already read
+        out: list[Slot] = []
+        lost = 0
+        p = self.position
+        budget = self.capacity if limit is None else limit
+        make = Slot._make
+        while len(out) < budget:
+            # a contiguous run of slots at a time, up to the ring's end
+            index = p % self.capacity
+            n = min(self.capacity - index, budget - len(out), _CHUNK)
+            at = HEADER_SIZE + index * SLOT_SIZE
+            stopped: tuple[int, ...] | None = None
+            for rec in SLOT.iter_unpack(self.mm[at : at + n * SLOT_SIZE]):
+                if rec[0] == rec[10] == p + 1:
+                    out.append(make(rec))
+                    p += 1
+                else:
+                    stopped = rec
+                    break
+            if stopped is None:
+                continue
+            if stopped[0] == stopped[10] and stopped[0] > p + 1:
+                # lapped: go to the oldest slot still there (if it is being overwritten right
+                # now its stamps differ, and the next poll skips again)
+                skip_to = max(p + 1, self.head() - self.capacity)
+                lost += skip_to - p
+                p = skip_to
+                continue
+            break  # not written yet, or being written right now: the next poll takes it
+        self.lost += lost
+        self.position = p
+        return Batch(slots=out, blobs=blobs, lost=lost)
+
+    def last(self, n: int) -> list[Slot]:
+        """The newest ``n`` whole slots (for a rank that is gone: what was it doing last?)."""
+        newest = self.head()
+        out = []
+        for p in range(max(0, newest - min(n, self.capacity)), newest):
+            slot = self._read(p)
+            if slot.stamp == slot.stamp_end == p + 1:
+                out.append(slot)
+        return out
+
+    def close(self) -> None:
+        self.mm.close()

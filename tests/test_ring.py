@@ -1,0 +1,157 @@
+"""The shared-memory ring: what a rank writes is read from outside it, whole or not at all.
+
+Properties (hypothesis): any sequence of writes and polls yields exactly the published slots in
+order, or counts them lost when the writer lapped the reader; blobs come back byte for byte and a
+full blob area counts drops. Then real processes: a writer that hands its descriptor over a Unix
+socket and is SIGKILLed mid-stream leaves every published record readable, and the kernel, not
+the writer, says who it was (SO_PEERCRED).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hangwatch.ring import SLOT_SIZE, Kind, RingError, RingReader, RingWriter
+
+
+def _write_n(w: RingWriter, first: int, n: int) -> None:
+    for i in range(first, first + n):
+        w.write(Kind.ENTER, 0, 1, 7, i, i * 2, i // 10, 0, float(i))
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 16), bursts=st.lists(st.integers(0, 40), min_size=1, max_size=12))
+def test_reader_gets_every_published_slot_in_order_or_counts_it_lost(capacity: int, bursts: list[int]) -> None:
+    w = RingWriter(capacity=capacity, blob_bytes=64)
+    reader = RingReader(w.fd)
+    written = got = lost = 0
+    expected_next = 0
+    for n in bursts:
+        _write_n(w, written, n)
+        written += n
+        batch = reader.poll()
+        ids = [s.call_id for s in batch.slots]
+        assert ids == list(range(ids[0], ids[0] + len(ids))) if ids else True
+        if ids:
+            assert ids[0] >= expected_next  # never an old slot again
+            assert ids[-1] == written - 1  # the newest is always there
+            expected_next = ids[-1] + 1
+        assert all(s.kind == Kind.ENTER and s.seq == s.call_id * 2 and s.time == float(s.call_id) for s in batch.slots)
+        assert all(s.position == s.call_id for s in batch.slots)
+        got += len(ids)
+        lost += batch.lost
+        assert len(ids) <= capacity
+    assert got + lost == written
+    assert reader.lost == lost
+    reader.close()
+    w.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(blobs=st.lists(st.binary(max_size=40), max_size=20), area=st.integers(8, 300))
+def test_blobs_round_trip_and_a_full_area_counts_drops(blobs: list[bytes], area: int) -> None:
+    w = RingWriter(capacity=4, blob_bytes=area)
+    reader = RingReader(w.fd)
+    ids = [w.blob(b) for b in blobs]
+    stored = {i: b for i, b in zip(ids, blobs, strict=True) if i}
+    assert reader.poll().blobs == stored
+    assert reader.poll().blobs == {}  # each blob once
+    assert reader.blobs_dropped == ids.count(0)
+    assert sorted(stored) == list(range(1, len(stored) + 1))
+    w.close()
+    reader.close()
+
+
+def test_a_descriptor_that_is_not_a_ring_is_refused_clearly() -> None:
+    fd = os.memfd_create("not-a-ring")
+    try:
+        os.ftruncate(fd, 4096)
+        with pytest.raises(RingError, match="bad magic"):
+            RingReader(fd)
+        os.ftruncate(fd, 10)
+        with pytest.raises(RingError, match="too small"):
+            RingReader(fd)
+    finally:
+        os.close(fd)
+
+
+def test_last_returns_the_newest_slots_after_wrapping() -> None:
+    w = RingWriter(capacity=8, blob_bytes=16)
+    _write_n(w, 0, 21)
+    reader = RingReader(w.fd)
+    assert [s.call_id for s in reader.last(3)] == [18, 19, 20]
+    assert [s.call_id for s in reader.last(100)][-1] == 20
+    assert len(reader.last(100)) == 8
+    w.close()
+    reader.close()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    from hangwatch.ring import Kind, RingWriter
+    w = RingWriter(capacity=1024, blob_bytes=4096, rank=3)
+    sid = w.blob(b"all_reduce [4] float32 at train.py:12")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    socket.send_fds(s, [b"ring"], [w.fd])
+    for i in range(1, 301):
+        w.write(Kind.ENTER, 0, 0, sid, i, i, 0, 0, time.time())
+        w.write(Kind.EXIT, 0, 1, 0, i, 0, 0, 0, time.time())
+    w.write(Kind.ENTER, 0, 0, sid, 301, 301, 0, 0, time.time())  # the call it dies in
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_writer_leaves_every_record_and_the_kernel_names_it(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "agent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    server.settimeout(30)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, path], stdout=subprocess.PIPE, text=True)
+    try:
+        conn, _ = server.accept()
+        conn.settimeout(30)
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        assert (pid, uid) == (child.pid, os.getuid())
+        _msg, fds, _flags, _addr = socket.recv_fds(conn, 16, 1)
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+        t0 = time.monotonic()
+        assert conn.recv(1) == b""  # the peer's death closes the connection at once
+        assert time.monotonic() - t0 < 1.0
+        reader = RingReader(fds[0])
+        assert reader.geometry.pid == child.pid and reader.geometry.rank == 3
+        batch = reader.poll()
+        assert batch.lost == 0 and len(batch.slots) == 601
+        assert batch.blobs == {1: b"all_reduce [4] float32 at train.py:12"}
+        last = batch.slots[-1]
+        assert (last.kind, last.call_id, last.seq, last.ref) == (Kind.ENTER, 301, 301, 1)
+        assert sum(1 for s in batch.slots if s.kind == Kind.EXIT) == 300
+        reader.close()
+        os.close(fds[0])
+        conn.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        server.close()
+
+
+def test_slot_size_is_what_the_format_says() -> None:
+    assert SLOT_SIZE == 48
