@@ -1,0 +1,209 @@
+"""The node agent's end of its ranks' links: a Unix socket that ranks connect to once.
+
+For each rank it keeps what the kernel proved (pid, uid, gid of the connected process), what the
+rank said (its hello), the reader of the ring it handed over, and when its connection closed (the
+moment the process was gone). Nothing here believes a pid a client sends: the pid that counts
+is the socket's peer.
+
+One thread owns the listening socket and every connection (a selector loop, 0.2 s ticks); the
+rest of the agent reads :meth:`RingServer.links` and polls the readers. The socket file is
+created with mode ``0600`` inside the directory given (which the caller creates ``0700``): only
+the agent's own user (and root) can connect, the same rule the ring itself follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hangwatch.link import LinkError, Peer, peer_of, recv_hello
+from hangwatch.ring import RingError, RingReader
+
+log = logging.getLogger(__name__)
+
+#: A connection that has not said hello within this long is dropped.
+HELLO_TIMEOUT_S = 2.0
+#: Links kept at most (live and recently closed); a new one beyond this is refused.
+MAX_LINKS = 4096
+
+
+@dataclass
+class RankLink:
+    """One rank's link: proven identity, claimed identity, its ring, and its life."""
+
+    peer: Peer
+    hello: dict[str, Any]
+    reader: RingReader
+    ring_fd: int
+    connected_at: float
+    closed_at: float | None = None  # when the connection closed: the process is gone
+    sock: socket.socket | None = field(default=None, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.closed_at is None
+
+    def close(self) -> None:
+        self.reader.close()
+        with contextlib.suppress(OSError):
+            os.close(self.ring_fd)
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            self.sock = None
+
+
+class RingServer:
+    """Accepts rank links on ``path``; ``on_link`` / ``on_close`` are called on its thread."""
+
+    def __init__(
+        self,
+        path: str,
+        on_link: Callable[[RankLink], None] | None = None,
+        on_close: Callable[[RankLink], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = path
+        self._on_link = on_link
+        self._on_close = on_close
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._links: list[RankLink] = []
+        self.refused = 0  # connections dropped: no hello, a bad ring, too many links
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+
+    def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            listener.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._run, name="hangwatch-rings", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._listener is not None:
+            self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        with self._lock:
+            for link in self._links:
+                link.close()
+            self._links.clear()
+
+    def links(self) -> list[RankLink]:
+        with self._lock:
+            return list(self._links)
+
+    def forget(self, link: RankLink) -> None:
+        """Drop a closed link once its ring has been read to the end."""
+        with self._lock:
+            if link in self._links:
+                self._links.remove(link)
+        link.close()
+
+    # ---- the selector thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        assert self._listener is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, None)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(timeout=0.2):
+                    if key.data is None:
+                        self._accept(sel)
+                    else:
+                        self._readable(sel, key.data)
+        except Exception:  # the agent must outlive any bug here; say so loudly
+            log.exception("rank link loop failed")
+        finally:
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        assert self._listener is not None
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        link = self._handshake(conn)
+        if link is None:
+            self.refused += 1
+            conn.close()
+            return
+        conn.setblocking(False)
+        sel.register(conn, selectors.EVENT_READ, link)
+        if self._on_link is not None:
+            self._on_link(link)
+
+    def _handshake(self, conn: socket.socket) -> RankLink | None:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        try:
+            peer = peer_of(conn)
+            hello, fds = recv_hello(conn)
+        except (LinkError, OSError) as e:
+            log.warning("rank link refused: %s", e)
+            return None
+        if not fds:
+            log.warning("rank link from pid %d refused: no ring descriptor", peer.pid)
+            return None
+        for extra in fds[1:]:
+            os.close(extra)
+        try:
+            reader = RingReader(fds[0])
+        except (RingError, OSError, ValueError) as e:
+            log.warning("rank link from pid %d refused: %s", peer.pid, e)
+            os.close(fds[0])
+            return None
+        with self._lock:
+            if len(self._links) >= MAX_LINKS:
+                reader.close()
+                os.close(fds[0])
+                return None
+            link = RankLink(peer, hello, reader, fds[0], self._clock(), sock=conn)
+            self._links.append(link)
+        try:
+            conn.sendall(b"\x01")
+        except OSError:
+            pass  # gone already: the selector sees it closed next
+        return link
+
+    def _readable(self, sel: selectors.BaseSelector, link: RankLink) -> None:
+        sock = link.sock
+        if sock is None:
+            return
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            return  # a rank sends nothing after its hello; ignore it
+        sel.unregister(sock)
+        link.closed_at = self._clock()
+        with contextlib.suppress(OSError):
+            sock.close()
+        link.sock = None
+        if self._on_close is not None:
+            self._on_close(link)

@@ -1,0 +1,106 @@
+"""A rank's link to its node agent: one Unix-socket connection for the rank's whole life.
+
+The rank connects once, when it registers, and sends a hello (who it says it is, where its torch
+worker server listens) with its ring's descriptor attached (``SCM_RIGHTS``). From then on the
+connection carries nothing; it exists for what the kernel says about it:
+
+- who is at the other end: ``SO_PEERCRED`` gives the peer's pid, uid and gid as the kernel knows
+  them, so the agent never takes a rank's word for its identity;
+- when that process is gone: its descriptors close when it exits, however it exits (SIGKILL,
+  a native abort, the OOM killer), and the agent's end reads EOF at once.
+
+The ring's descriptor keeps the ring alive in the agent after the rank is gone, so its last
+records are still there to read. Both ends are here; neither raises into the training job (the
+rank's side returns None on any failure, and the rank goes on without an agent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+#: A hello larger than this is refused: it is a few hundred bytes of JSON.
+HELLO_MAX = 16384
+_LEN = struct.Struct("<I")
+MAX_FDS = 2  # the ring, and one spare for later use
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The process at the other end of a Unix socket, as the kernel says."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return Peer(pid, uid, gid)
+
+
+class LinkError(ValueError):
+    """A hello that is not one (too long, not JSON, no descriptor)."""
+
+
+def encode_hello(hello: dict[str, Any]) -> bytes:
+    data = json.dumps(hello, separators=(",", ":"), sort_keys=True).encode()
+    if len(data) > HELLO_MAX:
+        raise LinkError(f"hello of {len(data)} bytes is over {HELLO_MAX}")
+    return _LEN.pack(len(data)) + data
+
+
+def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """Read one hello and the descriptors that came with it (the caller owns them).
+
+    The socket should have a timeout: a peer that connects and says nothing is not waited for."""
+    msg, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size + HELLO_MAX, MAX_FDS)
+    try:
+        if len(msg) < _LEN.size:
+            raise LinkError("connection closed before a hello")
+        (length,) = _LEN.unpack_from(msg)
+        if length > HELLO_MAX:
+            raise LinkError(f"hello of {length} bytes is over {HELLO_MAX}")
+        data = msg[_LEN.size :]
+        while len(data) < length:
+            more = sock.recv(length - len(data))
+            if not more:
+                raise LinkError("connection closed inside a hello")
+            data += more
+        hello = json.loads(data[:length])
+        if not isinstance(hello, dict):
+            raise LinkError("a hello is a JSON object")
+        return hello, fds
+    except (LinkError, ValueError, OSError) as e:
+        for fd in fds:
+            os.close(fd)
+        raise LinkError(str(e)) from None
+
+
+def connect(path: str, hello: dict[str, Any], fds: list[int], timeout_s: float = 1.0) -> socket.socket | None:
+    """The rank's side: connect to the agent at ``path`` and send ``hello`` with ``fds``.
+
+    Returns the connected socket (keep it open for the rank's life) after the agent's one-byte
+    acknowledgement, or None when there is no agent or it refused. Never raises."""
+    sock = None
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        socket.send_fds(sock, [encode_hello(hello)], fds)
+        if sock.recv(1) != b"\x01":
+            sock.close()
+            return None
+        sock.settimeout(None)
+        return sock
+    except Exception:
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        return None

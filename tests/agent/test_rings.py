@@ -1,0 +1,129 @@
+"""The agent's rank links, with real processes: identity from the kernel, death seen at once,
+the ring read after the rank is gone; bad hellos refused without hurting the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from hangwatch import link
+from hangwatch.agent.rings import RingServer
+from hangwatch.ring import Kind, RingWriter
+
+_RANK = textwrap.dedent(
+    """
+    import sys, time
+    from hangwatch import link
+    from hangwatch.ring import Kind, RingWriter
+    w = RingWriter(capacity=4096, blob_bytes=4096, rank=1)
+    sock = link.connect(sys.argv[1], {"rank": 1, "pid": 1}, [w.fd])  # the claimed pid is a lie
+    print("linked" if sock is not None else "no agent", flush=True)
+    for i in range(1, 1001):
+        w.write(Kind.ENTER, 0, 0, 0, i, i, 0, 0, time.time())
+        w.write(Kind.EXIT, 0, 1, 0, i, 0, 0, 0, time.time())
+    w.write(Kind.ENTER, 0, 0, 0, 1001, 1001, 0, 0, time.time())
+    print("wrote", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+class Agent:
+    """A real RingServer on a socket in ``tmp_path``, and the links it saw close."""
+
+    def __init__(self, path: str) -> None:
+        self.closed = threading.Event()
+        self.server = RingServer(path, on_close=lambda _lk: self.closed.set())
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    a = Agent(str(tmp_path / "agent.sock"))
+    a.server.start()
+    yield a
+    a.server.stop()
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_rank_is_named_by_the_kernel_and_its_ring_outlives_it(agent: Agent) -> None:
+    server = agent.server
+    child = subprocess.Popen([sys.executable, "-c", _RANK, server.path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "linked"
+        assert child.stdout.readline().strip() == "wrote"
+        (lk,) = server.links()
+        assert lk.peer.pid == child.pid and lk.peer.uid == os.getuid()  # not the claimed pid 1
+        assert lk.hello == {"rank": 1, "pid": 1} and lk.alive
+        killed = time.time()
+        os.kill(child.pid, signal.SIGKILL)
+        assert agent.closed.wait(5)
+        assert lk.closed_at is not None and lk.closed_at - killed < 1.0
+        batch = lk.reader.poll()
+        assert batch.lost == 0 and len(batch.slots) == 2001
+        assert (batch.slots[-1].kind, batch.slots[-1].call_id) == (Kind.ENTER, 1001)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=10)
+
+
+def test_without_an_agent_the_rank_goes_on(tmp_path: Path) -> None:
+    w = RingWriter(capacity=4, blob_bytes=64)
+    t0 = time.monotonic()
+    assert link.connect(str(tmp_path / "nobody.sock"), {"rank": 0}, [w.fd]) is None
+    assert time.monotonic() - t0 < 1.0
+    w.close()
+
+
+def test_bad_hellos_are_refused_and_the_server_keeps_serving(agent: Agent) -> None:
+    server = agent.server
+
+    def raw(payload: bytes, fds: list[int]) -> bytes:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(server.path)
+        if fds:
+            socket.send_fds(s, [payload], fds)
+        else:
+            s.sendall(payload)
+        reply = s.recv(1)
+        s.close()
+        return reply
+
+    not_a_ring = os.memfd_create("fake")
+    os.ftruncate(not_a_ring, 4096)
+    assert raw(link.encode_hello({"rank": 0}), []) == b""  # no descriptor
+    assert raw(b"\x05\x00\x00\x00nope!", [not_a_ring]) == b""  # not JSON
+    assert raw(link.encode_hello({"rank": 0}), [not_a_ring]) == b""  # not a ring
+    assert raw(b"\xff\xff\xff\x7f", [not_a_ring]) == b""  # absurd length
+    os.close(not_a_ring)
+    _wait(lambda: server.refused == 4)
+    w = RingWriter(capacity=4, blob_bytes=64)
+    sock = link.connect(server.path, {"rank": 2}, [w.fd])
+    assert sock is not None
+    _wait(lambda: len(server.links()) == 1)
+    assert server.links()[0].peer.pid == os.getpid()
+    sock.close()
+    w.close()
+
+
+def test_the_socket_is_private_to_the_agents_user(agent: Agent) -> None:
+    assert os.stat(agent.server.path).st_mode & 0o777 == 0o600
