@@ -68,14 +68,12 @@ assert _HEADER.size <= HEADER_SIZE and _HEADER.size == _BLOB_COUNT_OFFSET + 16 a
 
 
 class Kind:
-    """What a slot records (its first byte). Zero is never written: it marks an empty slot."""
+    """What a slot records (its kind byte). Blobs are described in :mod:`hangwatch.ringwire`."""
 
-    ENTER = 1  # a call about to be issued: ref = its signature blob
+    ENTER = 1  # a call about to be issued: ref = its signature blob, arg = flags of the call
     EXIT = 2  # a call returned: aux = collectives it issued, ref = error text blob (0: none)
     STEP = 3  # the training step advanced to ``step``
-    GROUP = 4  # a process group was created (flags 0) or destroyed (flags 1): ref = its blob
-    END = 5  # the rank's end: aux = how (an EndKind index), ref = detail blob
-    BLOB_LOST = 6  # a blob did not fit: what the slots that follow cannot name
+    EVENT = 4  # anything rare (a group created or destroyed, a marker, the rank's end): ref = its blob
 
 
 class Slot(NamedTuple):

@@ -1,0 +1,232 @@
+"""From a rank's ring to the wire, and what the rank puts in the ring's blobs.
+
+The rank writes fixed-size slots (:mod:`hangwatch.ring`) and, rarely, a blob: the fixed part of
+a call signature it has not made before, a rare event, an error text. Whoever ships the ring's
+records (the node agent; the rank's own sender where no agent runs) turns them into the
+``ReportBatch`` the coordinator already takes, with :class:`RingEncoder`: a signature blob
+becomes a ``Signature`` (under a bounded id table, as the rank's own encoder did), ENTER/EXIT
+slots become ``CallColumns`` entries (an exit in the same batch folded into its call), the rest
+become events. The coordinator sees no difference between the two paths.
+
+Blobs start with a one-byte tag: ``C`` a ``Call`` with its per-call fields cleared (a
+signature), ``V`` a whole ``Event`` (group changes, markers, ends: rare, so sent as they are),
+``T`` UTF-8 text (an exception message).
+
+Slots hold ids, seqs and steps modulo 2**32; the encoder extends them back (call ids and steps
+per rank, seqs per group and peer), which is exact as long as a value does not move by 2**31
+between two records of its kind.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+from hangwatch import records as r
+from hangwatch import wire
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.ring import Batch, Kind
+from hangwatch.signatures import MAX_SIGNATURES
+
+TAG_CALL = b"C"
+TAG_EVENT = b"V"
+TAG_TEXT = b"T"
+_PER_CALL_FIELDS = ("call_id", "seq", "step", "enter_time", "exit_time", "seq_count", "error")
+_NAN = float("nan")
+_WRAP = 1 << 32
+_HALF = 1 << 31
+
+
+# ---- the rank's side: blobs ---------------------------------------------------------------
+
+
+def call_blob(call: r.CallRecord) -> bytes:
+    """A signature blob: ``call`` without what changes from one call to the next."""
+    msg = pb.Call()
+    wire.call_to_pb(call, msg)
+    for name in _PER_CALL_FIELDS:
+        msg.ClearField(name)
+    return TAG_CALL + msg.SerializeToString()
+
+
+def event_blob(event: r.RankEvent) -> bytes:
+    msg = pb.Event()
+    if not wire.event_to_pb(event, msg):
+        raise ValueError(f"not an event: {type(event).__name__}")
+    return TAG_EVENT + msg.SerializeToString()
+
+
+def text_blob(text: str) -> bytes:
+    return TAG_TEXT + text.encode("utf-8", "replace")
+
+
+# ---- the shipping side ---------------------------------------------------------------------
+
+
+def _extend(value: int, last: int) -> int:
+    """The full value whose low 32 bits are ``value``, nearest to ``last``."""
+    full = (last & ~(_WRAP - 1)) | value
+    if full < last - _HALF:
+        full += _WRAP
+    elif full > last + _HALF and full >= _WRAP:
+        full -= _WRAP
+    return full
+
+
+class RingEncoder:
+    """Turns one rank's ring batches into wire batches. Not thread-safe: one per rank link."""
+
+    def __init__(self, capacity: int = MAX_SIGNATURES) -> None:
+        self.capacity = capacity
+        self.blobs: dict[int, bytes] = {}  # bounded by the ring's blob area
+        self._lanes: dict[int, tuple[str, int]] = {}  # signature blob -> (group, peer), for seqs
+        self._ids: collections.OrderedDict[int, int] = collections.OrderedDict()  # blob -> wire id
+        self._free: list[int] = []
+        self._next = 1
+        self._last_call = 0
+        self._last_step = 0
+        self._last_seq: dict[tuple[str, int], int] = {}
+        self.unnamed = 0  # calls whose signature blob was lost (the rank's blob area was full)
+
+    def reset(self) -> None:
+        """Forget the wire ids (after a registration: the coordinator's table starts empty)."""
+        self._ids.clear()
+        self._free.clear()
+        self._next = 1
+
+    def _signature(self, blob_id: int, used: set[int], batch: pb.ReportBatch) -> int | None:
+        sid = self._ids.get(blob_id)
+        if sid is not None:
+            self._ids.move_to_end(blob_id)
+            return sid
+        blob = self.blobs.get(blob_id)
+        if blob is None or not blob.startswith(TAG_CALL):
+            return None
+        if len(self._ids) >= self.capacity:
+            victim_blob, victim = next(iter(self._ids.items()))
+            if victim in used:
+                return None  # evicting it would change a call already in this batch
+            del self._ids[victim_blob]
+            sid = victim
+        else:
+            sid = self._next
+            self._next += 1
+        sig = batch.signatures.add(id=sid)
+        try:
+            sig.call.MergeFromString(blob[1:])
+        except Exception:
+            del batch.signatures[-1]
+            return None
+        self._ids[blob_id] = sid
+        if blob_id not in self._lanes:
+            self._lanes[blob_id] = (sig.call.group, sig.call.peer if sig.call.HasField("peer") else -1)
+        return sid
+
+    def _whole_call(
+        self, blob_id: int, call_id: int, seq: int, step: int, t: float, batch: pb.ReportBatch
+    ) -> pb.Call | None:
+        """A call whose signature cannot get a wire id now (the id table is full of this batch's
+        signatures) travels whole, as an event (its exit folded in if it comes in this batch:
+        the decoder applies exits of calls outside the columns before everything else)."""
+        blob = self.blobs.get(blob_id)
+        if blob is None or not blob.startswith(TAG_CALL):
+            return None
+        call = batch.events.add().call
+        try:
+            call.MergeFromString(blob[1:])
+        except Exception:
+            del batch.events[-1]
+            return None
+        call.call_id, call.seq, call.step, call.enter_time = call_id, seq, step, t
+        return call
+
+    def _seq(self, blob_id: int, seq32: int) -> int:
+        lane = self._lanes.get(blob_id, ("", -1))
+        full = _extend(seq32, self._last_seq.get(lane, 0))
+        self._last_seq[lane] = full
+        return full
+
+    def encode(self, ring: Batch, batch: pb.ReportBatch) -> int:
+        """Add ``ring``'s records to ``batch``; returns how many records it carries."""
+        self.blobs.update(ring.blobs)
+        sigs: list[int] = []
+        ids: list[int] = []
+        seqs: list[int] = []
+        steps: list[int] = []
+        enters: list[float] = []
+        exits: list[float] = []
+        counts: list[int] = []
+        position: dict[int, int] = {}
+        wholes: dict[int, pb.Call] = {}
+        used: set[int] = set()
+        carried = 0
+        for s in ring.slots:
+            kind = s.kind
+            if kind == Kind.ENTER:
+                call_id = self._last_call = _extend(s.call_id, self._last_call)
+                step = self._last_step = _extend(s.step, self._last_step)
+                sid = self._signature(s.ref, used, batch)
+                if sid is None:
+                    whole = self._whole_call(s.ref, call_id, self._seq(s.ref, s.seq), step, s.time, batch)
+                    if whole is None:
+                        self.unnamed += 1
+                        continue
+                    wholes[call_id] = whole
+                    carried += 1
+                    continue
+                used.add(sid)
+                position[call_id] = len(ids)
+                sigs.append(sid)
+                ids.append(call_id)
+                seqs.append(self._seq(s.ref, s.seq))
+                steps.append(step)
+                enters.append(s.time)
+                exits.append(_NAN)
+                counts.append(1)
+            elif kind == Kind.EXIT:
+                call_id = _extend(s.call_id, self._last_call)
+                i = position.get(call_id)
+                whole_call = wholes.pop(call_id, None)
+                if i is not None and not s.ref and math.isnan(exits[i]):
+                    exits[i] = s.time
+                    counts[i] = s.aux or 1
+                elif whole_call is not None and not s.ref:
+                    whole_call.exit_time = s.time
+                    whole_call.seq_count = s.aux or 1
+                else:
+                    done = batch.events.add().done
+                    done.call_id = call_id
+                    done.exit_time = s.time
+                    done.seq_count = s.aux or 1
+                    text = self.blobs.get(s.ref, b"") if s.ref else b""
+                    if text.startswith(TAG_TEXT):
+                        done.error = text[1:].decode("utf-8", "replace")
+                    elif s.ref:
+                        done.error = "error (its text was lost)"
+            elif kind == Kind.STEP:
+                self._last_step = _extend(s.step, self._last_step)
+                step_msg = batch.events.add().step
+                step_msg.step = self._last_step
+                step_msg.time = s.time
+            elif kind == Kind.EVENT:
+                blob = self.blobs.get(s.ref, b"")
+                if not blob.startswith(TAG_EVENT):
+                    continue
+                try:
+                    batch.events.add().MergeFromString(blob[1:])
+                except Exception:
+                    del batch.events[-1]
+                    continue
+            else:
+                continue
+            carried += 1
+        if ids:
+            cols = batch.calls
+            cols.signature.extend(sigs)
+            cols.call_id.extend(ids)
+            cols.seq.extend(seqs)
+            cols.step.extend(steps)
+            cols.enter_time.extend(enters)
+            cols.exit_time.extend(exits)
+            cols.seq_count.extend(counts)
+        return carried
