@@ -1,0 +1,76 @@
+"""torch's worker server in the rank, on a private socket: the rank's Flight Recorder, read from outside.
+
+torch ships a per-process control-plane server (``torch._C._distributed_c10d._WorkerServer``) that
+answers ``POST /handler/<name>`` on a Unix socket from a C++ thread: ``fr_trace_json`` (the CPU
+ring), and in CUDA builds ``dump_nccl_trace_json`` (the NCCL ring). It needs neither the rank's
+GIL nor a Python thread of ours: on an H100 it answered in under 1 ms while the main thread held
+the GIL in a native call and while it waited in ``.item()`` behind a stuck collective
+(``tests/fixtures/nccl/README.md``). So the node agent reads a frozen rank's rings too.
+
+The hook starts one when the rank registers, on a socket in a directory only the rank's user can
+enter (mode 0700), and tells the agent the path in its hello; the agent checks that the socket is
+served by the rank's own pid before it believes a byte of it. A user's own server
+(``TORCH_WORKER_SERVER_SOCKET``, torch's ``worker_main``) is left alone and read instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from typing import Any
+
+#: torch's variable for the worker server's socket (torch.distributed.elastic.control_plane).
+USER_SOCKET_ENV = "TORCH_WORKER_SERVER_SOCKET"
+
+
+def private_dir() -> str:
+    """``$XDG_RUNTIME_DIR/hangwatch`` (or ``/tmp/hangwatch-<uid>``), 0700 and ours, or an error."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    path = (
+        os.path.join(runtime, "hangwatch")
+        if runtime
+        else os.path.join(tempfile.gettempdir(), f"hangwatch-{os.getuid()}")
+    )
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a private directory of this user")
+    return path
+
+
+class WorkerServer:
+    """The rank's worker server (or the user's), and its socket path."""
+
+    def __init__(self, path: str, server: Any | None) -> None:
+        self.path = path
+        self._server = server  # None: the user's own, not ours to stop
+
+    @property
+    def ours(self) -> bool:
+        return self._server is not None
+
+    def stop(self) -> None:
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+            self._server = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+def start() -> WorkerServer | None:
+    """Start (or find) the rank's worker server; None where this torch has none. Never raises."""
+    try:
+        user = os.environ.get(USER_SOCKET_ENV)
+        if user:
+            return WorkerServer(user, None)
+        from torch._C._distributed_c10d import _WorkerServer
+
+        path = os.path.join(private_dir(), f"worker-{os.getpid()}.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a socket left by an earlier process with this pid
+        return WorkerServer(path, _WorkerServer(path))
+    except Exception:
+        return None
