@@ -82,6 +82,8 @@ _OP_ALIASES: dict[str, str] = {
     "allgather": "all_gather",
     "allgather_coalesced": "all_gather_coalesced",
     "_allgather_base": "all_gather_into_tensor",
+    "_all_gather_base": "all_gather_into_tensor",
+    "all_gather_base": "all_gather_into_tensor",
     "allgather_base": "all_gather_into_tensor",
     "allgather_into_tensor": "all_gather_into_tensor",
     "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",

@@ -1021,3 +1021,31 @@ def test_explain_extra_call_at_a_thousand_ranks() -> None:
     assert text is not None and text.startswith("rank 700 made an extra all_reduce at train.py:30 (seq 12)")
     history[701] = _hist(extra, 701)  # two ranks made it: not one rank's extra call
     assert explain_extra_call(history, 12) is None
+
+
+# --------------------------------------------------------------------------------------------
+# Private spellings of the tensor collectives (the hook records the name the code called)
+
+
+@pytest.mark.parametrize(
+    ("op", "ins", "outs", "canon"),
+    [
+        ("_all_gather_base", ((4,), (5,)), ((8,), (10,)), "all_gather_into_tensor"),
+        ("_reduce_scatter_base", ((8,), (10,)), ((4,), (5,)), "reduce_scatter_tensor"),
+    ],
+)
+def test_base_spellings_report_shape_mismatch(
+    op: str, ins: tuple[tuple[int, ...], ...], outs: tuple[tuple[int, ...], ...], canon: str
+) -> None:
+    """``_all_gather_base`` is ``all_gather_into_tensor`` under its old name: a [4] vs [5] input
+    through it is the same shape mismatch (it used to fall through to the unknown-op rules)."""
+    calls = {
+        rk: call(rk, op, ins=[t(*ins[rk])], outs=[t(*outs[rk])], reduce_op="SUM" if "reduce" in op else None)
+        for rk in (0, 1)
+    }
+    m = compare_collective(calls, 2)
+    assert m is not None
+    assert m.kind == "shape_mismatch"
+    assert m.culprit_ranks == (1,) and m.agreeing_ranks == (0,)
+    assert m.summary.startswith(f"{canon} shape mismatch in group 0 seq 7: ")
+    assert canonical_op(op) == canon
