@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hangwatch.coordinator.detectors.p2p_unmatched import unmatched_p2p
 from hangwatch.coordinator.rules import (
     Mismatch,
     canonical_op,
@@ -18,7 +19,6 @@ from hangwatch.coordinator.rules import (
     format_ranks,
     format_shape,
     match_p2p,
-    unmatched_p2p,
 )
 from hangwatch.records import CallRecord, TensorMeta
 
