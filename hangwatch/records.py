@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from hangwatch import catalogue
+
 
 class OpKind(str, enum.Enum):
     """How an operation's participants are matched."""
@@ -18,11 +20,12 @@ class OpKind(str, enum.Enum):
     MARKER = "marker"  # not a communication (e.g. accelerate.set_trigger)
 
 
-#: Point-to-point operations. Everything else recorded is a collective unless a marker.
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv"})
-SEND_OPS = frozenset({"send", "isend", "send_object_list"})
-RECV_OPS = frozenset({"recv", "irecv", "recv_object_list"})
-MARKER_OPS = frozenset({"accelerate.set_trigger", "accelerate.check_trigger"})
+#: Point-to-point operations (from the catalogue). Everything else recorded is a collective
+#: unless a marker.
+P2P_OPS = frozenset(catalogue.record_names([catalogue.Kind.P2P]))
+SEND_OPS = frozenset(catalogue.record_names([catalogue.Kind.P2P], catalogue.Direction.SEND))
+RECV_OPS = frozenset(catalogue.record_names([catalogue.Kind.P2P], catalogue.Direction.RECV))
+MARKER_OPS = frozenset(catalogue.record_names([catalogue.Kind.MARKER]))
 
 
 def op_kind(op: str) -> OpKind:

@@ -9,21 +9,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from hangwatch.coordinator.rules import format_ranks as _format_ranks
-
-KIND_TITLES = {
-    "op_mismatch": "Operation mismatch",
-    "shape_mismatch": "Shape mismatch",
-    "dtype_mismatch": "Dtype mismatch",
-    "arg_mismatch": "Argument mismatch",
-    "p2p_mismatch": "Point-to-point mismatch",
-    "stuck_collective": "Stuck collective",
-    "early_exit": "Unsynchronised early exit",
-    "rank_died": "Rank died",
-    "rank_frozen": "Rank frozen",
-    "transport_stall": "Transport stall",
-    "straggler": "Straggler (warning)",
-}
+from hangwatch import wording
+from hangwatch.wording import KIND_TITLES, ranks_label
 
 
 def use_colour(stream: TextIO) -> bool:
@@ -35,7 +22,8 @@ def _c(text: str, code: str, colour: bool) -> str:
 
 
 def format_ranks(ranks: list[int]) -> str:
-    return _format_ranks(ranks) if ranks else "-"
+    """Rank ranges as everywhere else (``hangwatch.wording``), ``-`` for none."""
+    return wording.format_ranks(ranks, empty="-")
 
 
 def _ago(t: float | None, now: float) -> str:
@@ -80,7 +68,7 @@ def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
     for rank in data["ranks"]:
         groups.setdefault(_rank_line(rank, now), []).append(rank["rank"])
     for line, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
-        label = f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
+        label = ranks_label(ranks)
         state_colour = "31" if ("died" in line or "frozen" in line) else ("33" if "waiting" in line else "32")
         out.write(f"  {_c(label.ljust(14), state_colour, colour)} {line}\n")
     incidents = data.get("incidents") or []
@@ -179,7 +167,7 @@ def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     if stacks:
         out.write("\nstacks:\n")
         for ranks, text in group_stacks(stacks):
-            out.write(_c(f"--- rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} ---", "1", colour) + "\n")
+            out.write(_c(f"--- {ranks_label(ranks)} ---", "1", colour) + "\n")
             out.write(text.rstrip() + "\n")
     for rank, note in sorted((inc.get("stack_notes") or {}).items()):
         out.write(f"(no stack for rank {rank}: {note})\n")

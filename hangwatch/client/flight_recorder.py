@@ -15,7 +15,8 @@ from typing import Any
 
 from hangwatch import config
 from hangwatch import records as r
-from hangwatch.client.ops import FR_DTYPES, FR_OP_NAMES
+from hangwatch.catalogue import FR_OP_NAMES
+from hangwatch.client.ops import FR_DTYPES
 from hangwatch.client.recorder import Recorder
 
 log = logging.getLogger("hangwatch.client")

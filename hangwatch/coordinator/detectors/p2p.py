@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
+from hangwatch.coordinator.detectors.p2p_unmatched import unmatched_p2p
 from hangwatch.coordinator.incidents import Finding
-from hangwatch.coordinator.rules import Mismatch, match_p2p, unmatched_p2p
+from hangwatch.coordinator.rules import Mismatch, match_p2p
 from hangwatch.coordinator.state import JobState
 
 #: A p2p call may legitimately wait for its peer this long before a wrong peer is reported.

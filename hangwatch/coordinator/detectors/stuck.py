@@ -11,7 +11,7 @@ Dead and frozen absentees are left to their own detectors.
 
 from __future__ import annotations
 
-from hangwatch import config
+from hangwatch import catalogue, config
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context, slot_key
 from hangwatch.coordinator.detectors.describe import doing
@@ -57,7 +57,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     return findings
 
 
-BARRIERS = ("barrier", "monitored_barrier")
+BARRIERS = catalogue.record_names([catalogue.Kind.BARRIER])
 KEY_PREFIX = {
     IncidentKind.STUCK_COLLECTIVE: "stuck",
     IncidentKind.EARLY_EXIT: "early",

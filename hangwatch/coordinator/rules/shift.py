@@ -1,0 +1,112 @@
+"""The shift explanation: one rank made one extra collective and everything after it is
+shifted, so every later slot of that group disagrees. :func:`explain_extra_call` says so
+instead of leaving a person with a mismatch at each seq.
+
+Calls are compared by a fingerprint built from their catalogue row's ``Agree`` (the values
+the rules compare; an unrecorded value matches anything).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+from hangwatch.catalogue import canonical_op, norm_reduce
+from hangwatch.coordinator.rules.slot import spec
+from hangwatch.records import CallRecord, TensorMeta
+
+
+def _fingerprint(c: CallRecord) -> tuple[Hashable, ...]:
+    """What must agree between ranks' calls at the same slot (None: unknown, matches anything)."""
+    canon = canonical_op(c.op)
+    sp = spec(canon)
+    parts: list[Hashable] = [canon]
+    parts.append(c.root if sp.root else None)
+    parts.append(norm_reduce(c.reduce_op) if sp.reduce and c.reduce_op else None)
+    for field in sp.full:
+        metas: tuple[TensorMeta, ...] = getattr(c, field)
+        parts.append(tuple((m.shape, m.dtype) for m in metas) or None)
+    for field in sp.dtypes:
+        metas = getattr(c, field)
+        parts.append(tuple(dict.fromkeys(m.dtype for m in metas)) or None)
+    for field in sp.lengths:
+        metas = getattr(c, field)
+        parts.append(len(metas) or None)
+    return tuple(parts)
+
+
+def _alike(a: CallRecord, b: CallRecord) -> bool:
+    fa, fb = _fingerprint(a), _fingerprint(b)
+    return len(fa) == len(fb) and all(x is None or y is None or x == y for x, y in zip(fa, fb, strict=True))
+
+
+def _extra_at(mine: Sequence[CallRecord], others: Mapping[int, list[CallRecord]], seq: int) -> int | None:
+    """The seq of ``mine``'s extra call, if inserting one call at (or shortly before) ``seq``
+    explains how ``mine`` differs from ``others`` (which must agree among themselves)."""
+    by_seq = {c.seq: c for c in mine}
+    for slot in others.values():
+        if not all(_alike(slot[0], o) for o in slot[1:]):
+            return None
+    ref_seqs = sorted(others)
+    for i in sorted((s for s in by_seq if s <= seq), reverse=True):
+        if i not in others:
+            continue
+        before = all(_alike(by_seq[s], others[s][0]) for s in by_seq if s < i and s in others)
+        if not before:
+            continue
+        after_mine = [c for c in mine if c.seq > i]
+        after_ref = [others[s][0] for s in ref_seqs if s >= i]
+        compared = list(zip(after_mine, after_ref, strict=False))
+        if not compared or not all(_alike(x, r) for x, r in compared):
+            continue
+        if all(_alike(by_seq[s], others[s][0]) for s in by_seq if s >= i and s in others):
+            continue  # nothing the shift needs to explain
+        return i
+    return None
+
+
+MAX_BEHAVIOURS = 16  # distinct rank histories explain_extra_call compares
+EXTRA_CALL_WINDOW = (16, 4)  # the calls it looks at: this many seqs before and after the slot
+
+
+def explain_extra_call(history: Mapping[int, Sequence[CallRecord]], seq: int) -> str | None:
+    """``"rank 1 made an extra all_reduce at train.py:30 (seq 12); every later call on rank 1 is
+    shifted by one"`` when one rank's calls in a group (``history``: rank -> its recent calls,
+    ordered by seq) equal the others' with one call inserted at ``seq`` (or, where the calls
+    look alike, shortly before it). Needs at least one later call on that rank to confirm the
+    shift; None when no single rank is explained that way."""
+    window = range(seq - EXTRA_CALL_WINDOW[0], seq + EXTRA_CALL_WINDOW[1] + 1)
+    ordered = {r: sorted((c for c in calls if c.seq in window), key=lambda c: c.seq) for r, calls in history.items()}
+    ordered = {r: calls for r, calls in ordered.items() if calls}
+    if len(ordered) < 2:
+        return None
+    # Ranks with the same calls behave alike: compare one of each kind (a job of thousands of
+    # ranks has two kinds here, the culprit's and everyone else's), counting how many share it.
+    kinds: dict[tuple[Hashable, ...], list[int]] = {}
+    for rank, calls in ordered.items():
+        kinds.setdefault(tuple((c.seq, _fingerprint(c)) for c in calls), []).append(rank)
+    if len(kinds) > MAX_BEHAVIOURS:
+        return None  # too many different histories for one rank's extra call to explain them
+    reps = {ranks[0]: len(ranks) for ranks in kinds.values()}
+    found: list[tuple[int, CallRecord]] = []
+    for rank, count in reps.items():
+        mine = ordered[rank]
+        others: dict[int, list[CallRecord]] = {}
+        for other in sorted(reps):
+            if other != rank or count > 1:  # ranks that share this history are "others" too
+                for c in ordered[other]:
+                    others.setdefault(c.seq, []).append(c)
+        at = _extra_at(mine, others, seq)
+        if at is not None:
+            found.extend([(rank, next(c for c in mine if c.seq == at))] * count)
+    if len(found) != 1:
+        return None
+    rank, extra = found[0]
+    where = f" at {extra.call_site}" if extra.call_site else ""
+    text = (
+        f"rank {rank} made an extra {canonical_op(extra.op)}{where} (seq {extra.seq}); "
+        f"every later call on rank {rank} is shifted by one"
+    )
+    if len(ordered) == 2:
+        other = next(r for r in ordered if r != rank)
+        text += f" (with two ranks this is the same as rank {other} skipping it)"
+    return text
