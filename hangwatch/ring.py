@@ -12,7 +12,9 @@ one fallback.
 
 Layout (little endian)::
 
-    header   HEADER_SIZE bytes: magic, version, geometry, the write counters (see _HEADER)
+    header   HEADER_SIZE bytes: magic, version, geometry, the blob counters (see _HEADER), then
+             the status: a short text the rank rewrites now and then (where its main thread
+             is), guarded by a sequence counter (odd while being written)
     slots    capacity x SLOT_SIZE bytes: fixed-size records, a ring (the newest overwrite the
              oldest: what matters about a rank is what it did last)
     blobs    blob_bytes: append-only variable-size entries (a call signature's fixed part, an
@@ -49,7 +51,10 @@ VERSION = 1
 #: magic, version, header size, slot size, capacity, blob bytes, pid, rank, then the blob
 #: counters (blob_used, blobs_dropped, blob_count) and a spare word.
 _HEADER = struct.Struct("<8sIIIIQiiQQQQ")
-HEADER_SIZE = 128
+HEADER_SIZE = 1024
+_STATUS_OFFSET = 128
+_STATUS = struct.Struct("<QdI")  # sequence (odd: being written), time, length; then the text
+STATUS_MAX = HEADER_SIZE - _STATUS_OFFSET - _STATUS.size
 _BLOB_USED_OFFSET = struct.calcsize("<8sIIIIQii")  # the counters, one u64 each, after the geometry
 _BLOBS_DROPPED_OFFSET = _BLOB_USED_OFFSET + 8
 _BLOB_COUNT_OFFSET = _BLOB_USED_OFFSET + 16
@@ -131,6 +136,7 @@ class RingWriter:
         self.blob_used = 0
         self.blob_count = 0
         self.blobs_dropped = 0
+        self._status_seq = 0
         _HEADER.pack_into(
             self.mm, 0, MAGIC, VERSION, HEADER_SIZE, SLOT_SIZE, capacity, blob_bytes, os.getpid(), rank, 0, 0, 0, 0
         )
@@ -146,6 +152,17 @@ class RingWriter:
         self.head = head + 1
         self.pack_slot(self.mm, HEADER_SIZE + (head % self.capacity) * SLOT_SIZE, head + 1, kind, flags, aux, ref,
                        call_id & _MASK, seq & _MASK, step & _MASK, arg & _MASK, t, head + 1)  # fmt: skip
+
+    def set_status(self, text: str, t: float) -> None:
+        """Publish ``text`` (cut to :data:`STATUS_MAX` bytes) as the rank's current status."""
+        data = text.encode("utf-8", "replace")[:STATUS_MAX]
+        seq = self._status_seq
+        self._pack_u64(self.mm, _STATUS_OFFSET, seq + 1)  # odd: readers wait or retry
+        _STATUS.pack_into(self.mm, _STATUS_OFFSET, seq + 1, t, len(data))
+        start = _STATUS_OFFSET + _STATUS.size
+        self.mm[start : start + len(data)] = data
+        self._status_seq = seq + 2
+        self._pack_u64(self.mm, _STATUS_OFFSET, seq + 2)
 
     def blob(self, data: bytes) -> int:
         """Store ``data``; returns its id (from 1), or 0 when the blob area is full (counted)."""
@@ -231,6 +248,18 @@ class RingReader:
     @property
     def blobs_dropped(self) -> int:
         return self._u64(_BLOBS_DROPPED_OFFSET)
+
+    def status(self) -> tuple[float, str] | None:
+        """The rank's latest status and when it was written; None if none (or it is mid-write)."""
+        for _ in range(3):
+            seq, t, length = _STATUS.unpack_from(self.mm, _STATUS_OFFSET)
+            if seq == 0:
+                return None
+            start = _STATUS_OFFSET + _STATUS.size
+            data = bytes(self.mm[start : start + min(length, STATUS_MAX)])
+            if seq % 2 == 0 and _U64.unpack_from(self.mm, _STATUS_OFFSET)[0] == seq:
+                return t, data.decode("utf-8", "replace")
+        return None
 
     def _new_blobs(self) -> dict[int, bytes]:
         used = min(self._u64(_BLOB_USED_OFFSET), self.geometry.blob_bytes)

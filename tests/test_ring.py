@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hangwatch.ring import SLOT_SIZE, Kind, RingError, RingReader, RingWriter
+from hangwatch.ring import SLOT_SIZE, STATUS_MAX, Kind, RingError, RingReader, RingWriter
 
 
 def _write_n(w: RingWriter, first: int, n: int) -> None:
@@ -155,3 +155,16 @@ def test_a_sigkilled_writer_leaves_every_record_and_the_kernel_names_it(tmp_path
 
 def test_slot_size_is_what_the_format_says() -> None:
     assert SLOT_SIZE == 48
+
+
+def test_status_is_rewritten_and_read_whole() -> None:
+    w = RingWriter(capacity=4, blob_bytes=64)
+    reader = RingReader(w.fd)
+    assert reader.status() is None
+    w.set_status("train.py:88 in save_checkpoint", 5.0)
+    assert reader.status() == (5.0, "train.py:88 in save_checkpoint")
+    w.set_status("x" * 5000, 6.0)  # cut, never past its area
+    t, text = reader.status() or (0.0, "")
+    assert t == 6.0 and len(text) == STATUS_MAX
+    w.close()
+    reader.close()
