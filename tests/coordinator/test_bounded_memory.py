@@ -1,16 +1,17 @@
 """The coordinator's job state stays bounded under a flood and over a long job (issue 7).
 
 In-process and deterministic: ``Flood`` drives a synthetic job of typed records into a real
-``JobState`` the way the daemon does (a batch per rank per step, heartbeat bookkeeping as in
-``Coordinator.report``, and ``Engine.tick`` every ``TICK_S`` of simulated time, which is what
-clears ``changed_slots`` and the detectors' change flags), with a simulated clock so a job of
+``JobState`` the way the daemon does (a batch per rank per step through ``JobState.ingest``, the
+daemon's own entry point, via ``tests.factories.SimJob``, and ``Engine.tick`` every ``TICK_S`` of
+simulated time, which drains the state's change feed), with a simulated clock so a job of
 thousands of steps takes seconds.
 
 The flood tests check two things: each container of ``JobState``/``RankState``/``Slot``/``Engine``
-(found by walking their attributes, so containers added later are covered too) stays under its
-documented cap, and the sizes after N simulated steps equal those after 2N and 4N: a plateau,
-not slow growth. ``tracemalloc`` checks that the traced memory does not grow between N and 4N
-either. ``test_the_plateau_check_sees_slow_growth`` shows both checks trip on a small leak.
+and the engine's detector caches (found by walking their attributes, so containers added later
+are covered too) stays under its documented cap, and the sizes after N simulated steps equal
+those after 2N and 4N: a plateau, not slow growth. ``tracemalloc`` checks that the traced memory
+does not grow between N and 4N either. ``test_the_plateau_check_sees_slow_growth`` shows both
+checks trip on a small leak.
 
 The pattern tests below each pin a growth this suite once found (groups never forgotten, p2p
 calls whose exits were lost, a whole-job restart, per-rank copies of the world's membership).
@@ -23,7 +24,6 @@ import collections
 import dataclasses
 import gc
 import math
-import threading
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +37,7 @@ from hangwatch.coordinator.daemon import TICK_S
 from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.state import JobState, RankState
+from tests.factories import SimJob
 
 T0 = 1_000.0
 SITE = "train.py:42 in train_step"
@@ -73,7 +74,7 @@ class Flood:
     * ``lossy_marker_calls``: rank 0 makes this many ``accelerate.check_trigger`` calls per step
       whose exits are all lost: open calls that never close.
 
-    Batches are applied as ``Coordinator.report`` applies them; the engine ticks every
+    Batches go through ``JobState.ingest`` as ``Coordinator.report`` hands them over; the engine ticks every
     ``TICK_S`` of simulated time, as the daemon's detection loop does. The pattern repeats every
     ``period`` steps, so sizes taken at multiples of it compare exactly.
     """
@@ -104,8 +105,9 @@ class Flood:
         self.duplicate_every = duplicate_every
         self.lossy_marker_calls = lossy_marker_calls
         self.steps_per_tick = max(1, round(TICK_S / step_s))
-        self.job = JobState()
-        self.engine = Engine(self.job, threading.RLock(), request_stacks=None)
+        self.sim = SimJob(ranks, register_all=False)
+        self.job = self.sim.job
+        self.engine: Engine = self.sim.tick_engine
         self.opened: list[Incident] = []
         self.step = 0
         self.sessions_made = 0
@@ -143,7 +145,7 @@ class Flood:
 
     def _register(self, k: int, now: float) -> RankState:
         self.sessions_made += 1
-        identity = r.RankIdentity(
+        ident = r.RankIdentity(
             job_id="flood",
             rank=k,
             world_size=self.world,
@@ -154,21 +156,17 @@ class Flood:
             session=f"session-{k}-{self.sessions_made}",
             backend="gloo",
         )
-        state = self.job.register(identity, now)
+        state = self.sim.register(k, now, ident)
         self.next_id[k] = 1  # a new process numbers its calls from 1 again
         announce: list[r.RankEvent] = [r.GroupEvent(k, r.GroupEventKind.CREATED, g, now) for g in self._groups_of(k)]
         self.deliver(state, announce, now)
         return state
 
     def deliver(self, state: RankState, events: list[r.RankEvent], now: float) -> None:
-        """What ``Coordinator.report`` does with one batch (under its lock)."""
-        state.last_seen = now
+        """One batch, through ``JobState.ingest`` (what ``Coordinator.report`` calls)."""
         transit = 0.001 + 0.0005 * ((self.step + state.rank) % 3)
-        state.observe_clock(now, now - transit)  # the rank's clock agrees with ours here
-        state.queued = len(events)
-        for event in events:
-            if event.rank == state.rank:
-                self.job.apply(state, event, now)
+        # the rank's clock agrees with ours here
+        self.sim.deliver(state.rank, events, now, sent_time=now - transit, queued=len(events))
 
     def _call(
         self, k: int, op: str, group: str, seq: int, t: float, *, peer: int | None = None, done: bool = False
@@ -289,6 +287,8 @@ def sizes(job: JobState, engine: Engine | None = None) -> Sizes:
             totals["slot.calls(all slots)"] += len(slot.calls)
     if engine is not None:
         _measure(out, "engine", engine)
+        for name, cache in vars(engine.cache).items():  # the detectors' caches
+            _measure(out, f"cache.{name}", cache)
     out.update(totals)
     return out
 
