@@ -150,3 +150,17 @@ def test_incidents_in_memory_are_capped_and_forgotten_ones_stay_reported(monkeyp
     assert sorted(eng.incidents) == ["inc-0003", "inc-0004", "inc-0005"]
     again, new = eng._absorb(Finding("straggler", "k0", [1], [0], "s0", "h", onset_time=0.0), now=9.0)
     assert again is None and not new  # the same root cause is not reported twice
+
+
+def test_incident_keys_are_built_from_fields_in_the_stored_form() -> None:
+    """The stored key strings (reloaded by the store at startup) stay what they were."""
+    from hangwatch.coordinator.incidents import KeyFamily, incident_key, key_family
+
+    assert incident_key(KeyFamily.STUCK, group="0", seq=2) == "stuck:0:2"
+    assert incident_key(KeyFamily.MISMATCH, group="0", seq=5) == "mismatch:0:5"
+    assert incident_key(KeyFamily.EARLY_END, session="session-1") == "early-end:session-1"
+    assert incident_key(KeyFamily.STRAGGLER, group="tp1", rank=7) == "straggler:tp1:7"
+    assert incident_key(KeyFamily.GROUP, group="5") == "group:5"
+    assert incident_key(KeyFamily.P2P, group="0", seq=4, ranks=(0, 1)) == "p2p:0:4:0,1"
+    assert incident_key(KeyFamily.P2P, group="0", ranks=(1, 0), direction="send") == "p2p:0:1,0:send"
+    assert key_family("mismatch:0:5") == KeyFamily.MISMATCH.value
