@@ -5,9 +5,9 @@
 Builds what ``--ranks`` ranks send in ``--rounds`` batches of ``--calls`` completed all_reduces
 each, in both forms the coordinator accepts: every call and exit spelled out as events (the form
 before call interning, still accepted), and interned (``Signature`` once, then ``CallColumns``
-with exits folded in). Then parses, decodes and applies them to a real ``JobState``, rank after
-rank and round after round, as the servicer would. No gRPC: this is the part of a Report that is
-hangwatch's own code. Prints one line per form and the ratios.
+with exits folded in). Then parses, decodes and applies them to a real ``JobState`` with
+``JobState.ingest``, rank after rank and round after round, as the servicer would. No gRPC:
+this is the part of a Report that is hangwatch's own code. Prints one line per form and the ratios.
 """
 
 from __future__ import annotations
@@ -77,9 +77,7 @@ def run(form: str, ranks: int, calls: int, rounds: int) -> dict[str, float]:
         decoded = [[wire.event_from_pb(m.rank, e) for e in m.events] for m in msgs]
     t2 = time.perf_counter()
     for m, events in zip(msgs, decoded, strict=True):
-        state = job.ranks[m.rank]
-        for ev in events:
-            job.apply(state, ev, 0.0)
+        job.ingest(m.session, m.rank, events, now=0.0)  # what Coordinator.report calls
     t3 = time.perf_counter()
     n = ranks * calls * rounds
     return {

@@ -53,8 +53,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-SEND_INTERVAL_S = 0.2  # hangwatch.client.sender.SEND_INTERVAL_S
-MAX_BATCH = 2000  # hangwatch.client.sender.MAX_BATCH
+from hangwatch.agent.relay import DEFAULT_INTERVAL_S as RELAY_INTERVAL_S
+from hangwatch.agent.relay import MAX_INTERVAL_S as RELAY_MAX_INTERVAL_S
+from hangwatch.client.sender import MAX_BATCH, SEND_INTERVAL_S
+
 PATTERNS = ("ddp", "fsdp", "pipeline", "mixed")
 FAULTS = ("none", "stuck", "shape", "op", "dtype", "early_exit")
 DDP_BUCKETS = 4
@@ -63,7 +65,6 @@ PP_STAGES = 4
 TP_SIZE = 8
 LATENCY_SAMPLES = 20_000  # per process, reservoir
 REPLAY_BASE = 1_000_000.0  # replay mode: batches are built on this time base
-RELAY_INTERVAL_S = 0.5  # hangwatch.agent.relay.DEFAULT_INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -541,7 +542,7 @@ class Worker:
                 self.sends.append((offset, rank, batch.SerializeToString(), 1, nev, ncalls))
             method, reply_type = "/hangwatch.v1.Coordinator/Report", pb.ReportReply
         else:  # what each node's relay sends: its ranks' batches of one relay interval together
-            window = max(cfg.relay_interval, min(interval / 2, 1.0))  # as Relay.register sets it
+            window = max(cfg.relay_interval, min(interval / 2, RELAY_MAX_INTERVAL_S))  # as Relay.register sets it
             calls: dict[tuple[int, int], list[tuple[Any, int, int]]] = {}
 
             def phase(node: int) -> float:  # relays are not in step: each gathers on its own beat

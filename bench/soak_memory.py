@@ -4,7 +4,8 @@
     .venv/bin/python bench/soak_memory.py --ranks 1024 --steps 200000 --no-trace   # hours
 
 Drives the same ``Flood`` as ``tests/coordinator/test_bounded_memory.py`` into a real ``JobState``
-(with ``Engine.tick`` every ``TICK_S`` of simulated time, like the daemon): per rank and step a
+(through ``JobState.ingest``, the daemon's entry point, with ``Engine.tick`` every ``TICK_S`` of
+simulated time, like the daemon): per rank and step a
 step event, two world all_reduces, one on its tensor-parallel and one on its data-parallel
 group, a send/recv pair in a pipeline ring, a marker every 4 steps; some calls arrive already
 complete, some exits are lost, ranks re-register with new sessions and batches are resent.
@@ -33,7 +34,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.coordinator.test_bounded_memory import Flood, sizes
+from tests.coordinator.test_bounded_memory import sizes
+from tests.flood import Flood
 
 MiB = 2**20
 #: Container sizes shown per checkpoint (keys of ``sizes()``), with short column names.

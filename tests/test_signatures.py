@@ -9,6 +9,7 @@ from hangwatch import records as r
 from hangwatch import wire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.signatures import CallDecoder, CallEncoder
+from tests import factories
 
 F32 = r.TensorMeta((4, 8), "float32", "cuda")
 
@@ -16,12 +17,8 @@ F32 = r.TensorMeta((4, 8), "float32", "cuda")
 def call(
     call_id: int, seq: int, *, op: str = "all_reduce", site: str = "train.py:10 in step", **kw: object
 ) -> r.CallRecord:
+    """Rank 3's call (``factories.call``) with this file's defaults; ``kw`` overrides any field."""
     fields: dict[str, object] = {
-        "rank": 3,
-        "call_id": call_id,
-        "op": op,
-        "group": "0",
-        "seq": seq,
         "inputs": (F32,),
         "reduce_op": "sum",
         "step": seq // 4,
@@ -29,7 +26,8 @@ def call(
         "enter_time": 100.0 + seq,
     }
     fields.update(kw)
-    return r.CallRecord(**fields)  # type: ignore[arg-type]
+    rank = int(fields.pop("rank", 3))  # type: ignore[call-overload]
+    return factories.call(rank, seq, op, call_id=call_id, **fields)  # type: ignore[arg-type]
 
 
 def roundtrip(enc: CallEncoder, dec: CallDecoder, events: list[r.RankEvent]) -> tuple[list[r.RankEvent], int, int, int]:

@@ -236,33 +236,33 @@ class Coordinator:
         return report_interval_for(self.job.world_size)
 
     def report(self, batch: pb.ReportBatch, events: list[r.RankEvent], relay: str = "") -> int | None:
+        """Apply a decoded batch (``events``; ``batch`` for its header) to the job state: the
+        number of events applied, or None when the rank must register again."""
         now = time.time()
         with self.lock:
-            state = self.job.rank_for_session(batch.session)
-            if state is None or state.rank != batch.rank:
+            result = self.job.ingest(
+                batch.session,
+                batch.rank,
+                events,
+                now=now,
+                sent_time=batch.sent_time,
+                held_s=batch.relay_held_s,
+                relay=relay,
+                queued=batch.queued,
+                dropped=batch.dropped,
+                where=batch.where,
+                where_user=batch.where_user,
+            )
+            if result is None:
                 return None
-            state.last_seen = now
-            state.relay = relay
-            if batch.sent_time:
-                state.observe_clock(now, batch.sent_time, batch.relay_held_s)
-                state.last_sent = max(state.last_sent, batch.sent_time + state.clock_offset)
-            state.queued = batch.queued
-            state.dropped = batch.dropped
-            state.where = batch.where
-            state.where_user = batch.where_user
-            applied = 0
-            for event in events:
-                if event.rank != state.rank:
-                    continue
-                try:
-                    self.job.apply(state, event, now)
-                    applied += 1
-                except Exception:  # a bug or a hostile event must not block this rank's stream
-                    self.metrics_rejected("internal")
-                    if not self._apply_failed:
-                        self._apply_failed = True
-                        log.exception("could not apply an event from rank %d (reported once)", state.rank)
-        return applied
+            if result.failed:
+                self.metrics_rejected("internal", result.failed)
+                if not self._apply_failed:
+                    self._apply_failed = True
+                    log.error(
+                        "could not apply an event from rank %d (reported once)", batch.rank, exc_info=result.error
+                    )
+        return result.applied
 
     def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None:
         with self.lock:

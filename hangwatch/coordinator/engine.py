@@ -1,9 +1,12 @@
 """The detection engine: runs the detectors, turns findings into incidents, attaches stacks.
 
-One root cause is one incident: findings carry a key, and a finding whose key (or whose slot)
-already has an incident updates it instead of opening another. Hang incidents whose slot
-completes are closed as resolved. Stacks are requested from the node agents as soon as an
-incident opens and attached when they arrive; every change is persisted.
+The engine owns the detectors' caches (``self.cache``, passed in every tick's ``Context`` with
+what changed since the last tick, see detectors/__init__.py): detectors only read the job state.
+One root cause is one incident: findings carry a key (``incidents.incident_key``), and a
+finding whose key (or whose slot) already has an incident updates it instead of opening
+another. Hang incidents whose slot completes are closed as resolved. Stacks are requested from
+the node agents as soon as an incident opens and attached when they arrive; every change is
+persisted.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from collections.abc import Callable
 from hangwatch import config
 from hangwatch import records as r
 from hangwatch.agent.stacks import summarize
-from hangwatch.coordinator.detectors import Context, Detector, all_detectors
-from hangwatch.coordinator.incidents import Finding, Incident, IncidentKind
+from hangwatch.coordinator.detectors import Context, Detector, all_detectors, new_cache
+from hangwatch.coordinator.incidents import Finding, Incident, IncidentKind, KeyFamily, key_family
 from hangwatch.coordinator.state import JobState
 
 log = logging.getLogger("hangwatch.coordinator")
@@ -50,6 +53,7 @@ class Engine:
         self.stuck_after_override = stuck_after
         self.silence_after = silence_after
         self.detectors = detectors if detectors is not None else all_detectors()
+        self.cache = new_cache()  # what the detectors remember between ticks
         self.request_stacks = request_stacks
         self.persist: Callable[[Incident], object] = persist or (lambda incident: None)
         self._counter = 0
@@ -81,11 +85,11 @@ class Engine:
         opened: list[Incident] = []
         stack_jobs: list[tuple[Incident, list[int], bool]] = []
         with self.lock:
-            claimed = {
-                f"{inc.group}:{inc.seq}" for inc in self.incidents.values() if inc.status == "open" and inc.group
-            }
+            claimed = {(inc.group, inc.seq) for inc in self.incidents.values() if inc.status == "open" and inc.group}
             mismatched = {
-                f"{inc.group}:{inc.seq}" for inc in self.incidents.values() if inc.key.startswith("mismatch:")
+                (inc.group, inc.seq)
+                for inc in self.incidents.values()
+                if key_family(inc.key) == KeyFamily.MISMATCH.value
             }
             ctx = Context(
                 now=now,
@@ -93,6 +97,8 @@ class Engine:
                 silence_after=self.silence_after,
                 claimed=claimed,
                 mismatched=mismatched,
+                changes=self.job.take_changes(),
+                cache=self.cache,
             )
             for detector in self.detectors:
                 try:
@@ -107,7 +113,7 @@ class Engine:
                         if finding.stack_ranks:
                             stack_jobs.append((incident, finding.stack_ranks, finding.native))
                     if finding.group:
-                        ctx.claimed.add(f"{finding.group}:{finding.seq}")
+                        ctx.claimed.add((finding.group, finding.seq))
             self._resolve(now)
         for incident in opened:
             log.info("incident %s [%s]: %s", incident.id, incident.kind, incident.summary)

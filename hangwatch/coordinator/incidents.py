@@ -2,6 +2,10 @@
 
 ``Finding`` is what a detector returns; the engine turns findings into ``Incident``s (one per
 root cause, keyed), attaches stacks, persists them, and closes them when they resolve.
+
+Keys are built from structured fields with ``incident_key`` (never from a summary's wording), so
+the same root cause gets the same key whatever the text says this tick; they are stored as plain
+strings (``family:field:...``), the form the incident store keeps and reloads.
 """
 
 from __future__ import annotations
@@ -33,6 +37,70 @@ class IncidentKind(str, enum.Enum):
 KINDS = tuple(k.value for k in IncidentKind)
 #: Kinds that are warnings about a healthy-but-slow job, not hangs.
 WARNING_KINDS = frozenset({IncidentKind.STRAGGLER})
+
+
+class KeyFamily(str, enum.Enum):
+    """The first part of an incident key: which detector's root cause it names."""
+
+    MISMATCH = "mismatch"  # a slot whose calls disagree (group, seq)
+    GROUP = "group"  # a group whose membership differs between ranks (group)
+    P2P = "p2p"  # a send/recv that do not match (group, pair seq or direction, ranks)
+    STUCK = "stuck"  # hangs at a slot (group, seq)
+    EARLY = "early"
+    STALL = "stall"
+    DIED = "died"  # a rank's session ended (session)
+    EARLY_END = "early-end"
+    FROZEN = "frozen"
+    STRAGGLER = "straggler"  # (group, rank)
+
+
+@dataclass(frozen=True)
+class IncidentKey:
+    """One root cause. ``str()`` is the stored key: the family, then the fields that are set, in
+    this order (``stuck:0:12``, ``died:session-3``, ``straggler:tp1:7``, ``p2p:0:4:0,1``)."""
+
+    family: KeyFamily
+    group: str | None = None
+    seq: int | None = None
+    session: str | None = None
+    rank: int | None = None
+    ranks: tuple[int, ...] = ()
+    direction: str = ""  # p2p: "send" or "recv" (the blocked call the finding starts from)
+
+    def __str__(self) -> str:
+        parts = [self.family.value]
+        if self.group is not None:
+            parts.append(self.group)
+        if self.seq is not None:
+            parts.append(str(self.seq))
+        if self.session is not None:
+            parts.append(self.session)
+        if self.rank is not None:
+            parts.append(str(self.rank))
+        if self.ranks:
+            parts.append(",".join(map(str, self.ranks)))
+        if self.direction:
+            parts.append(self.direction)
+        return ":".join(parts)
+
+
+def incident_key(
+    family: KeyFamily,
+    *,
+    group: str | None = None,
+    seq: int | None = None,
+    session: str | None = None,
+    rank: int | None = None,
+    ranks: tuple[int, ...] = (),
+    direction: str = "",
+) -> str:
+    """The key of one root cause, as stored (see ``IncidentKey``)."""
+    return str(IncidentKey(family, group, seq, session, rank, ranks, direction))
+
+
+def key_family(key: str) -> str:
+    """The family part of a stored key (``"mismatch"`` for ``"mismatch:0:5"``)."""
+    return key.split(":", 1)[0]
 
 
 @dataclass

@@ -1,8 +1,12 @@
 """What the coordinator knows about a job: its ranks, their open calls, and calls aligned by slot.
 
-Pure bookkeeping on typed records (no gRPC, no threads): the servicer applies events under the
-coordinator's lock, and the detectors read this state. Memory is bounded by windows: per rank a
-short history per group, and slots are pruned once every member has left them.
+Pure bookkeeping on typed records (no gRPC, no protobuf, no threads, no findings): every change
+to a job goes through this module. ``JobState.ingest`` applies one rank's batch (the daemon calls
+it under the coordinator's lock after decoding the protobuf; the load generator and the flood
+tests call the same function), ``JobState.register`` a (re)registration, and
+``JobState.take_changes`` hands the engine what changed since its last tick. Detectors read this
+state and never write it. Memory is bounded by windows: per rank a short history per group, and
+slots are pruned once every member has left them.
 """
 
 from __future__ import annotations
@@ -11,11 +15,10 @@ import collections
 import itertools
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hangwatch import records as r
-from hangwatch.coordinator.incidents import Finding
-from hangwatch.coordinator.rules import Mismatch
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
@@ -104,8 +107,6 @@ class Slot:
     calls: dict[int, r.CallRecord] = field(default_factory=dict)
     first_enter: float = 0.0  # coordinator time
     last_enter: float = 0.0
-    checked: int = 0  # number of calls when the mismatch check last ran
-    checked_size: int = 0  # the group size that check used
     open: int = 0  # calls in this slot not yet exited (kept in step by JobState)
     #: What every call so far agrees on, while they are unrooted, extra-free and identical in op,
     #: tensors, reduce op and async-ness: then a new call with the same key cannot create a
@@ -136,6 +137,25 @@ class Slot:
             self.open -= 1
 
 
+@dataclass
+class Changes:
+    """What changed since the engine's last tick (``JobState.take_changes``): the detectors
+    recompute what depends on these only (see detectors/mismatch.py, p2p.py)."""
+
+    slots: set[tuple[str, int]] = field(default_factory=set)  # (group, seq) slots a call entered
+    groups: bool = False  # a rank created or destroyed a group
+    p2p: bool = False  # a p2p call arrived
+
+
+@dataclass
+class IngestResult:
+    """What ``JobState.ingest`` did with a batch."""
+
+    applied: int = 0  # events applied
+    failed: int = 0  # events that raised (a bug or a hostile event): skipped, the rest applied
+    error: Exception | None = None  # the first of them
+
+
 class JobState:
     def __init__(self) -> None:
         self.job_id = ""
@@ -148,12 +168,10 @@ class JobState:
         self.wait_durations: collections.deque[float] = collections.deque(maxlen=DURATIONS_KEPT)
         self.records_received = 0
         self.started = time.time()
+        # the change feed, drained by the engine once per tick (take_changes)
         self.changed_slots: set[tuple[str, int]] = set()
-        # detectors recompute these only when their inputs change (see mismatch.py, p2p.py)
         self.groups_changed = False
-        self.membership_mismatches: list[Finding] = []
         self.p2p_changed = False
-        self.p2p_pair_mismatches: list[Mismatch] = []
         self.aborted_at: float | None = None
         self.dropped_calls = 0  # calls and group announcements refused because they would exceed MAX_GROUPS
         # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time)
@@ -188,6 +206,63 @@ class JobState:
     def rank_for_session(self, session: str) -> RankState | None:
         rank = self.sessions.get(session)
         return None if rank is None else self.ranks.get(rank)
+
+    # ---- batches ---------------------------------------------------------------------------
+
+    def ingest(
+        self,
+        session: str,
+        rank: int,
+        events: Sequence[r.RankEvent],
+        *,
+        now: float,
+        sent_time: float = 0.0,
+        held_s: float = 0.0,
+        relay: str = "",
+        queued: int = 0,
+        dropped: int = 0,
+        where: str = "",
+        where_user: str = "",
+    ) -> IngestResult | None:
+        """Apply one batch of ``rank``'s session ``session`` that arrived at ``now``.
+
+        ``sent_time`` (rank clock; 0: unknown) and ``held_s`` (seconds a relay held it) feed the
+        rank's clock offset; the rest of the header (``relay``, ``queued``, ``dropped``,
+        ``where``, ``where_user``) is recorded as the rank's latest word. Events of another rank
+        are ignored; an event that raises is counted and skipped, so one bad event does not block
+        the rank's stream. Returns None when the session is not the rank's registered one (it
+        must register again)."""
+        state = self.rank_for_session(session)
+        if state is None or state.rank != rank:
+            return None
+        state.last_seen = now
+        state.relay = relay
+        if sent_time:
+            state.observe_clock(now, sent_time, held_s)
+            state.last_sent = max(state.last_sent, sent_time + state.clock_offset)
+        state.queued = queued
+        state.dropped = dropped
+        state.where = where
+        state.where_user = where_user
+        result = IngestResult()
+        for event in events:
+            if event.rank != rank:
+                continue
+            try:
+                self.apply(state, event, now)
+                result.applied += 1
+            except Exception as exc:  # a bug or a hostile event must not block this rank's stream
+                result.failed += 1
+                if result.error is None:
+                    result.error = exc
+        return result
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call (the engine calls it once per tick), and forget it."""
+        changes = Changes(self.changed_slots, self.groups_changed, self.p2p_changed)
+        self.changed_slots = set()
+        self.groups_changed = self.p2p_changed = False
+        return changes
 
     # ---- events ---------------------------------------------------------------------------
 

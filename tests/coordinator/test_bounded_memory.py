@@ -1,16 +1,17 @@
 """The coordinator's job state stays bounded under a flood and over a long job (issue 7).
 
-In-process and deterministic: ``Flood`` drives a synthetic job of typed records into a real
-``JobState`` the way the daemon does (a batch per rank per step, heartbeat bookkeeping as in
-``Coordinator.report``, and ``Engine.tick`` every ``TICK_S`` of simulated time, which is what
-clears ``changed_slots`` and the detectors' change flags), with a simulated clock so a job of
+In-process and deterministic: ``Flood`` (tests/flood.py) drives a synthetic job of typed records into a real
+``JobState`` the way the daemon does (a batch per rank per step through ``JobState.ingest``, the
+daemon's own entry point, via ``tests.factories.SimJob``, and ``Engine.tick`` every ``TICK_S`` of
+simulated time, which drains the state's change feed), with a simulated clock so a job of
 thousands of steps takes seconds.
 
 The flood tests check two things: each container of ``JobState``/``RankState``/``Slot``/``Engine``
-(found by walking their attributes, so containers added later are covered too) stays under its
-documented cap, and the sizes after N simulated steps equal those after 2N and 4N: a plateau,
-not slow growth. ``tracemalloc`` checks that the traced memory does not grow between N and 4N
-either. ``test_the_plateau_check_sees_slow_growth`` shows both checks trip on a small leak.
+and the engine's detector caches (found by walking their attributes, so containers added later
+are covered too) stays under its documented cap, and the sizes after N simulated steps equal
+those after 2N and 4N: a plateau, not slow growth. ``tracemalloc`` checks that the traced memory
+does not grow between N and 4N either. ``test_the_plateau_check_sees_slow_growth`` shows both
+checks trip on a small leak.
 
 The pattern tests below each pin a growth this suite once found (groups never forgotten, p2p
 calls whose exits were lost, a whole-job restart, per-rank copies of the world's membership).
@@ -22,8 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
-import math
-import threading
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -33,219 +32,15 @@ import pytest
 from hangwatch import records as r
 from hangwatch.coordinator import engine as engine_mod
 from hangwatch.coordinator import state as state_mod
-from hangwatch.coordinator.daemon import TICK_S
 from hangwatch.coordinator.engine import Engine
-from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.state import JobState, RankState
+from tests.factories import call, identity
+from tests.flood import SMALL, T0, Flood
 
-T0 = 1_000.0
-SITE = "train.py:42 in train_step"
-SMALL = (r.TensorMeta((1024,), "float32"),)
-BIG = (r.TensorMeta((4096, 1024), "bfloat16"),)
 #: How much the traced memory may move between two plateau points (dict resizes, free lists).
 TRACED_SLACK = 32 * 1024
-#: Steps and sequence numbers start here, as in a job that has run a while (and so that they are
-#: heap-allocated ints throughout, not small cached ones until 256: that would read as growth).
-OFFSET = 1000
 
 Sizes = dict[str, int]
-
-
-# ---- the flood ------------------------------------------------------------------------------
-
-
-class Flood:
-    """A training job of ``ranks`` ranks in tensor-parallel groups of ``tp``, one step per call to
-    ``_step``, each step ``step_s`` seconds of simulated time.
-
-    Per rank and step: a ``StepEvent``; two world all_reduces (DDP buckets, group "0"); an
-    all_reduce on its tp group and one on its strided dp group; a send to the next and a recv
-    from the previous rank of its tp group (a pipeline ring: p2p pairs). Every ``marker_every``
-    steps a ``MarkerEvent`` and an ``accelerate.check_trigger`` call. Irregular but realistic:
-
-    * ``complete_every``: the dp all_reduce arrives already complete (``exit_time`` set at enter);
-    * ``lost_exit_every``: the tp all_reduce's exit never arrives (the rank's queue dropped it);
-      the rank's next collective on that group closes it;
-    * ``reregister_every``: one rank (in turn, among ``POOL`` of them) re-registers with a new
-      session (new call ids, its groups announced again), the job going on;
-    * ``duplicate_every``: one rank's batch (in turn, among ``POOL``) is delivered twice (resent
-      after a lost reply);
-    * ``lossy_marker_calls``: rank 0 makes this many ``accelerate.check_trigger`` calls per step
-      whose exits are all lost: open calls that never close.
-
-    Batches are applied as ``Coordinator.report`` applies them; the engine ticks every
-    ``TICK_S`` of simulated time, as the daemon's detection loop does. The pattern repeats every
-    ``period`` steps, so sizes taken at multiples of it compare exactly.
-    """
-
-    POOL = 4
-
-    def __init__(
-        self,
-        ranks: int,
-        *,
-        tp: int = 8,
-        step_s: float = 0.05,
-        marker_every: int = 4,
-        complete_every: int = 4,
-        lost_exit_every: int = 5,
-        reregister_every: int = 20,
-        duplicate_every: int = 10,
-        lossy_marker_calls: int = 0,
-    ) -> None:
-        assert ranks % tp == 0 and ranks >= 2 * tp
-        self.world = ranks
-        self.tp = tp
-        self.step_s = step_s
-        self.marker_every = marker_every
-        self.complete_every = complete_every
-        self.lost_exit_every = lost_exit_every
-        self.reregister_every = reregister_every
-        self.duplicate_every = duplicate_every
-        self.lossy_marker_calls = lossy_marker_calls
-        self.steps_per_tick = max(1, round(TICK_S / step_s))
-        self.job = JobState()
-        self.engine = Engine(self.job, threading.RLock(), request_stacks=None)
-        self.opened: list[Incident] = []
-        self.step = 0
-        self.sessions_made = 0
-        self.next_id = [1] * ranks
-        self.states: list[RankState] = []
-        self.tp_name = [f"tp{k // tp}" for k in range(ranks)]
-        self.dp_name = [f"dp{k % tp}" for k in range(ranks)]
-        spread = min(self.POOL, ranks - 1)
-        self.pool = [1 + j * ((ranks - 1) // spread) for j in range(spread)]  # never rank 0
-        for k in range(ranks):
-            self.states.append(self._register(k, T0))
-
-    @property
-    def period(self) -> int:
-        parts = [self.marker_every, self.complete_every, self.lost_exit_every, self.steps_per_tick]
-        parts += [self.reregister_every * len(self.pool), self.duplicate_every * len(self.pool)]
-        return math.lcm(*[p for p in parts if p > 0])
-
-    def _pooled(self, j: int) -> int:
-        return self.pool[j % len(self.pool)]
-
-    # distinct (group, seq) slots one step opens: two world slots, one per tp and per dp group
-    @property
-    def slots_per_step(self) -> int:
-        return 2 + self.world // self.tp + self.tp
-
-    def _groups_of(self, k: int) -> list[r.GroupInfo]:
-        # fresh tuples per rank, as the wire decodes them (each rank announces its own copy)
-        base = k - k % self.tp
-        return [
-            r.GroupInfo("0", tuple(range(self.world)), "gloo", 0),
-            r.GroupInfo(self.tp_name[k], tuple(range(base, base + self.tp)), "gloo", 1),
-            r.GroupInfo(self.dp_name[k], tuple(range(k % self.tp, self.world, self.tp)), "gloo", 2),
-        ]
-
-    def _register(self, k: int, now: float) -> RankState:
-        self.sessions_made += 1
-        identity = r.RankIdentity(
-            job_id="flood",
-            rank=k,
-            world_size=self.world,
-            host=f"node{k // 8}",
-            pid=10_000 + k,
-            local_rank=k % 8,
-            start_time=now,
-            session=f"session-{k}-{self.sessions_made}",
-            backend="gloo",
-        )
-        state = self.job.register(identity, now)
-        self.next_id[k] = 1  # a new process numbers its calls from 1 again
-        announce: list[r.RankEvent] = [r.GroupEvent(k, r.GroupEventKind.CREATED, g, now) for g in self._groups_of(k)]
-        self.deliver(state, announce, now)
-        return state
-
-    def deliver(self, state: RankState, events: list[r.RankEvent], now: float) -> None:
-        """What ``Coordinator.report`` does with one batch (under its lock)."""
-        state.last_seen = now
-        transit = 0.001 + 0.0005 * ((self.step + state.rank) % 3)
-        state.observe_clock(now, now - transit)  # the rank's clock agrees with ours here
-        state.queued = len(events)
-        for event in events:
-            if event.rank == state.rank:
-                self.job.apply(state, event, now)
-
-    def _call(
-        self, k: int, op: str, group: str, seq: int, t: float, *, peer: int | None = None, done: bool = False
-    ) -> r.CallRecord:
-        call_id = self.next_id[k]
-        self.next_id[k] = call_id + 1
-        p2p = peer is not None
-        return r.CallRecord(
-            rank=k,
-            call_id=call_id,
-            op=op,
-            group=group,
-            seq=seq,
-            inputs=BIG if p2p or group.startswith("tp") else SMALL,
-            reduce_op=None if p2p or op.startswith("accelerate") else "sum",
-            peer=peer,
-            step=OFFSET + self.step + 1,
-            call_site=SITE,
-            enter_time=t,
-            exit_time=t + 0.002 if done else None,
-        )
-
-    def _events(self, k: int, s: int, t: float, lose_tp_exit: bool) -> list[r.RankEvent]:
-        tp = self.tp
-        t = t + (k % 7) * 1e-4  # ranks do not arrive at once
-        events: list[r.RankEvent] = [r.StepEvent(k, OFFSET + s + 1, t)]
-        base = k - k % tp
-        nxt, prv = base + (k + 1) % tp, base + (k - 1) % tp
-        complete = self.complete_every > 0 and (s + k) % self.complete_every == 0
-        n = OFFSET + s
-        plan: list[tuple[str, str, int, int | None, bool, bool]] = [  # op, group, seq, peer, done, lost
-            ("all_reduce", "0", 2 * n + 1, None, False, False),
-            ("all_reduce", "0", 2 * n + 2, None, False, False),
-            ("all_reduce", self.tp_name[k], n + 1, None, False, lose_tp_exit),
-            ("all_reduce", self.dp_name[k], n + 1, None, complete, False),
-            ("send", self.tp_name[k], n + 1, nxt, False, False),
-            ("recv", self.tp_name[k], n + 1, prv, False, False),
-        ]
-        if self.marker_every and s % self.marker_every == 0:
-            events.append(r.MarkerEvent(k, "accelerate.set_trigger", t, "stop flag", SITE, n + 1))
-            plan.append(("accelerate.check_trigger", "0", 0, None, False, False))
-        if k == 0:
-            plan.extend(("accelerate.check_trigger", "0", 0, None, False, True) for _ in range(self.lossy_marker_calls))
-        for i, (op, group, seq, peer, done, lost) in enumerate(plan):
-            enter = t + i * 0.004
-            call = self._call(k, op, group, seq, enter, peer=peer, done=done)
-            events.append(call)
-            if not done and not lost:
-                events.append(r.CallExit(k, call.call_id, enter + 0.002))
-        return events
-
-    def _step(self) -> None:
-        s = self.step
-        t = T0 + 1.0 + s * self.step_s
-        now = t + self.step_s / 2  # when the batches arrive
-        rereg = resend = -1
-        if self.reregister_every and s % self.reregister_every == self.reregister_every - 1:
-            rereg = self._pooled(s // self.reregister_every)  # re-registers before the next step
-        if self.duplicate_every and s % self.duplicate_every == 0:
-            resend = self._pooled(s // self.duplicate_every)
-        for k in range(self.world):
-            # (an exit lost just before a re-registration would leave a hole the prune keeps 256 seqs)
-            lose = self.lost_exit_every > 0 and (s + k) % self.lost_exit_every == 0 and k != rereg
-            events = self._events(k, s, t, lose)
-            self.deliver(self.states[k], events, now)
-            if k == resend:
-                resent = [dataclasses.replace(e) if isinstance(e, r.CallRecord) else e for e in events]
-                self.deliver(self.states[k], resent, now + 0.001)
-        if rereg >= 0:
-            self.states[rereg] = self._register(rereg, now + 0.002)
-        self.step += 1
-        if self.step % self.steps_per_tick == 0:
-            self.opened += self.engine.tick(now + 0.003)
-
-    def run_to(self, step: int) -> None:
-        while self.step < step:
-            self._step()
 
 
 # ---- measuring ------------------------------------------------------------------------------
@@ -289,6 +84,8 @@ def sizes(job: JobState, engine: Engine | None = None) -> Sizes:
             totals["slot.calls(all slots)"] += len(slot.calls)
     if engine is not None:
         _measure(out, "engine", engine)
+        for name, cache in vars(engine.cache).items():  # the detectors' caches
+            _measure(out, f"cache.{name}", cache)
     out.update(totals)
     return out
 
@@ -458,13 +255,13 @@ def test_calls_reported_complete_are_pruned() -> None:
     pruned like the others, not pile up to MAX_SLOTS_PER_GROUP."""
     job = JobState()
     world = 8
-    states = [job.register(r.RankIdentity("job", k, world, "h", 100 + k, session=f"s{k}"), T0) for k in range(world)]
+    states = [job.register(identity(k, world, host="h", pid=100 + k, session=f"s{k}"), T0) for k in range(world)]
     checkpoints: list[int] = []
     for seq in range(1, 2001):
         t = T0 + seq * 0.01
         for k, st in enumerate(states):
-            call = r.CallRecord(k, seq, "all_reduce", "0", seq, SMALL, reduce_op="sum", enter_time=t, exit_time=t)
-            job.apply(st, call, t)
+            record = call(k, seq, "all_reduce", call_id=seq, inputs=SMALL, reduce_op="sum", enter_time=t, exit_time=t)
+            job.apply(st, record, t)
         if seq in (500, 2000):
             checkpoints.append(sum(len(s) for s in job.slots.values()))
     assert checkpoints[0] == checkpoints[1] <= 16, checkpoints
@@ -475,7 +272,7 @@ def test_calls_reported_complete_are_pruned() -> None:
 
 def _two_ranks() -> tuple[JobState, list[RankState]]:
     job = JobState()
-    return job, [job.register(r.RankIdentity("job", k, 2, "h", 100 + k, session=f"s{k}"), T0) for k in range(2)]
+    return job, [job.register(identity(k, 2, host="h", pid=100 + k, session=f"s{k}"), T0) for k in range(2)]
 
 
 def _churn(job: JobState, states: list[RankState], groups: int, op: str, *, destroy: bool = True) -> None:
@@ -489,7 +286,7 @@ def _churn(job: JobState, states: list[RankState], groups: int, op: str, *, dest
             ids[k] += 1
             peer = 1 - k if op in r.P2P_OPS else None
             job.apply(st, r.GroupEvent(k, r.GroupEventKind.CREATED, info, t), t)
-            job.apply(st, r.CallRecord(k, ids[k], op, info.name, 1, SMALL, peer=peer, enter_time=t), t)
+            job.apply(st, call(k, 1, op, call_id=ids[k], group=info.name, inputs=SMALL, peer=peer, enter_time=t), t)
             job.apply(st, r.CallExit(k, ids[k], t + 0.0005), t)
             if destroy:
                 job.apply(st, r.GroupEvent(k, r.GroupEventKind.DESTROYED, info, t), t)
@@ -551,7 +348,9 @@ def test_world_group_membership_costs_constant_memory_per_rank() -> None:
         wire.group_to_pb(r.GroupInfo("0", tuple(range(world)), "gloo", 0), msg)
         data = msg.SerializeToString()
         job = JobState()
-        states = [job.register(r.RankIdentity("j", k, world, "h", k + 1, session=f"s{k}"), T0) for k in range(world)]
+        states = [
+            job.register(identity(k, world, job_id="j", host="h", pid=k + 1, session=f"s{k}"), T0) for k in range(world)
+        ]
         gc.collect()
         tracemalloc.start()
         try:
@@ -577,7 +376,7 @@ def test_p2p_calls_whose_exits_are_lost_do_not_accumulate() -> None:
     seen: list[int] = []
     for i in range(1, 3 * cap + 1):  # isends whose completions the rank's full queue dropped
         t = T0 + i * 0.001
-        job.apply(states[0], r.CallRecord(0, i, "isend", "0", i, SMALL, peer=1, async_op=True, enter_time=t), t)
+        job.apply(states[0], call(0, i, "isend", call_id=i, inputs=SMALL, peer=1, async_op=True, enter_time=t), t)
         if i in (cap + cap // 2, 3 * cap):
             seen.append(len(job.p2p_open))
     assert seen[0] == seen[1] <= cap, f"p2p_open grew {seen[0]} -> {seen[1]} (cap {cap} open calls per rank)"
@@ -589,8 +388,8 @@ def test_reregistered_rank_leaves_no_open_p2p_calls() -> None:
     job, states = _two_ranks()
     for i in range(1, 101):
         t = T0 + i * 0.01
-        job.apply(states[0], r.CallRecord(0, 1000 + i, "send", "0", i, SMALL, peer=1, enter_time=t), t)
-    job.register(r.RankIdentity("job", 0, 2, "h", 200, session="restarted"), T0 + 5)
+        job.apply(states[0], call(0, i, "send", call_id=1000 + i, inputs=SMALL, peer=1, enter_time=t), t)
+    job.register(identity(0, 2, host="h", pid=200, session="restarted"), T0 + 5)
     left = len(job.p2p_open)
     assert left == 0, f"{left} open p2p calls of a session that is gone"
 
@@ -605,13 +404,12 @@ def test_whole_job_restart_keeps_pruning() -> None:
 
     def run(session: str, t0: float, n: int) -> int:
         states = [
-            job.register(r.RankIdentity("job", k, world, "h", 100 + k, session=f"{session}{k}"), t0)
-            for k in range(world)
+            job.register(identity(k, world, host="h", pid=100 + k, session=f"{session}{k}"), t0) for k in range(world)
         ]
         for seq in range(1, n + 1):
             t = t0 + seq * 0.01
             for k, st in enumerate(states):
-                job.apply(st, r.CallRecord(k, seq, "all_reduce", "0", seq, SMALL, enter_time=t), t)
+                job.apply(st, call(k, seq, "all_reduce", call_id=seq, inputs=SMALL, enter_time=t), t)
                 job.apply(st, r.CallExit(k, seq, t + 0.001), t)
         return len(job.slots["0"])
 
@@ -635,7 +433,7 @@ def test_the_plateau_check_sees_slow_growth() -> None:
 
         def leaky_step() -> None:
             step()
-            leak.append(r.CallRecord(0, flood.step, "all_reduce", "0", flood.step, SMALL))
+            leak.append(call(0, flood.step, "all_reduce", call_id=flood.step, inputs=SMALL))
 
         flood._step = leaky_step  # type: ignore[method-assign]
         return flood

@@ -20,6 +20,7 @@ from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import ConfigError, Coordinator, CoordinatorOptions
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+from tests import factories
 from tests.conftest import wait_for
 
 
@@ -30,13 +31,12 @@ def identity(rank: int, world: int = 2) -> r.RankIdentity:
 def call(
     rank: int, seq: int, shape: tuple[int, ...], op: str = "all_reduce", call_id: int | None = None
 ) -> r.CallRecord:
-    return r.CallRecord(
-        rank=rank,
+    return factories.call(
+        rank,
+        seq,
+        op,
         call_id=seq,
-        op=op,
-        group="0",
-        seq=seq,
-        inputs=(r.TensorMeta(shape, "float32"),),
+        shape=shape,
         reduce_op="sum",
         call_site=f"train.py:{10 + rank}",
         enter_time=time.time(),

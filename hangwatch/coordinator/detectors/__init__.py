@@ -1,17 +1,54 @@
 """Detectors: one fault family per module, each a function ``(JobState, Context) -> [Finding]``.
 
-They read the coordinator's state and never change it; the engine decides what becomes an
-incident. Order matters only for precedence: the engine runs them in ``ALL`` order and a key
-already claimed (e.g. a slot diagnosed as a mismatch) is not diagnosed again as a hang.
+The contract:
+
+* A detector reads the ``JobState`` and never writes it (nor its ranks, slots or calls): every
+  change to a job happens in ``state.py``.
+* What a detector remembers between ticks to stay incremental (at 1,024 ranks recomputing
+  everything every tick is too slow) lives in its cache, ``ctx.cache.<detector>``: a
+  ``DetectorCache`` the engine owns (one per engine) and passes in every tick's ``Context``. Each
+  cache class is defined next to its detector (``mismatch.MismatchCache``, ``p2p.P2PCache``);
+  a fresh cache means "recompute everything once".
+* What changed since the last tick comes in ``ctx.changes`` (``JobState.take_changes``, drained
+  by the engine once per tick); a detector recomputes only what depends on it.
+* The per-tick sets ``ctx.claimed`` and ``ctx.mismatched`` ((group, seq) slots) are the only
+  other things a detector may add to: they pass precedence on to later detectors of the tick.
+
+Order matters only for precedence: the engine runs them in ``all_detectors`` order and a slot
+already claimed (e.g. diagnosed as a mismatch) is not diagnosed again as a hang. Incident keys
+are built with ``incidents.incident_key`` from structured fields.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hangwatch.coordinator.incidents import Finding
-from hangwatch.coordinator.state import JobState
+from hangwatch.coordinator.state import Changes, JobState
+
+if TYPE_CHECKING:
+    from hangwatch.coordinator.detectors.mismatch import MismatchCache
+    from hangwatch.coordinator.detectors.p2p import P2PCache
+
+#: A slot: (group, seq).
+SlotId = tuple[str, int]
+
+
+@dataclass
+class DetectorCache:
+    """Everything the detectors remember between ticks; owned by the engine (see the contract)."""
+
+    mismatch: MismatchCache
+    p2p: P2PCache
+
+
+def new_cache() -> DetectorCache:
+    from hangwatch.coordinator.detectors.mismatch import MismatchCache
+    from hangwatch.coordinator.detectors.p2p import P2PCache
+
+    return DetectorCache(MismatchCache(), P2PCache())
 
 
 @dataclass
@@ -19,15 +56,13 @@ class Context:
     now: float
     stuck_after: float  # seconds a collective may wait before it is a hang
     silence_after: float  # seconds without a heartbeat before a live rank is frozen
-    claimed: set[str] = field(default_factory=set)  # slot keys already explained by an incident
-    mismatched: set[str] = field(default_factory=set)  # slot keys where ranks called different things
+    claimed: set[SlotId] = field(default_factory=set)  # slots already explained by an incident
+    mismatched: set[SlotId] = field(default_factory=set)  # slots where ranks called different things
+    changes: Changes = field(default_factory=Changes)  # what changed since the last tick
+    cache: DetectorCache = field(default_factory=new_cache)  # the engine's; fresh: recompute all
 
 
 Detector = Callable[[JobState, Context], list[Finding]]
-
-
-def slot_key(group: str, seq: int) -> str:
-    return f"{group}:{seq}"
 
 
 def all_detectors() -> list[Detector]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT
-from hangwatch.coordinator.incidents import Finding, IncidentKind
+from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.rules import describe_call, format_ranks
 from hangwatch.coordinator.state import JobState, RankState
 
@@ -103,14 +103,14 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     last = first.last_call
     if (
         last is not None
-        and f"{last.group}:{last.seq}" in ctx.mismatched
+        and (last.group, last.seq) in ctx.mismatched
         and (first.end is None or last.exit_time is None or last.error is not None)
     ):
         # Killed, or failed, inside a mismatched call: the backend crashed on the mismatch (gloo:
         # 10 vs 20 floats, float32 vs float64). The mismatch incident is the root cause.
         return []
     mismatch_note = ""
-    if last is not None and f"{last.group}:{last.seq}" in ctx.mismatched:
+    if last is not None and (last.group, last.seq) in ctx.mismatched:
         mismatch_note = f"; its last call, {last.op} (group {last.group}, seq {last.seq}), was mismatched"
     if last is not None and last.exit_time is None:
         in_call = f" inside {describe_call(last)}"
@@ -122,7 +122,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     return [
         Finding(
             kind=IncidentKind.RANK_DIED,
-            key=f"died:{first.identity.session}",
+            key=incident_key(KeyFamily.DIED, session=first.identity.session),
             culprit_ranks=[first.rank],
             waiting_ranks=affected,
             summary=summary,
@@ -189,7 +189,7 @@ def _early_exit(
     return [
         Finding(
             kind=IncidentKind.EARLY_EXIT,
-            key=f"early-end:{first.identity.session}",
+            key=incident_key(KeyFamily.EARLY_END, session=first.identity.session),
             culprit_ranks=[first.rank],
             waiting_ranks=sorted(waiting),
             summary=(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
-from hangwatch.coordinator.incidents import Finding, IncidentKind
+from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.rules import format_ranks
 from hangwatch.coordinator.state import JobState
 
@@ -63,7 +63,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         findings.append(
             Finding(
                 kind=IncidentKind.RANK_FROZEN,
-                key=f"frozen:{st.identity.session}",
+                key=incident_key(KeyFamily.FROZEN, session=st.identity.session),
                 culprit_ranks=[st.rank],
                 waiting_ranks=waiting,
                 summary=summary,

@@ -4,43 +4,92 @@ Checked as soon as a second rank reaches a slot (so within the detection tick of
 involved call), whatever the backend then does with the call: hang, crash or silent success.
 Also: the same group name with different member ranks on different ranks (``new_group`` called
 in a different order).
+
+Incremental (``MismatchCache``, owned by the engine): memberships are compared only when a group
+was created or destroyed, and a slot only when calls arrived at it; a slot whose calls so far
+are identical is compared in full only when a different call arrives.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+from dataclasses import dataclass, field
 
-from hangwatch.coordinator.detectors import Context, slot_key
+from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
-from hangwatch.coordinator.incidents import Finding, IncidentKind
+from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.rules import compare_collective, explain_extra_call, format_ranks
-from hangwatch.coordinator.state import JobState
+from hangwatch.coordinator.state import JobState, Slot
+
+
+@dataclass
+class Checked:
+    """The last check of a slot: ``calls`` calls were compared with a group of ``size`` members."""
+
+    slot: Slot  # the slot checked (a slot pruned and started again at the same seq is another)
+    calls: int = 0
+    size: int = 0
+
+
+@dataclass
+class MismatchCache:
+    """What ``detect`` remembers between ticks (engine-owned; see detectors/__init__.py)."""
+
+    membership: list[Finding] | None = None  # group membership findings; None: compare again
+    #: per group, per seq: the last check of each slot still in the job state (slots pruned
+    #: from the state are let go at the next tick that touches their group)
+    checked: dict[str, collections.OrderedDict[int, Checked]] = field(default_factory=dict)
+
+    def check_of(self, slot: Slot) -> Checked:
+        per_group = self.checked.get(slot.group)
+        if per_group is None:
+            per_group = self.checked[slot.group] = collections.OrderedDict()
+        entry = per_group.get(slot.seq)
+        if entry is None or entry.slot is not slot:
+            entry = per_group[slot.seq] = Checked(slot)
+        return entry
+
+    def forget_pruned(self, job: JobState, groups: set[str]) -> None:
+        """Let go of checks of slots no longer in ``job`` (bounded by what the state keeps)."""
+        for group in [g for g in self.checked if g not in job.slots]:
+            del self.checked[group]
+        for group in groups:
+            per_group, live = self.checked.get(group), job.slots.get(group)
+            if per_group is None or live is None:
+                continue
+            while per_group:  # oldest first, like the state prunes
+                seq, entry = next(iter(per_group.items()))
+                if live.get(seq) is entry.slot:
+                    break
+                del per_group[seq]
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
-    if job.groups_changed:  # compare memberships only when a rank created or destroyed a group
-        job.groups_changed = False
-        job.membership_mismatches = _group_membership(job)
-    findings = list(job.membership_mismatches)
-    changed = job.changed_slots
-    job.changed_slots = set()
+    cache = ctx.cache.mismatch
+    if cache.membership is None or ctx.changes.groups:  # only when a rank created or destroyed a group
+        cache.membership = _group_membership(job)
+    findings = list(cache.membership)
+    changed = ctx.changes.slots
     for group, seq in sorted(changed):
         slot = job.slots[group].get(seq) if group in job.slots else None
-        if slot is None or len(slot.calls) < 2 or len(slot.calls) == slot.checked:
+        if slot is None or len(slot.calls) < 2:
+            continue
+        check = cache.check_of(slot)
+        if len(slot.calls) == check.calls:
             continue
         size = len(job.members(group))
-        if slot.uniform and slot.checked >= 2 and slot.checked_size == size:
-            slot.checked = len(slot.calls)  # more of the same calls: nothing new to compare
+        if slot.uniform and check.calls >= 2 and check.size == size:
+            check.calls = len(slot.calls)  # more of the same calls: nothing new to compare
             continue
-        slot.checked, slot.checked_size = len(slot.calls), size
+        check.calls, check.size = len(slot.calls), size
         if slot.uniform and compare_collective(dict(itertools.islice(slot.calls.items(), 2)), size or None) is None:
             continue  # identical calls: two of them answer for all (the full check names culprits)
         mismatch = compare_collective(slot.calls, size or None)
         if mismatch is None:
             continue
-        key = slot_key(group, seq)
-        ctx.claimed.add(key)
-        ctx.mismatched.add(key)
+        ctx.claimed.add((group, seq))
+        ctx.mismatched.add((group, seq))
         culprit = list(mismatch.culprit_ranks)
         agreeing = list(mismatch.agreeing_ranks)
         step = max(c.step for c in slot.calls.values())
@@ -71,7 +120,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         findings.append(
             Finding(
                 kind=kind,
-                key=f"mismatch:{key}",
+                key=incident_key(KeyFamily.MISMATCH, group=group, seq=seq),
                 culprit_ranks=culprit,
                 waiting_ranks=agreeing,
                 summary=summary,
@@ -85,6 +134,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 stack_ranks=sorted(set(culprit) | set(agreeing[:1])),
             )
         )
+    if changed:
+        cache.forget_pruned(job, {group for group, _ in changed})
     return findings
 
 
@@ -109,7 +160,7 @@ def _group_membership(job: JobState) -> list[Finding]:
         findings.append(
             Finding(
                 kind=IncidentKind.ARG_MISMATCH,
-                key=f"group:{name}",
+                key=incident_key(KeyFamily.GROUP, group=name),
                 culprit_ranks=culprits,
                 waiting_ranks=sorted(agreeing),
                 summary=f"process group {name} has different members on different ranks ({lines}): "

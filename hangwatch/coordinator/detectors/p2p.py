@@ -1,33 +1,50 @@
-"""``p2p_mismatch``: a send whose receive does not match (size, dtype) or never comes (wrong peer)."""
+"""``p2p_mismatch``: a send whose receive does not match (size, dtype) or never comes (wrong peer).
+
+Incremental (``P2PCache``, owned by the engine): sends are paired with receives only when new p2p
+calls arrived. Keys: a pair that disagrees is (group, pair seq, sender, receiver); a blocked call
+whose peer waits in something else is (group, its rank and peer, send or recv).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.p2p_unmatched import unmatched_p2p
-from hangwatch.coordinator.incidents import Finding
-from hangwatch.coordinator.rules import Mismatch, match_p2p
+from hangwatch.coordinator.incidents import Finding, KeyFamily, incident_key
+from hangwatch.coordinator.rules import Mismatch, describe_call, match_p2p
 from hangwatch.coordinator.state import JobState
 
 #: A p2p call may legitimately wait for its peer this long before a wrong peer is reported.
 P2P_GRACE_S = 2.0
 
 
+@dataclass
+class P2PCache:
+    """What ``detect`` remembers between ticks (engine-owned; see detectors/__init__.py)."""
+
+    pairs: list[tuple[str, Mismatch]] | None = None  # (key, mismatch) of paired calls; None: pair again
+
+
 def detect(job: JobState, ctx: Context) -> list[Finding]:
-    if job.p2p_changed:  # pair sends with receives only when new p2p calls arrived
-        job.p2p_changed = False
-        job.p2p_pair_mismatches = _paired(job)
-    found = list(job.p2p_pair_mismatches)
+    cache = ctx.cache.p2p
+    if cache.pairs is None or ctx.changes.p2p:  # pair sends with receives only when new p2p calls arrived
+        cache.pairs = _paired(job)
+    found = list(cache.pairs)
     open_calls = list(job.p2p_open.values())
     if open_calls:
-        found.extend(unmatched_p2p(open_calls, ctx.now, min(P2P_GRACE_S, ctx.stuck_after)))
+        found.extend(
+            (_blocked_key(m, open_calls), m)
+            for m in unmatched_p2p(open_calls, ctx.now, min(P2P_GRACE_S, ctx.stuck_after))
+        )
     findings = []
-    for m in found:
+    for key, m in found:
         ranks = sorted(set(m.culprit_ranks) | set(m.agreeing_ranks))
         findings.append(
             Finding(
                 kind=m.kind,
-                key="p2p:" + ",".join(map(str, ranks)) + ":" + m.summary[:80],
+                key=key,
                 culprit_ranks=list(m.culprit_ranks),
                 waiting_ranks=list(m.agreeing_ranks),
                 summary=m.summary,
@@ -41,7 +58,19 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     return findings
 
 
-def _paired(job: JobState) -> list[Mismatch]:
+def _blocked_key(m: Mismatch, open_calls: list[r.CallRecord]) -> str:
+    """The key of a blocked call whose peer waits in something else: the call's group, its rank
+    and peer, and whether it sends or receives. (``m.details`` names the call's rank first and
+    describes the call: the open call it describes is the one the finding starts from.)"""
+    rank, peer = [*m.details, -1, -1][:2]
+    for c in sorted(open_calls, key=lambda c: (c.enter_time, c.call_id)):
+        if c.rank == rank and c.peer == peer and describe_call(c) == m.details[rank]:
+            direction = "send" if c.op in r.SEND_OPS else "recv"
+            return incident_key(KeyFamily.P2P, group=c.group, ranks=(rank, peer), direction=direction)
+    return incident_key(KeyFamily.P2P, ranks=(rank, peer), direction="blocked")
+
+
+def _paired(job: JobState) -> list[tuple[str, Mismatch]]:
     """Sends and receives that pair up (same group, pair and seq) but disagree on size or dtype."""
     sends: dict[tuple[str, int, int, int], r.CallRecord] = {}
     recvs: dict[tuple[str, int, int, int], r.CallRecord] = {}
@@ -52,11 +81,12 @@ def _paired(job: JobState) -> list[Mismatch]:
                     sends[(c.group, c.rank, c.peer, c.seq)] = c
                 elif c.op in r.RECV_OPS and c.peer is not None:
                     recvs[(c.group, c.peer, c.rank, c.seq)] = c
-    found: list[Mismatch] = []
-    for key, send in sends.items():
-        recv = recvs.get(key)
+    found: list[tuple[str, Mismatch]] = []
+    for pair, send in sends.items():
+        recv = recvs.get(pair)
         if recv is not None:
             m = match_p2p(send, recv)
             if m is not None:
-                found.append(m)
+                group, src, dst, seq = pair
+                found.append((incident_key(KeyFamily.P2P, group=group, seq=seq, ranks=(src, dst)), m))
     return found

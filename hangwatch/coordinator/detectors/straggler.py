@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 from hangwatch.coordinator.detectors import Context
-from hangwatch.coordinator.incidents import Finding, IncidentKind
+from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.state import JobState
 
 WINDOW = 20  # complete collectives looked at per group
@@ -28,7 +28,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         findings.append(
             Finding(
                 kind=IncidentKind.STRAGGLER,
-                key=f"straggler:{group}:{rank}",
+                key=incident_key(KeyFamily.STRAGGLER, group=group, rank=rank),
                 culprit_ranks=[rank],
                 waiting_ranks=[m for m in job.members(group) if m != rank],
                 summary=(

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from hangwatch import catalogue, config
 from hangwatch import records as r
-from hangwatch.coordinator.detectors import Context, slot_key
+from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.describe import doing
-from hangwatch.coordinator.incidents import Finding, IncidentKind
+from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.rules import describe_call, format_ranks
 from hangwatch.coordinator.state import JobState, RankState, Slot
 
@@ -46,9 +46,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             waiting = [rk for rk, c in slot.calls.items() if c.exit_time is None]
             if not waiting:
                 continue
-            key = slot_key(group, seq)
             oldest = min(slot.calls[rk].enter_time for rk in waiting)
-            if ctx.now - oldest < ctx.stuck_after or key in ctx.claimed:
+            if ctx.now - oldest < ctx.stuck_after or (group, seq) in ctx.claimed:
                 break  # later slots of this group are younger; this one is not a hang (yet)
             finding = _diagnose(job, ctx, slot, members, waiting)
             if finding is not None:
@@ -58,10 +57,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
 
 
 BARRIERS = catalogue.record_names([catalogue.Kind.BARRIER])
-KEY_PREFIX = {
-    IncidentKind.STUCK_COLLECTIVE: "stuck",
-    IncidentKind.EARLY_EXIT: "early",
-    IncidentKind.TRANSPORT_STALL: "stall",
+KEY_FAMILY = {
+    IncidentKind.STUCK_COLLECTIVE: KeyFamily.STUCK,
+    IncidentKind.EARLY_EXIT: KeyFamily.EARLY,
+    IncidentKind.TRANSPORT_STALL: KeyFamily.STALL,
 }
 
 
@@ -80,7 +79,6 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     op = sample.op
     entered = min(slot.calls[rk].enter_time for rk in waiting)
     waited = ctx.now - entered
-    key = slot_key(slot.group, slot.seq)
     where = f"{op} (group {slot.group}, seq {slot.seq})"
     details: dict[str, object] = {"waited_s": round(waited, 1)}
 
@@ -96,7 +94,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         details["calls"] = {str(rk): describe_call(c) for rk, c in sorted(slot.calls.items())}
         return Finding(
             kind=kind,
-            key=f"{KEY_PREFIX[kind]}:{key}",
+            key=incident_key(KEY_FAMILY[kind], group=slot.group, seq=slot.seq),
             culprit_ranks=culprits,
             waiting_ranks=waiting,
             summary=summary,

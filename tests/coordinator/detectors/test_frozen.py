@@ -1,0 +1,87 @@
+"""Detector ``frozen``: rank_frozen (silent, stopped or sleeping ranks).
+
+On constructed record sequences with an explicit clock (``tests.factories.SimJob``); split
+from the former test_detectors.py, one file per detector module.
+"""
+
+from __future__ import annotations
+
+from hangwatch.coordinator.detectors import frozen, stuck
+from hangwatch.records import (
+    ProcState,
+)
+from tests.factories import T0, SimJob, only
+
+
+def test_rank_frozen_stopped_or_sleeping() -> None:
+    for state, text in ((ProcState.STOPPED, "is stopped"), (ProcState.SLEEPING, "holding the interpreter")):
+        sim = SimJob(2)
+        sim.collective(1, T0 + 1)
+        sim.call(0, T0 + 2, seq=2)
+        sim.beat(T0 + 2)
+        sim.proc(1, state, T0 + 9)
+        sim.beat(T0 + 9, ranks=[0])
+        f = only(frozen.detect(sim.job, sim.ctx(T0 + 9)), "rank_frozen")
+        assert f.culprit_ranks == [1]
+        assert f.waiting_ranks == [0]
+        assert f.native is True
+        assert f.stack_ranks == [1]
+        assert text in f.summary
+        assert f.details["process"] == state.value
+        # a rank silent but not yet for silence_after is not frozen
+        assert frozen.detect(sim.job, sim.ctx(T0 + 6.5)) == []
+        # and the hang is left to the frozen detector, not blamed as a stuck collective
+        assert stuck.detect(sim.job, sim.ctx(T0 + 20)) == []
+
+
+def test_not_frozen_with_fresh_heartbeats() -> None:
+    sim = SimJob(2)
+    sim.proc(1, ProcState.STOPPED, T0 + 9)
+    sim.beat(T0 + 9)
+    assert frozen.detect(sim.job, sim.ctx(T0 + 9.5)) == []
+
+
+def test_frozen_resolved_when_heartbeats_resume() -> None:
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.beat(T0 + 2)
+    sim.proc(1, ProcState.STOPPED, T0 + 8)
+    engine = sim.engine()
+    sim.beat(T0 + 9, ranks=[0])
+    (inc,) = engine.tick(T0 + 9)
+    assert (inc.kind, inc.culprit_ranks, inc.status) == ("rank_frozen", [1], "open")
+    sim.beat(T0 + 10, ranks=[0])
+    assert engine.tick(T0 + 10) == []
+    assert inc.status == "open"
+    sim.proc(1, ProcState.RUNNING, T0 + 11)
+    sim.beat(T0 + 11)
+    assert engine.tick(T0 + 11) == []
+    assert inc.status == "resolved"
+    assert inc.resolution == "the rank's heartbeats resumed"
+    assert inc.resolved_time == T0 + 11
+
+
+def test_most_of_the_job_silent_at_once_is_not_a_freeze() -> None:
+    # an overloaded coordinator or a network cut silences everyone: not rank_frozen x N
+    sim = SimJob(8)
+    sim.collective(1, T0 + 1)
+    sim.beat(T0 + 2)
+    sim.beat(T0 + 20, ranks=[0, 1])  # six of eight ranks silent for 18 s
+    assert frozen.detect(sim.job, sim.ctx(T0 + 20)) == []
+    sim.beat(T0 + 20, ranks=[2, 3, 4, 5, 6])  # now only rank 7 is silent: that one is frozen
+    assert only(frozen.detect(sim.job, sim.ctx(T0 + 20)), "rank_frozen").culprit_ranks == [7]
+
+
+def test_many_silent_ranks_on_many_hosts_need_an_agents_word() -> None:
+    """64 ranks on 8 hosts: 20 silent on 3 hosts is an overloaded coordinator or the network,
+    unless an agent sees one of them stopped; 8 silent on one host (a node) is reported."""
+    sim = SimJob(64)
+    sim.collective(1, T0 + 1)
+    sim.beat(T0 + 2)
+    sim.beat(T0 + 20, ranks=list(range(20, 64)))  # ranks 0-19 (hosts 0-2) silent for 18 s
+    assert frozen.detect(sim.job, sim.ctx(T0 + 20)) == []
+    sim.proc(5, ProcState.STOPPED, T0 + 20)
+    assert only(frozen.detect(sim.job, sim.ctx(T0 + 20)), "rank_frozen").culprit_ranks == [5]
+    sim.beat(T0 + 20, ranks=list(range(0, 8)) + list(range(16, 20)))  # only node 1 (ranks 8-15) silent
+    found = frozen.detect(sim.job, sim.ctx(T0 + 20))
+    assert sorted(f.culprit_ranks[0] for f in found) == list(range(8, 16))

@@ -1,0 +1,115 @@
+"""Detector ``mismatch``: op/shape/dtype/argument mismatches at a slot, group memberships.
+
+On constructed record sequences with an explicit clock (``tests.factories.SimJob``); split
+from the former test_detectors.py, one file per detector module.
+"""
+
+from __future__ import annotations
+
+from hangwatch.coordinator.detectors import mismatch
+from hangwatch.records import (
+    GroupEvent,
+    GroupEventKind,
+    GroupInfo,
+)
+from tests.factories import F64, T0, SimJob, only
+
+
+def test_early_exit_final_barrier_in_mismatch() -> None:
+    sim = SimJob(2)
+    for seq in range(1, 5):
+        sim.collective(seq, T0 + seq)
+    sim.call(0, T0 + 6, op="barrier", seq=5, shape=None, site="train.py:130 in main")
+    sim.call(1, T0 + 6.2, seq=5)
+    f = only(mismatch.detect(sim.job, sim.ctx(T0 + 6.3)), "early_exit")
+    assert f.culprit_ranks == [0]
+    assert f.waiting_ranks == [1]
+    assert (f.op, f.seq, f.key) == ("all_reduce", 5, "mismatch:0:5")
+    assert "final barrier" in f.summary
+
+
+def test_mismatch_kinds() -> None:
+    cases: list[tuple[str, dict[str, object]]] = [
+        ("op_mismatch", {"op": "broadcast"}),
+        ("shape_mismatch", {"shape": (8,)}),
+        ("dtype_mismatch", {"dtype": F64}),
+        ("arg_mismatch", {"reduce_op": "max"}),
+    ]
+    for kind, odd in cases:
+        sim = SimJob(2)
+        sim.collective(1, T0 + 1)
+        sim.call(0, T0 + 2, seq=2, reduce_op="sum")
+        args: dict[str, object] = {"reduce_op": "sum", **odd}
+        sim.call(1, T0 + 2.1, seq=2, **args)  # type: ignore[arg-type]
+        f = only(mismatch.detect(sim.job, sim.ctx(T0 + 2.2)), kind)
+        assert f.culprit_ranks == [1], kind
+        assert f.waiting_ranks == [0], kind
+        assert (f.group, f.seq, f.key) == ("0", 2, "mismatch:0:2")
+        # checked once per slot: nothing new, nothing reported again
+        assert mismatch.detect(sim.job, sim.ctx(T0 + 3)) == []
+
+
+def test_mismatch_third_rank_updates_not_duplicates() -> None:
+    sim = SimJob(3)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2)
+    sim.call(1, T0 + 2.1, seq=2, shape=(8,))
+    persisted: list[str] = []
+    engine = sim.engine(persist=lambda inc: persisted.append(inc.status))
+    sim.beat(T0 + 2.2)
+    (inc,) = engine.tick(T0 + 2.2)
+    assert (inc.kind, inc.culprit_ranks, inc.waiting_ranks) == ("shape_mismatch", [1], [0])
+    sim.call(2, T0 + 3, seq=2)
+    sim.beat(T0 + 3.1)
+    assert engine.tick(T0 + 3.1) == []
+    assert len(engine.incidents) == 1
+    assert (inc.culprit_ranks, inc.waiting_ranks) == ([1], [0, 2])
+    assert "ranks 0, 2: [4]; rank 1: [8]" in inc.summary
+    assert len(persisted) >= 2
+    # the mismatched slot is not diagnosed again as a hang later on
+    sim.beat(T0 + 30)
+    engine.tick(T0 + 30)
+    assert len(engine.incidents) == 1
+
+
+def test_mismatch_after_agreeing_ticks_is_still_found() -> None:
+    """Slots whose calls all agree skip the full rule check when more of the same arrive; a
+    different call arriving after several agreeing ticks must still be compared in full."""
+    sim = SimJob(8)
+    for rk in range(4):
+        sim.call(rk, T0 + 1 + rk * 0.01)
+        assert mismatch.detect(sim.job, sim.ctx(T0 + 1.5 + rk)) == []
+    sim.call(4, T0 + 6, dtype=F64)
+    f = only(mismatch.detect(sim.job, sim.ctx(T0 + 6.1)), "dtype_mismatch")
+    assert f.culprit_ranks == [4]
+
+
+def test_mismatch_third_rank_can_change_the_culprit() -> None:
+    sim = SimJob(3)
+    sim.call(0, T0 + 2)
+    sim.call(1, T0 + 2.1, shape=(8,))
+    engine = sim.engine()
+    (inc,) = engine.tick(T0 + 2.2)
+    assert inc.culprit_ranks == [1]
+    sim.call(2, T0 + 3, shape=(8,))  # ranks 1 and 2 agree: rank 0 is the odd one
+    engine.tick(T0 + 3.1)
+    assert len(engine.incidents) == 1
+    assert (inc.culprit_ranks, inc.waiting_ranks) == ([0], [1, 2])
+
+
+def test_group_membership_mismatch() -> None:
+    sim = SimJob(3)
+    views = {0: (0, 1), 1: (0, 1), 2: (1, 2)}
+    for rk, members in views.items():
+        event = GroupEvent(rk, GroupEventKind.CREATED, GroupInfo(name="5", ranks=members, index=1), T0 + 1)
+        sim.job.apply(sim.states[rk], event, T0 + 1)
+    f = only(mismatch.detect(sim.job, sim.ctx(T0 + 2)), "arg_mismatch")
+    assert f.culprit_ranks == [2]
+    assert f.waiting_ranks == [0, 1]
+    assert f.key == "group:5"
+    assert "new_group" in f.summary
+    # one incident however often it is seen
+    engine = sim.engine()
+    engine.tick(T0 + 2)
+    engine.tick(T0 + 3)
+    assert [inc.kind for inc in engine.incidents.values()] == ["arg_mismatch"]

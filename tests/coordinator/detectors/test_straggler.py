@@ -1,0 +1,47 @@
+"""Detector ``straggler``: the same rank last to arrive, slot after slot.
+
+On constructed record sequences with an explicit clock (``tests.factories.SimJob``); split
+from the former test_detectors.py, one file per detector module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hangwatch.coordinator.detectors import Context, straggler
+from tests.factories import T0, SimJob, only
+
+
+def _arrivals(last_of: Callable[[int], int], n: int = 4, slots: int = 20, lag: float = 1.0) -> SimJob:
+    sim = SimJob(n)
+    for seq in range(1, slots + 1):
+        t = T0 + seq * 5
+        late = last_of(seq)
+        for rk in range(n):
+            sim.call(rk, t + (lag if rk == late else 0.01 * rk), seq=seq)
+        for rk in range(n):
+            sim.exit(sim.states[rk].open_calls[max(sim.states[rk].open_calls)], t + lag + 0.1)
+    return sim
+
+
+def test_straggler_warning() -> None:
+    sim = _arrivals(lambda seq: 2 if seq % 10 else 1)  # rank 2 last in 18 of 20
+    f = only(straggler.detect(sim.job, sim.ctx(T0 + 200)), "straggler")
+    assert f.culprit_ranks == [2]
+    assert f.waiting_ranks == [0, 1, 3]
+    assert f.details["share_last"] == 0.9
+    engine = sim.engine()
+    sim.beat(T0 + 200)
+    (inc,) = engine.tick(T0 + 200)
+    assert (inc.kind, inc.severity, inc.culprit_ranks) == ("straggler", "warning", [2])
+    assert engine.tick(T0 + 201) == []
+
+
+def test_straggler_needs_a_full_window_and_margin() -> None:
+    assert straggler.detect(_arrivals(lambda seq: 2, slots=19).job, Context(T0 + 200, 10.0, 5.0)) == []
+    assert straggler.detect(_arrivals(lambda seq: 2, lag=0.3).job, Context(T0 + 200, 10.0, 5.0)) == []
+
+
+def test_no_straggler_when_last_arrivals_rotate() -> None:
+    sim = _arrivals(lambda seq: seq % 4)
+    assert straggler.detect(sim.job, sim.ctx(T0 + 200)) == []

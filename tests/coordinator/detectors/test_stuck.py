@@ -1,0 +1,170 @@
+"""Detector ``stuck``: stuck_collective, early_exit of absent ranks, transport_stall.
+
+On constructed record sequences with an explicit clock (``tests.factories.SimJob``); split
+from the former test_detectors.py, one file per detector module.
+"""
+
+from __future__ import annotations
+
+from hangwatch import config
+from hangwatch.coordinator.detectors import stuck
+from hangwatch.records import (
+    EndKind,
+)
+from tests.factories import T0, SimJob, only
+
+
+def test_stuck_two_ranks_not_before_threshold() -> None:
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2)
+    sim.beat(T0 + 11.9, where_user="train.py:88 in save_checkpoint")
+    assert stuck.detect(sim.job, sim.ctx(T0 + 11.9)) == []
+    sim.beat(T0 + 12.5)
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective")
+    assert f.culprit_ranks == [1]
+    assert f.waiting_ranks == [0]
+    assert (f.op, f.group, f.seq, f.key) == ("all_reduce", "0", 2, "stuck:0:2")
+    assert "is busy in train.py:88 in save_checkpoint" in f.details["absent"]["1"]
+    assert "rank 1 is busy in train.py:88 in save_checkpoint" in f.summary
+    assert f.stack_ranks == [1, 0]
+
+
+def test_absent_rank_is_not_blamed_on_news_older_than_the_slot() -> None:
+    """At scale a rank's batches arrive up to seconds after they leave it. Rank 1's latest batch
+    arrived recently but was sent before rank 0 entered: its absence is not known yet. Once a
+    batch sent after that arrives without the call, it is."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2)
+    st = sim.states[1]
+    st.last_seen, st.last_sent = T0 + 12, T0 + 1.9  # delivered late, written before rank 0 entered
+    sim.states[0].last_seen = sim.states[0].last_sent = T0 + 12
+    assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
+    sim.beat(T0 + 12.6)
+    assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.6)), "stuck_collective").culprit_ranks == [1]
+
+
+def test_absent_rank_gets_a_flight_recorder_read_before_blame() -> None:
+    """A collective issued from C++ (DDP) is reported after the rank's next Flight Recorder read:
+    a batch sent just after the others entered does not prove the absent rank skipped it."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2, source="flight_recorder")
+    sim.states[0].last_seen = sim.states[0].last_sent = T0 + 12
+    st = sim.states[1]
+    st.last_seen, st.last_sent = T0 + 12, T0 + 2 + config.FR_POLL_INTERVAL_S / 2
+    assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
+    st.last_sent = T0 + 2 + config.FR_POLL_INTERVAL_S + 0.1
+    assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective").culprit_ranks == [1]
+
+
+def test_stuck_eight_ranks_one_absent() -> None:
+    sim = SimJob(8)
+    for seq in range(1, 4):
+        sim.collective(seq, T0 + seq)
+    for rk in range(8):
+        if rk != 5:
+            sim.call(rk, T0 + 5 + rk * 0.01, seq=4)
+    sim.beat(T0 + 20)
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 20)), "stuck_collective")
+    assert f.culprit_ranks == [5]
+    assert f.waiting_ranks == [0, 1, 2, 3, 4, 6, 7]
+    assert f.seq == 4
+    assert f.details["absent"]["5"] == "is outside any collective"
+
+
+def test_stuck_absent_rank_waiting_elsewhere_is_described() -> None:
+    sim = SimJob(2)
+    sim.call(0, T0 + 1, seq=1)
+    sim.call(1, T0 + 1, op="recv", peer=0, site="eval.py:9 in evaluate")
+    sim.beat(T0 + 15)
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 15)), "stuck_collective")
+    assert f.culprit_ranks == [1]
+    assert "is waiting in recv (group 0, seq 1) at eval.py:9 in evaluate for 14 s" in f.details["absent"]["1"]
+
+
+def test_no_transport_stall_claimed_for_a_group_of_unknown_members() -> None:
+    sim = SimJob(2)
+    sim.call(0, T0 + 1, group="7")
+    sim.call(1, T0 + 1, group="7")
+    sim.beat(T0 + 30)
+    assert [f.kind for f in stuck.detect(sim.job, sim.ctx(T0 + 30))] == []
+
+
+def test_stuck_64_ranks_is_one_incident() -> None:
+    sim = SimJob(64)
+    sim.collective(1, T0 + 1)
+    for rk in range(1, 64):
+        sim.call(rk, T0 + 2, seq=2)
+    engine = sim.engine()
+    for now in (T0 + 5, T0 + 13, T0 + 14, T0 + 20):
+        sim.beat(now, where_user="train.py:120 in log_metrics")
+        engine.tick(now)
+    assert len(engine.incidents) == 1
+    (inc,) = engine.incidents.values()
+    assert inc.kind == "stuck_collective"
+    assert inc.culprit_ranks == [0]
+    assert inc.waiting_ranks == list(range(1, 64))
+    assert "ranks 1-63 wait" in inc.summary
+    assert "rank 0 is busy in train.py:120 in log_metrics" in inc.summary
+
+
+def test_stuck_unregistered_rank() -> None:
+    sim = SimJob(2)
+    sim.job.world_size = 3  # rank 2 never registered
+    sim.call(0, T0 + 1)
+    sim.call(1, T0 + 1)
+    sim.beat(T0 + 12)
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 12)), "stuck_collective")
+    assert f.culprit_ranks == [2]
+    assert "never registered" in f.summary
+
+
+def test_early_exit_absent_rank_exited_cleanly() -> None:
+    for kind, action in ((EndKind.CLEAN_EXIT, "has exited its script"), (EndKind.DESTROYED, "destroy_process_group")):
+        sim = SimJob(3)
+        sim.collective(1, T0 + 1)
+        sim.end(2, kind, T0 + 2, site="train.py:99 in main")
+        sim.call(0, T0 + 2.5, seq=2)
+        sim.call(1, T0 + 2.5, seq=2)
+        sim.beat(T0 + 15, ranks=[0, 1])
+        f = only(stuck.detect(sim.job, sim.ctx(T0 + 15)), "early_exit")
+        assert f.culprit_ranks == [2]
+        assert f.waiting_ranks == [0, 1]
+        assert (f.op, f.seq, f.key) == ("all_reduce", 2, "early:0:2")
+        assert action in f.details["absent"]["2"]
+        assert "train.py:99 in main" in f.details["absent"]["2"]
+
+
+def _all_entered(sources: tuple[str, str] = ("python", "python")) -> SimJob:
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    for rk, source in enumerate(sources):
+        sim.call(rk, T0 + 2, seq=2, source=source)
+    return sim
+
+
+def test_transport_stall() -> None:
+    sim = _all_entered()
+    sim.beat(T0 + 11)
+    assert stuck.detect(sim.job, sim.ctx(T0 + 11)) == []
+    sim.beat(T0 + 13)
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 13)), "transport_stall")
+    assert f.culprit_ranks == []
+    assert f.waiting_ranks == [0, 1]
+    assert f.native is True
+    assert f.key == "stall:0:2"
+
+
+def test_no_transport_stall_with_flight_recorder_calls() -> None:
+    sim = _all_entered(("python", "flight_recorder"))
+    sim.beat(T0 + 30)
+    assert stuck.detect(sim.job, sim.ctx(T0 + 30)) == []
+
+
+def test_no_transport_stall_when_one_returned() -> None:
+    sim = _all_entered()
+    sim.exit(sim.states[0].open_calls[next(iter(sim.states[0].open_calls))], T0 + 3)
+    sim.beat(T0 + 30)
+    assert stuck.detect(sim.job, sim.ctx(T0 + 30)) == []
