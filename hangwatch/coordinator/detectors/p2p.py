@@ -13,7 +13,7 @@ from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.p2p_unmatched import unmatched_p2p
 from hangwatch.coordinator.incidents import Finding, KeyFamily, incident_key
-from hangwatch.coordinator.rules import Mismatch, describe_call, match_p2p
+from hangwatch.coordinator.rules import Mismatch, match_p2p
 from hangwatch.coordinator.state import JobState
 
 #: A p2p call may legitimately wait for its peer this long before a wrong peer is reported.
@@ -35,8 +35,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     open_calls = list(job.p2p_open.values())
     if open_calls:
         found.extend(
-            (_blocked_key(m, open_calls), m)
-            for m in unmatched_p2p(open_calls, ctx.now, min(P2P_GRACE_S, ctx.stuck_after))
+            (_blocked_key(c), m) for c, m in unmatched_p2p(open_calls, ctx.now, min(P2P_GRACE_S, ctx.stuck_after))
         )
     findings = []
     for key, m in found:
@@ -58,16 +57,13 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     return findings
 
 
-def _blocked_key(m: Mismatch, open_calls: list[r.CallRecord]) -> str:
-    """The key of a blocked call whose peer waits in something else: the call's group, its rank
-    and peer, and whether it sends or receives. (``m.details`` names the call's rank first and
-    describes the call: the open call it describes is the one the finding starts from.)"""
-    rank, peer = [*m.details, -1, -1][:2]
-    for c in sorted(open_calls, key=lambda c: (c.enter_time, c.call_id)):
-        if c.rank == rank and c.peer == peer and describe_call(c) == m.details[rank]:
-            direction = "send" if c.op in r.SEND_OPS else "recv"
-            return incident_key(KeyFamily.P2P, group=c.group, ranks=(rank, peer), direction=direction)
-    return incident_key(KeyFamily.P2P, ranks=(rank, peer), direction="blocked")
+def _blocked_key(c: r.CallRecord) -> str:
+    """A blocked call whose peer waits in something else: its group, its rank and peer, and
+    whether it sends or receives."""
+    direction = "send" if c.op in r.SEND_OPS else "recv"
+    return incident_key(
+        KeyFamily.P2P, group=c.group, ranks=(c.rank, c.peer if c.peer is not None else -1), direction=direction
+    )
 
 
 def _paired(job: JobState) -> list[tuple[str, Mismatch]]:

@@ -13,8 +13,9 @@ from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord
 from hangwatch.wording import describe_call, p2p_doing
 
 
-def unmatched_p2p(open_calls: Sequence[CallRecord], now: float, grace_s: float) -> list[Mismatch]:
-    """Blocked sends/recvs whose peer is itself blocked in p2p, but not in the matching call.
+def unmatched_p2p(open_calls: Sequence[CallRecord], now: float, grace_s: float) -> list[tuple[CallRecord, Mismatch]]:
+    """Blocked sends/recvs whose peer is itself blocked in p2p, but not in the matching call,
+    each with the blocked call it starts from.
 
     Only open calls (``exit_time is None``) of a SEND_OPS/RECV_OPS op with a known peer, open
     for at least ``grace_s`` at ``now``, are considered, on both sides. A send from a to b is
@@ -31,7 +32,7 @@ def unmatched_p2p(open_calls: Sequence[CallRecord], now: float, grace_s: float) 
         if now - c.enter_time < grace_s:
             continue
         blocked.setdefault(c.rank, []).append(c)
-    found: list[Mismatch] = []
+    found: list[tuple[CallRecord, Mismatch]] = []
     seen: set[frozenset[tuple[int, int]]] = set()
     for rank in sorted(blocked):
         for c in sorted(blocked[rank], key=lambda c: (c.enter_time, c.call_id)):
@@ -47,7 +48,7 @@ def unmatched_p2p(open_calls: Sequence[CallRecord], now: float, grace_s: float) 
             if key in seen:
                 continue
             seen.add(key)
-            found.append(_unmatched(c, peer_calls, now))
+            found.append((c, _unmatched(c, peer_calls, now)))
     return found
 
 

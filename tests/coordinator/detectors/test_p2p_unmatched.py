@@ -15,8 +15,9 @@ def _p2p(rank: int, op: str, peer: int, *, enter: float = 0.0, group: str = "0",
 
 def test_unmatched_send_to_busy_receiver() -> None:
     calls = [_p2p(1, "send", 2), _p2p(2, "recv", 0)]
-    found = unmatched_p2p(calls, now=100.0, grace_s=10.0)
+    found = [m for _, m in unmatched_p2p(calls, now=100.0, grace_s=10.0)]
     assert len(found) == 1
+    assert unmatched_p2p(calls, now=100.0, grace_s=10.0)[0][0] is calls[0]  # the call it starts from
     m = found[0]
     assert m.kind == "p2p_mismatch"
     assert "rank 1 sends to rank 2, but rank 2 is receiving from rank 0" in m.summary
@@ -24,20 +25,20 @@ def test_unmatched_send_to_busy_receiver() -> None:
 
 
 def test_unmatched_send_send_deadlock_reported_once() -> None:
-    found = unmatched_p2p([_p2p(0, "send", 1), _p2p(1, "send", 0)], now=100.0, grace_s=10.0)
+    found = [m for _, m in unmatched_p2p([_p2p(0, "send", 1), _p2p(1, "send", 0)], now=100.0, grace_s=10.0)]
     assert len(found) == 1
     assert "rank 0 sends to rank 1, but rank 1 is also sending to rank 0" in found[0].summary
     assert "receives first" in found[0].hint
 
 
 def test_unmatched_recv_recv_deadlock() -> None:
-    found = unmatched_p2p([_p2p(0, "recv", 1), _p2p(1, "irecv", 0)], now=100.0, grace_s=10.0)
+    found = [m for _, m in unmatched_p2p([_p2p(0, "recv", 1), _p2p(1, "irecv", 0)], now=100.0, grace_s=10.0)]
     assert len(found) == 1
     assert "also receiving from rank 0" in found[0].summary
 
 
 def test_unmatched_different_group() -> None:
-    found = unmatched_p2p([_p2p(0, "send", 1), _p2p(1, "recv", 0, group="7")], now=100.0, grace_s=10.0)
+    found = [m for _, m in unmatched_p2p([_p2p(0, "send", 1), _p2p(1, "recv", 0, group="7")], now=100.0, grace_s=10.0)]
     assert len(found) == 1  # one disagreement, seen from both sides
     assert "rank 0 sends to rank 1, but rank 1 is receiving from rank 0 in group 7" in found[0].summary
 
