@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from hangwatch.testing import torchrun, wait_for
 
 SCENARIOS = {
     # scenario: (expected kind, expected culprit, what torch.distributed alone does)
@@ -43,32 +44,24 @@ def run(scenario: str) -> dict[str, Any]:
         coordinator = Coordinator(CoordinatorOptions(port=0, data_dir=data))
         coordinator.start()
         env = dict(os.environ, HANGWATCH_ADDR=f"127.0.0.1:{coordinator.port}", OMP_NUM_THREADS="1")
-        job = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script, scenario],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        job = torchrun(script, args=[scenario], env=env)
+
+        def settled() -> dict[str, Any] | None:
+            found = [i for i in coordinator.incidents_json() if i["severity"] == "error"]
+            # complete once its stacks are in (or noted missing, or none were wanted: every
+            # rank already gone); a short grace lets a requested dump land
+            if found and (
+                found[0]["stacks_time"] or found[0]["stack_notes"] or time.time() - found[0]["detected_time"] > 3
+            ):
+                return found[0]
+            return None
+
         try:
-            deadline = time.time() + 120
+            incident = wait_for(settled, 120, 0.1, "an error incident")
+        except AssertionError:
             incident = None
-            while time.time() < deadline:
-                found = [i for i in coordinator.incidents_json() if i["severity"] == "error"]
-                # complete once its stacks are in (or noted missing, or none were wanted: every
-                # rank already gone); a short grace lets a requested dump land
-                settled = found and (
-                    found[0]["stacks_time"] or found[0]["stack_notes"] or time.time() - found[0]["detected_time"] > 3
-                )
-                if settled:
-                    incident = found[0]
-                    break
-                time.sleep(0.1)
         finally:
-            job.terminate()
-            try:
-                job.wait(20)
-            except subprocess.TimeoutExpired:
-                job.kill()
+            job.kill(grace=20)
             coordinator.stop(0.2)
     if incident is None:
         return {"scenario": scenario, "kind": "none within 120 s"}

@@ -17,7 +17,6 @@ import datetime
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,18 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hangwatch.testing import free_port
+
 ROUNDS = 15  # interleaved on/off rounds for the all_reduce comparison
 CALLS = 60  # all_reduce calls per round
 MICRO = 20000  # Recorder.enter+exit calls
 DDP_STEPS = 120
 DDP_PAIRS = 5  # on/off job pairs, alternated, for the DDP step-time ratio
 STARTS = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _per_call(fn: Any, n: int) -> float:
@@ -199,7 +194,7 @@ def _run_accelerate(debug: bool) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "result.json")
-            mp.spawn(_accelerate_worker, args=(_free_port(), out), nprocs=2, join=True)
+            mp.spawn(_accelerate_worker, args=(free_port(), out), nprocs=2, join=True)
             return dict(json.loads(Path(out).read_text()))
     finally:
         del os.environ["ACCELERATE_DEBUG_MODE"]
@@ -210,7 +205,7 @@ def _run_job(mode: str, addr: str) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        mp.spawn(_worker, args=(mode, _free_port(), addr, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(mode, free_port(), addr, out), nprocs=2, join=True)
         return dict(json.loads(Path(out).read_text()))
 
 

@@ -14,17 +14,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
+from hangwatch.testing import BlackHole, Job, free_port, start_coordinator_cli, torchrun
 
 DDP = """
 import datetime, json, os, sys, time, torch, torch.distributed as dist
@@ -62,40 +60,20 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _coordinator(port: int, data: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [str(BIN / "hangwatch"), "coordinator", "--port", str(port), "--data-dir", data, "--metrics-port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    while "export HANGWATCH_ADDR" not in proc.stdout.readline():
-        pass
-    return proc
+    return start_coordinator_cli(data, port, stderr=subprocess.DEVNULL)[1]
 
 
-def _torchrun(script: str, env: dict[str, str], cwd: str) -> subprocess.Popen[bytes]:
+def _torchrun(script: str, env: dict[str, str], cwd: str) -> Job:
+    """A 2-rank torchrun job running ``script`` (its output discarded)."""
     path = Path(cwd) / "job.py"
     path.write_text(textwrap.dedent(script))
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(path)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    return torchrun(path, env=env, cwd=cwd)
 
 
 def restart_phases() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
+        port = free_port()
         coord = _coordinator(port, os.path.join(tmp, "data"))
         out = os.path.join(tmp, "steps.json")
         env = dict(os.environ, HANGWATCH_ADDR=f"127.0.0.1:{port}", OMP_NUM_THREADS="1", SECONDS_TO_RUN="36", OUT=out)
@@ -126,38 +104,17 @@ def restart_phases() -> None:
 
 
 def black_hole() -> None:
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(64)
-    conns: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        hole.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conns.append(hole.accept()[0])
-            except OSError:
-                continue
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rss.json")
-            env = dict(
-                os.environ,
-                HANGWATCH_ADDR=f"127.0.0.1:{hole.getsockname()[1]}",
-                OMP_NUM_THREADS="1",
-                OUT=out,
-                HANGWATCH_QUEUE_SIZE=os.environ.get("HANGWATCH_QUEUE_SIZE", "65536"),
-            )
-            code = _torchrun(FLOOD, env, tmp).wait(120)
-            samples = json.loads(Path(out).read_text())
-    finally:
-        stop.set()
-        hole.close()
-        for c in conns:
-            c.close()
+    with BlackHole() as hole, tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rss.json")
+        env = dict(
+            os.environ,
+            HANGWATCH_ADDR=hole.addr,
+            OMP_NUM_THREADS="1",
+            OUT=out,
+            HANGWATCH_QUEUE_SIZE=os.environ.get("HANGWATCH_QUEUE_SIZE", "65536"),
+        )
+        code = _torchrun(FLOOD, env, tmp).wait(120)
+        samples = json.loads(Path(out).read_text())
     print(f"\n(2) a rank flooding collectives at a black-holed coordinator for 20 s (job exit code {code})")
     print("    t (s)   RSS (MiB)   events dropped   calls")
     for i, (t, rss, dropped, calls) in enumerate(samples):

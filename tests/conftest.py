@@ -1,26 +1,27 @@
 """Shared fixtures: a real coordinator on port 0, and real torchrun/gloo jobs attached to it.
 
-Every wait is bounded. Tests clean the HANGWATCH_* variables they did not set themselves.
+Every wait is bounded. Tests clean the HANGWATCH_* variables they did not set themselves. The
+helpers behind them (``wait_for``, ``Job``, ``torchrun``, ``start_coordinator_cli``, ``BlackHole``)
+live in :mod:`hangwatch.testing`, shared with ``bench/``; ``Job`` and ``wait_for`` are re-exported
+here for the modules that import them from ``tests.conftest``.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hangwatch import config
+from hangwatch import testing
 from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
+from hangwatch.testing import BIN, Job, wait_for
 
-BIN = Path(sys.executable).parent
+#: ``BIN``, ``Job`` and ``wait_for`` are re-exported for modules outside the e2e suite that import them from here.
+__all__ = ["BIN", "PRELUDE", "Job", "wait_for"]
 
 
 E2E = Path(__file__).resolve().parent / "e2e"
@@ -63,74 +64,6 @@ def coordinator(coordinator_factory: Callable[..., Coordinator]) -> Coordinator:
     return coordinator_factory(stuck_after=3.0)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-def start_coordinator_cli(tmp_path: Path, port: int = 0, stuck_after: float = 3.0) -> tuple[str, subprocess.Popen[str]]:
-    """A real ``hangwatch coordinator`` process; returns the HANGWATCH_ADDR it prints, and the process."""
-    proc = subprocess.Popen(
-        [
-            str(BIN / "hangwatch"),
-            "coordinator",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--stuck-after",
-            str(stuck_after),
-            "--metrics-port",
-            "0",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        match = re.search(r"export HANGWATCH_ADDR=(\S+)", proc.stdout.readline())
-        if match:
-            return match.group(1), proc
-    proc.kill()
-    raise AssertionError("the coordinator did not print the HANGWATCH_ADDR to export")
-
-
-class Job:
-    """A torchrun job of ``nproc`` gloo ranks running ``body`` (Python source), attached via env."""
-
-    def __init__(self, proc: subprocess.Popen[str], log: Path) -> None:
-        self.proc = proc
-        self.log = log
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"job did not finish in {timeout} s; log:\n{self.output()[-4000:]}") from None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
 PRELUDE = """
 import datetime, os, sys, time
 import torch
@@ -147,29 +80,8 @@ def torchrun(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     ) -> Job:
         script = tmp_path / f"{name}.py"
         script.write_text(PRELUDE + textwrap.dedent(body))
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}
-        full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        if addr is not None:
-            full_env[config.ENV_ADDR] = addr
-        full_env.update(env or {})
-        log = tmp_path / f"{name}.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    f"--nproc-per-node={nproc}",
-                    str(script),
-                ],
-                cwd=tmp_path,
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        job = Job(proc, log)
+        env = testing.job_env(addr, env)
+        job = testing.torchrun(script, nproc=nproc, env=env, cwd=tmp_path, log=tmp_path / f"{name}.log")
         jobs.append(job)
         return job
 

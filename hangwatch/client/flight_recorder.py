@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hangwatch import config
@@ -31,11 +32,23 @@ def _dump_function() -> Any:
         return None
 
 
+#: ``_dump_fr_trace_json(include_collectives, include_stack_traces)``: the ring as JSON text or bytes.
+DumpFunction = Callable[[bool, bool], Any]
+
+
 class FlightRecorderPoller:
-    def __init__(self, recorder: Recorder, interval_s: float = config.FR_POLL_INTERVAL_S) -> None:
+    """Reads the ring through ``dump`` (default: torch's ``_dump_fr_trace_json``; None when this
+    torch has none, which disables the poller). Tests pass a function returning a saved dump."""
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        interval_s: float = config.FR_POLL_INTERVAL_S,
+        dump: DumpFunction | None = None,
+    ) -> None:
         self.recorder = recorder
         self.interval_s = interval_s
-        self._dump = _dump_function()
+        self._dump = dump if dump is not None else _dump_function()
         self._last_poll = 0.0
         self._seen: dict[str, int] = {}  # group -> highest collective seq handled
         self._open: dict[tuple[str, int], r.CallRecord] = {}  # emitted, not yet seen retired

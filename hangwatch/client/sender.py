@@ -14,13 +14,16 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from hangwatch import config
 from hangwatch import records as r
 
 if TYPE_CHECKING:
+    from hangwatch.client.recorder import Recorder
     from hangwatch.client.session import Session
+    from hangwatch.protos import hangwatch_pb2 as pb
 
 log = logging.getLogger("hangwatch.client")
 
@@ -33,11 +36,76 @@ MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 5.0  # bounds on the interval a coordinat
 MAX_BACKOFF_S = 2.0  # a restarted coordinator is found again within a few seconds
 
 
+class ReportTransport(Protocol):
+    """What the thread needs of the wire (``transport.Transport``; tests pass fakes)."""
+
+    def register(self, identity: r.RankIdentity) -> pb.RegisterReply: ...
+
+    def report(
+        self,
+        identity: r.RankIdentity,
+        batch_seq: int,
+        events: Sequence[r.RankEvent],
+        queued: int,
+        dropped: int,
+        where: str = "",
+        where_user: str = "",
+        urgent: bool = False,
+    ) -> pb.ReportReply: ...
+
+    def close(self) -> None: ...
+
+
+class Poller(Protocol):
+    """What the thread needs of the Flight Recorder reader (``flight_recorder.FlightRecorderPoller``)."""
+
+    def due(self, now: float) -> bool: ...
+
+    def poll(self) -> None: ...
+
+
+#: Builds the thread's transport from (addr, token); called on the thread, once.
+TransportFactory = Callable[[str, "str | None"], ReportTransport]
+#: Builds the thread's Flight Recorder poller for a recorder (None: no polling); called on the thread.
+PollerFactory = Callable[["Recorder"], "Poller | None"]
+
+
+def _default_transport(addr: str, token: str | None) -> ReportTransport:
+    from hangwatch.client.transport import Transport  # grpc is imported on the thread, never before
+
+    return Transport(addr, token)
+
+
+def _default_poller(recorder: Recorder) -> Poller | None:
+    from hangwatch.client.flight_recorder import FlightRecorderPoller
+
+    return FlightRecorderPoller(recorder) if config.env_flag(config.ENV_FLIGHT_RECORDER, True) else None
+
+
 class Sender:
-    def __init__(self, session: Session, addr: str, token: str | None) -> None:
+    """The sender thread of one Session.
+
+    ``transport``, ``poller`` and ``clock`` are seams for tests (all defaults are what a rank
+    uses): both factories run on the thread when it starts; ``clock`` is read by the thread's
+    loop (batching, heartbeat and back-off deadlines), never by the calling threads.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        addr: str,
+        token: str | None,
+        *,
+        transport: TransportFactory = _default_transport,
+        poller: PollerFactory = _default_poller,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.session = session
         self.addr = addr
         self.token = token
+        self._transport_factory = transport
+        self._poller_factory = poller
+        self._clock = clock
         self.interval_s = SEND_INTERVAL_S
         self.heartbeat_s = config.env_float(config.ENV_HEARTBEAT, config.DEFAULT_HEARTBEAT_S)
         self._stop = threading.Event()
@@ -99,14 +167,12 @@ class Sender:
             log.warning("hangwatch: sender stopped after an internal error: %s", exc)
 
     def _loop(self) -> None:
-        from hangwatch.client.flight_recorder import FlightRecorderPoller
-        from hangwatch.client.transport import Transport
-
         session = self.session
         recorder = session.recorder
         queue = session.queue
-        transport = Transport(self.addr, self.token)
-        poller = FlightRecorderPoller(recorder) if config.env_flag(config.ENV_FLIGHT_RECORDER, True) else None
+        clock = self._clock
+        transport = self._transport_factory(self.addr, self.token)
+        poller = self._poller_factory(recorder)
         backoff = 0.25
         retry_at = 0.0
         last_sent = 0.0
@@ -116,7 +182,7 @@ class Sender:
         while True:
             stopping = self._stop.is_set()
             flushing = self._flush_requested.is_set()
-            now = time.time()
+            now = clock()
             try:
                 recorder.poll_pending()
                 # Also on a flush (the rank is ending): C++-issued collectives since the last
@@ -173,7 +239,7 @@ class Sender:
                             type(exc).__name__,
                         )
                         warned = True
-                    retry_at = time.time() + backoff
+                    retry_at = clock() + backoff
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
             if flushing:
                 self._flush_requested.clear()

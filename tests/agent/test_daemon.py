@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ from hangwatch.agent.daemon import run_agent
 from hangwatch.agent.pyspy import find_pyspy, ptrace_diagnosis
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+from hangwatch.testing import free_port
 
 from .conftest import Spawn, target, wait_until
 
@@ -57,13 +57,6 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
             return {r.id: r for p in self.polls for r in p.results}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def stop() -> Iterator[threading.Event]:
     event = threading.Event()
@@ -77,7 +70,7 @@ def test_agent_waits_for_coordinator_then_serves_it(
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="hangwatch.agent.daemon")
     rank = target(spawn(SLEEPER, "rank1"), rank=1)
-    port = _free_port()
+    port = free_port()
     agent = threading.Thread(
         target=run_agent,
         args=(f"127.0.0.1:{port}",),

@@ -5,7 +5,6 @@ nodes, a real gloo job on "node-b", stacks routed to the right agent, a killed a
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 
 from hangwatch.coordinator.daemon import Coordinator
-from tests.conftest import BIN, Job, wait_for
+from hangwatch.testing import BIN, Job, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -133,9 +132,7 @@ def test_relaying_agent_carries_a_real_jobs_ranks(
     import psutil
 
     c = coordinator_factory(embedded_agent=False, stuck_after=3.0)
-    with socket.socket() as probe:  # a free port for the relay
-        probe.bind(("127.0.0.1", 0))
-        relay = ("--relay-port", str(probe.getsockname()[1]))
+    relay = ("--relay-port", str(free_port()))
     agent = subprocess.Popen(
         [str(BIN / "hangwatch"), "agent", "--coordinator", f"127.0.0.1:{c.port}", "--node-name", "node-r", *relay],
         cwd=tmp_path,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Job, start_coordinator_cli, wait_for
+from hangwatch.testing import Job, free_port, start_coordinator_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -94,12 +93,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _results(out: Path, job: Job) -> list[dict[str, Any]]:
     found = sorted(out.glob("rank*.json"))
     assert len(found) == 2, f"ranks that finished: {[p.name for p in found]}; log:\n{job.output()[-3000:]}"
@@ -124,7 +117,7 @@ def _never_waited(job: Job, results: list[dict[str, Any]]) -> None:
 def test_no_coordinator_listening(tmp_path: Path, torchrun: Callable[..., Job]) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    addr = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens there
     env = {"OUT_DIR": str(out), "STEPS": "300", "HANGWATCH_QUEUE_SIZE": str(QUEUE)}
     job = torchrun(TRAIN, addr=addr, env=env, name="absent")
     assert job.wait(90) == 0, job.output()[-3000:]
@@ -145,7 +138,7 @@ def test_coordinator_dies_mid_job(tmp_path: Path, torchrun: Callable[..., Job], 
     out = tmp_path / "out"
     out.mkdir()
     killed = tmp_path / "killed"
-    addr, coordinator = start_coordinator_cli(tmp_path)
+    addr, coordinator = start_coordinator_cli(tmp_path / "data", stuck_after=3.0, cwd=tmp_path)
     try:
         env = {"OUT_DIR": str(out), "KILLED_FILE": str(killed), "STEPS": "200", "HANGWATCH_QUEUE_SIZE": str(QUEUE)}
         job = torchrun(TRAIN, addr=addr, env=env, name=how)

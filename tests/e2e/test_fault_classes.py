@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hangwatch.coordinator.daemon import Coordinator
-from tests.conftest import Job, wait_for
+from hangwatch.testing import Job, wait_for
 
 Incident = dict[str, Any]
 

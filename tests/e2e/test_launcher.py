@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN
+from hangwatch.testing import BIN
 
 pytestmark = pytest.mark.slow
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, Job, start_coordinator_cli, wait_for
+from hangwatch.testing import BIN, BlackHole, Job, free_port, start_coordinator_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +42,7 @@ dist.destroy_process_group()
 
 
 def _start_coordinator(tmp_path: Path, port: int) -> subprocess.Popen[str]:
-    return start_coordinator_cli(tmp_path, port)[1]
+    return start_coordinator_cli(tmp_path / "data", port, stuck_after=3.0, cwd=tmp_path)[1]
 
 
 def _cli_json(addr: str, *args: str) -> object:
@@ -55,14 +53,8 @@ def _cli_json(addr: str, *args: str) -> object:
     return json.loads(out.stdout)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_coordinator_sigkill_and_restart(tmp_path: Path, torchrun: Callable[..., Job]) -> None:
-    port = _free_port()
+    port = free_port()
     addr = f"127.0.0.1:{port}"
     hang_file = tmp_path / "hang-now"
     coord = _start_coordinator(tmp_path, port)
@@ -104,31 +96,11 @@ def test_coordinator_sigkill_and_restart(tmp_path: Path, torchrun: Callable[...,
 
 
 def test_black_holed_coordinator_costs_the_job_nothing(tmp_path: Path, torchrun: Callable[..., Job]) -> None:
-    # accepts TCP connections, never answers a byte
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(64)
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        hole.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                accepted.append(hole.accept()[0])
-            except OSError:
-                continue
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
+    with BlackHole() as hole:  # accepts TCP connections, never answers a byte
         start = time.monotonic()
-        job = torchrun(TRAIN, addr=f"127.0.0.1:{hole.getsockname()[1]}", env={"STEPS": "150"}, name="hole")
+        job = torchrun(TRAIN, addr=hole.addr, env={"STEPS": "150"}, name="hole")
         assert job.wait(120) == 0, job.output()[-3000:]
         assert time.monotonic() - start < 90
         assert "Traceback" not in job.output()
         assert job.output().count("done; median step") == 2
-    finally:
-        stop.set()
-        hole.close()
-        for conn in accepted:
-            conn.close()
+        assert hole.accepted, "the ranks never connected: this test would prove nothing"

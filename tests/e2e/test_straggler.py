@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from hangwatch.coordinator.daemon import Coordinator
-from tests.conftest import Job, wait_for
+from hangwatch.testing import Job, wait_for
 
 pytestmark = pytest.mark.slow
 

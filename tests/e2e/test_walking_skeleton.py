@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, Job, start_coordinator_cli, wait_for
+from hangwatch.testing import BIN, Job, start_coordinator_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ for step in range(100):
 
 @pytest.fixture
 def coordinator_cli(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    addr, proc = start_coordinator_cli(tmp_path, stuck_after=4)
+    addr, proc = start_coordinator_cli(tmp_path / "data", stuck_after=4, cwd=tmp_path)
     yield addr, proc
     proc.terminate()
     proc.wait(10)

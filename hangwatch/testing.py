@@ -1,0 +1,198 @@
+"""Helpers shared by the test suite and the benchmarks: real jobs, real coordinators, bad networks.
+
+One implementation of what ``tests/`` and ``bench/`` both need: a free port, a bounded poll loop
+(:func:`wait_for`), a black-holed coordinator (:class:`BlackHole`: accepts TCP connections and
+never answers a byte), a ``hangwatch coordinator`` process (:func:`start_coordinator_cli`) and a
+``torchrun`` job (:func:`torchrun`, returning a :class:`Job`).
+
+Why it ships in the package rather than living in ``tests/``: the bench scripts run as
+``python bench/<name>.py`` from any checkout, where ``tests`` is not importable without path
+tricks but the installed ``hangwatch`` is; and the same helpers let a user rehearse a deployment
+(a job against a black-holed or restarted coordinator) without our test tree. It imports only
+the standard library (no torch, no pytest, no grpc), so importing it costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, TypeVar
+
+from hangwatch import config
+
+#: The folder of the running interpreter: where the ``hangwatch`` console script is installed.
+BIN = Path(sys.executable).parent
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago (nothing listens there now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.1, what: str = "condition") -> T:
+    """Poll ``predicate`` every ``interval`` seconds until it returns something truthy, and return
+    that; raise AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class BlackHole:
+    """A coordinator address that accepts TCP connections and never answers a byte.
+
+    Use as a context manager; ``addr`` is ``127.0.0.1:<port>``. Accepted connections are held
+    open (so a client's RPCs run into their deadlines) and closed on exit.
+    """
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self.port = int(self._sock.getsockname()[1])
+        self.addr = f"127.0.0.1:{self.port}"
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="black-hole", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.accepted.append(self._sock.accept()[0])
+            except OSError:
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+        self._sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+    def __enter__(self) -> BlackHole:
+        return self
+
+    def __exit__(self, tp: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def start_coordinator_cli(
+    data_dir: Path | str,
+    port: int = 0,
+    *,
+    stuck_after: float | None = None,
+    cwd: Path | str | None = None,
+    stderr: int | IO[Any] | None = subprocess.STDOUT,
+    timeout: float = 30.0,
+) -> tuple[str, subprocess.Popen[str]]:
+    """A real ``hangwatch coordinator`` process (metrics off) storing into ``data_dir``.
+
+    Returns the ``HANGWATCH_ADDR`` it prints once it serves, and the process (its stdout is a
+    pipe; ``stderr`` goes into it by default). Kills it and raises AssertionError if it prints
+    no address within ``timeout`` seconds.
+    """
+    args = [str(BIN / "hangwatch"), "coordinator", "--port", str(port), "--data-dir", str(data_dir)]
+    if stuck_after is not None:
+        args += ["--stuck-after", str(stuck_after)]
+    proc = subprocess.Popen([*args, "--metrics-port", "0"], cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        match = re.search(r"export HANGWATCH_ADDR=(\S+)", line)
+        if match:
+            return match.group(1), proc
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    proc.wait(10)
+    raise AssertionError("the coordinator did not print the HANGWATCH_ADDR to export")
+
+
+class Job:
+    """A running ``torchrun`` job; its output goes to ``log`` (None: discarded)."""
+
+    def __init__(self, proc: subprocess.Popen[str], log: Path | None) -> None:
+        self.proc = proc
+        self.log = log
+
+    def wait(self, timeout: float) -> int:
+        """The job's exit code; kills it and raises AssertionError (with its log) after ``timeout``."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"job did not finish in {timeout} s; log:\n{self.output()[-4000:]}") from None
+
+    def kill(self, grace: float = 10.0) -> None:
+        """Terminate the job (torchrun passes it on to the ranks); SIGKILL after ``grace`` seconds."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log is not None and self.log.exists() else ""
+
+
+def job_env(addr: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a job's ranks: no inherited ``HANGWATCH_*`` variable, one
+    OpenMP thread, unbuffered output, ``HANGWATCH_ADDR`` set to ``addr`` unless it is None."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    if addr is not None:
+        env[config.ENV_ADDR] = addr
+    env.update(extra or {})
+    return env
+
+
+def torchrun(
+    script: Path | str,
+    *,
+    nproc: int = 2,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: Path | str | None = None,
+    log: Path | None = None,
+) -> Job:
+    """Start ``python -m torch.distributed.run --standalone --nproc-per-node=<nproc> script args``.
+
+    ``env`` is the ranks' whole environment (see :func:`job_env`; None: this process's). Output
+    (stdout and stderr) goes to ``log``, or nowhere when ``log`` is None.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
+    if log is None:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    else:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    return Job(proc, log)
