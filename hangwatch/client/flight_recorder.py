@@ -57,6 +57,9 @@ class FlightRecorderPoller:
     def due(self, now: float) -> bool:
         return self.enabled and now - self._last_poll >= self.interval_s
 
+    #: Entries that could not be read (a newer torch's schema, a corrupt ring), counted and skipped.
+    skipped = 0
+
     def poll(self) -> None:
         self._last_poll = time.time()
         try:
@@ -66,8 +69,11 @@ class FlightRecorderPoller:
             self.enabled = False
             return
         newest: dict[str, int] = {}
-        for entry in entries:
-            self._handle(entry, newest)
+        for entry in entries if isinstance(entries, list) else ():
+            try:
+                self._handle(entry, newest)
+            except (AttributeError, TypeError, ValueError, IndexError):
+                self.skipped += 1  # one malformed entry: skip it, keep the others and the poller
         # Collectives on a group complete in order: an older open record is done once a newer
         # collective exists on the same group (Flight Recorder keeps works alive past completion).
         for key, record in list(self._open.items()):
