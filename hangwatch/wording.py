@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from hangwatch import catalogue
-from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord, TensorMeta
+from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord, RankEnd, TensorMeta
 
 #: How many tensors :func:`describe_call` shows before "… (+N)".
 SHOW_TENSORS = 3
@@ -185,3 +185,27 @@ def p2p_doing(p: CallRecord, me: CallRecord) -> str:
     if p.group != me.group:
         text += f" in group {p.group}"
     return text
+
+
+def doing(end: RankEnd | None, blocked: CallRecord | None, where: str, where_user: str, now: float) -> str:
+    """What a rank is doing right now, in one clause, as well as can be told without py-spy:
+    how it ended, the oldest call it waits in, or the user frame its main thread is in."""
+    if end is not None:
+        at = f" at {end.call_site}" if end.call_site else ""
+        return {
+            "clean_exit": f"has exited its script{at}",
+            "destroyed": f"called destroy_process_group(){at}",
+            "exception": f"died with {end.detail}{at}",
+            "signal": f"was killed by {end.detail}{at}",
+        }.get(end.kind.value, "has ended")
+    if blocked is not None:
+        waited = now - blocked.enter_time
+        return (
+            f"is waiting in {blocked.op} (group {blocked.group}, seq {blocked.seq}) at "
+            f"{blocked.call_site or '?'} for {waited:.0f} s"
+        )
+    if where_user:
+        if where and where != where_user:
+            return f"is busy in {where_user} (innermost: {where})"
+        return f"is busy in {where_user}"
+    return "is outside any collective"

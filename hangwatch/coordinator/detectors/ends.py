@@ -12,8 +12,8 @@ from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.rules import describe_call, format_ranks
 from hangwatch.coordinator.state import JobState, RankState
+from hangwatch.wording import describe_call, format_ranks
 
 CLEAN = (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
 #: Signals a launcher or scheduler sends to stop a whole job.

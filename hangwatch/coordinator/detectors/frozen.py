@@ -11,8 +11,8 @@ from __future__ import annotations
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.rules import format_ranks
 from hangwatch.coordinator.state import JobState
+from hangwatch.wording import format_ranks
 
 _STATE_TEXT = {
     r.ProcState.STOPPED: "is stopped (SIGSTOP or a debugger)",

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.rules import compare_collective, explain_extra_call, format_ranks
+from hangwatch.coordinator.rules import compare_collective, explain_extra_call
 from hangwatch.coordinator.state import JobState, Slot
+from hangwatch.wording import format_ranks
 
 
 @dataclass

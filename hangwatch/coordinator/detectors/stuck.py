@@ -14,10 +14,9 @@ from __future__ import annotations
 from hangwatch import catalogue, config
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
-from hangwatch.coordinator.detectors.describe import doing
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.rules import describe_call, format_ranks
 from hangwatch.coordinator.state import JobState, RankState, Slot
+from hangwatch.wording import describe_call, doing, format_ranks
 
 EARLY_EXIT_HINT = (
     "Stop every rank at the same step: make the stop decision collectively (all_reduce the stop "
@@ -152,7 +151,9 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         known_from += config.FR_POLL_INTERVAL_S
     if any(st.end is None and st.last_sent < known_from for st in present.values()):
         return None
-    doings = {rk: doing(st, ctx.now) for rk, st in sorted(present.items())}
+    doings = {
+        rk: doing(st.end, st.oldest_open(), st.where, st.where_user, ctx.now) for rk, st in sorted(present.items())
+    }
     details["absent"] = {str(rk): text for rk, text in doings.items()}
     absent_text = "; ".join(f"rank {rk} {text}" for rk, text in doings.items())
     plural = len(absent) > 1
