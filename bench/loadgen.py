@@ -56,6 +56,7 @@ from typing import Any
 from hangwatch.agent.relay import DEFAULT_INTERVAL_S as RELAY_INTERVAL_S
 from hangwatch.agent.relay import MAX_INTERVAL_S as RELAY_MAX_INTERVAL_S
 from hangwatch.client.sender import MAX_BATCH, SEND_INTERVAL_S
+from hangwatch.signatures import CallEncoder
 
 PATTERNS = ("ddp", "fsdp", "pipeline", "mixed")
 FAULTS = ("none", "stuck", "shape", "op", "dtype", "early_exit")
@@ -174,6 +175,7 @@ class RankSim:
     identity: Any  # records.RankIdentity
     transport: Any  # client.transport.Transport
     relay: Any = None  # agent.relay.Relay of its node, in relay mode
+    encoder: Any = None  # signatures.CallEncoder: calls in columns, as a rank's batches carry them
     interval: float = SEND_INTERVAL_S  # what the coordinator asked for at registration
     next_enter: int = 0
     next_exit: int = 0
@@ -247,7 +249,7 @@ class Worker:
                 hook_version="loadgen",
             )
             transport = Transport(cfg.addr, cfg.token, timeout_s=cfg.timeout_s, options=OWN_CONNECTION)
-            self.sims.append(RankSim(rk, ident, transport))
+            self.sims.append(RankSim(rk, ident, transport, encoder=CallEncoder()))
         self.relays: dict[int, Any] = {}
         self.replay_calls = 0
         if cfg.relay:
@@ -411,6 +413,7 @@ class Worker:
                     f"coordinator asked for {reply.report_interval_s} s, batches built for {sim.interval}"
                 )
             return reply
+        sim.encoder.reset()  # whatever the outcome, the coordinator's table for this rank starts empty
         if sim.relay is None:
             return sim.transport.register(sim.identity)
         from hangwatch import wire
@@ -418,7 +421,6 @@ class Worker:
 
         request = pb.RegisterRequest(token=self.cfg.token)
         wire.identity_to_pb(sim.identity, request.identity)
-        sim.transport.encoder.reset()
         return sim.relay.register(request, timeout=self.cfg.timeout_s)
 
     def heartbeat_all(self) -> None:
@@ -441,15 +443,21 @@ class Worker:
             for sim in self.sims:
                 sim.transport.close()
 
+    def _build(self, sim: RankSim, events: list[Any]) -> Any:
+        """The batch a rank sends: the header, then its calls in columns (what the rank's ring
+        becomes on the wire, ``hangwatch.ringwire``), built from typed events here."""
+        batch = sim.transport.build_report(sim.identity, sim.batch_seq, [], 0, 0, "train.py:120", "")
+        sim.encoder.encode(events, batch)
+        return batch
+
     def _report(self, sim: RankSim, events: list[Any]) -> Any:
+        batch = self._build(sim, events)
         if sim.relay is None:
-            return sim.transport.report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
-        batch = sim.transport.build_report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
+            return sim.transport._get_stub().Report(batch, timeout=self.cfg.timeout_s)
         batch.token = ""
         reply = sim.relay.submit(batch, min(1.8, self.cfg.timeout_s))
         if isinstance(reply, str):
-            sim.transport.encoder.reset()  # as the real sender does after a failure: register again
-            self._register(sim)
+            self._register(sim)  # as the real sender does after a failure: register again
             raise RuntimeError(reply)
         return reply
 
@@ -531,7 +539,7 @@ class Worker:
             while due < base + cfg.seconds and not sim.ended:
                 events = self.events_until(sim, due)
                 sim.batch_seq += 1
-                batch = sim.transport.build_report(sim.identity, sim.batch_seq, events, 0, 0, "train.py:120", "")
+                batch = self._build(sim, events)
                 batch.sent_time = due
                 ncalls = sum(1 for e in events if isinstance(e, self.r.CallRecord))
                 reports.append((due - base, sim.rank, batch, len(events), ncalls))

@@ -7,6 +7,8 @@ This module imports nothing heavy: the in-rank bootstrap reads it at interpreter
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 
 # --- environment variables -------------------------------------------------------------
 
@@ -32,8 +34,12 @@ ENV_JOB_ID = "HANGWATCH_JOB_ID"
 ENV_DATA_DIR = "HANGWATCH_DATA_DIR"
 #: Seconds a collective may wait before the hang detectors consider it stuck.
 ENV_STUCK_AFTER = "HANGWATCH_STUCK_AFTER"
-#: Capacity of the in-rank event queue; events beyond it are dropped and counted.
+#: Slots of a rank's shared-memory ring (one record each); the oldest unread are overwritten
+#: (and counted) when whoever reads the ring falls this far behind.
 ENV_QUEUE_SIZE = "HANGWATCH_QUEUE_SIZE"
+#: The node agent's Unix socket that ranks link to (default: ``agent-<port>.sock`` in this user's
+#: private directory, ``<port>`` being the coordinator's, or the relay's, from ``HANGWATCH_ADDR``).
+ENV_AGENT_SOCKET = "HANGWATCH_AGENT_SOCKET"
 #: Seconds between heartbeats from a rank's sender thread.
 ENV_HEARTBEAT = "HANGWATCH_HEARTBEAT"
 #: Client log level (``debug``, ``info``, ``warning``; default ``warning``).
@@ -116,6 +122,32 @@ def env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         return default
+
+
+def private_dir() -> str:
+    """``$XDG_RUNTIME_DIR/hangwatch`` (else ``<tmp>/hangwatch-<uid>``), created 0700; an error
+    if it exists and is not a directory of this user that only this user can enter."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = (
+        os.path.join(runtime, "hangwatch")
+        if runtime
+        else os.path.join(tempfile.gettempdir(), f"hangwatch-{os.getuid()}")
+    )
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{base} is not a private directory of this user (0700)")
+    return base
+
+
+def agent_socket_path(addr: str | None = None) -> str:
+    """Where a rank finds its node agent: ``HANGWATCH_AGENT_SOCKET``, else the socket the
+    coordinator's embedded agent (or a relaying agent) listening on ``addr``'s port opens."""
+    explicit = os.environ.get(ENV_AGENT_SOCKET)
+    if explicit:
+        return explicit
+    port = (addr or default_addr()).rsplit(":", 1)[-1]
+    return os.path.join(private_dir(), f"agent-{port}.sock")
 
 
 def job_id_from_env() -> str:

@@ -318,6 +318,17 @@ class RingReader:
         self.position = p
         return Batch(slots=out, blobs=blobs, lost=lost)
 
+    def backlog(self) -> int:
+        """Published slots not read yet (a scan: call it when a poll came back full)."""
+        n = 0
+        p = self.position
+        while n < self.capacity:
+            slot = self._read(p + n)
+            if not slot.stamp == slot.stamp_end == p + n + 1:
+                break
+            n += 1
+        return n
+
     def last(self, n: int) -> list[Slot]:
         """The newest ``n`` whole slots (for a rank that is gone: what was it doing last?)."""
         newest = self.head()

@@ -97,7 +97,7 @@ class FlightRecorderPoller:
 
     def _close(self, key: tuple[str, int], record: r.CallRecord) -> None:
         del self._open[key]
-        self.recorder.queue.put(r.CallExit(self.recorder.rank, record.call_id, time.time(), None, 1))
+        self.recorder.sink.put(r.CallExit(self.recorder.rank, record.call_id, time.time(), None, 1))
 
     def _handle(self, entry: dict[str, Any], newest: dict[str, int]) -> None:
         seq = int(entry.get("collective_seq_id") or 0)
@@ -135,8 +135,8 @@ class FlightRecorderPoller:
             enter_time=created,
             source="flight_recorder",
         )
-        self.recorder.queue.put(record)
+        self.recorder.sink.put(record)
         if entry.get("retired"):
-            self.recorder.queue.put(r.CallExit(self.recorder.rank, record.call_id, time.time(), None, 1))
+            self.recorder.sink.put(r.CallExit(self.recorder.rank, record.call_id, time.time(), None, 1))
         else:
             self._open[key] = record

@@ -26,7 +26,7 @@ def _marker(name: str, detail: str) -> None:
     if current is None:
         return
     rec = current.recorder
-    current.queue.put(r.MarkerEvent(rec.rank, name, time.time(), detail, rec.call_site(3), rec.step))
+    current.sink.put(r.MarkerEvent(rec.rank, name, time.time(), detail, rec.call_site(3), rec.step))
 
 
 def _wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:

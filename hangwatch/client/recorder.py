@@ -1,9 +1,11 @@
 """Turns a ``torch.distributed`` call into records, on the calling thread, in a few microseconds.
 
 Only cheap work happens here: reading shapes and dtypes, the process group's own sequence
-number, and the caller's frame (cached per code location). Records go into a bounded deque
-that the sender thread drains; when it is full the record is dropped and counted, never waited
-for. Serialisation and the network live in ``sender``.
+number, and the caller's frame (cached per code location). The call's fixed part is looked up
+in the rank's signature table (stored as a blob the first time it is seen) and the record is
+packed into the rank's shared-memory ring (``ringsink``) before the call is issued: it is
+outside the process from then on, and no Python object per record is left behind. Shipping lives
+elsewhere (the node agent, or ``sender`` where no agent runs).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 from hangwatch import records as r
 from hangwatch.client.ops import OpSpec
+from hangwatch.client.ringsink import RingSink
+from hangwatch.ring import HEADER_SIZE, SLOT_SIZE, Kind
 
 _now = time.time
 _SUM = "sum"  # the reduce op when the caller passes none
@@ -39,35 +43,6 @@ _LIBRARY_MARKERS = (
 
 def _is_library(filename: str) -> bool:
     return any(marker in filename for marker in _LIBRARY_MARKERS)
-
-
-class EventQueue:
-    """A bounded, lock-free (deque-based) queue that drops and counts instead of blocking."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        # typed events, or the hot path's raw tuples (see Recorder.materialize)
-        self.items: collections.deque[Any] = collections.deque()
-        self.dropped = 0
-
-    def put(self, event: Any) -> None:
-        if len(self.items) >= self.capacity:
-            self.dropped += 1
-            return
-        self.items.append(event)
-
-    def drain(self, limit: int) -> list[Any]:
-        out: list[Any] = []
-        pop = self.items.popleft
-        try:
-            for _ in range(limit):
-                out.append(pop())
-        except IndexError:
-            pass
-        return out
-
-    def __len__(self) -> int:
-        return len(self.items)
 
 
 class GroupTable:
@@ -119,9 +94,9 @@ class GroupTable:
 class Recorder:
     """Per-process recording state shared by every wrapped call."""
 
-    def __init__(self, rank: int, queue: EventQueue, c10d: Any) -> None:
+    def __init__(self, rank: int, sink: RingSink, c10d: Any) -> None:
         self.rank = rank
-        self.queue = queue
+        self.sink = sink
         self.c10d = c10d
         self.groups = GroupTable()
         self.step = 0
@@ -136,7 +111,8 @@ class Recorder:
         self.pending: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
         self.default_pg: Any = None  # cached: looking it up costs more than the rest of a record
         self.lock = threading.Lock()  # only for rare paths (groups); never held by the hot path
-        self._signatures: set[tuple[Any, ...]] = set()
+        self.novel = 0  # signatures first seen so far (a new one is flushed where no agent reads the ring)
+        self._last_novel = False
         self.flush_novel = True  # turned off when such a flush times out
 
     # ---- helpers ------------------------------------------------------------------------
@@ -178,7 +154,7 @@ class Recorder:
             with self.lock:
                 info, new = self.groups.learn(pg, self.c10d)
             if new:
-                self.queue.put(r.GroupEvent(self.rank, r.GroupEventKind.CREATED, info, _now()))
+                self.sink.put(r.GroupEvent(self.rank, r.GroupEventKind.CREATED, info, _now()))
         return info
 
     # ---- the hot path --------------------------------------------------------------------
@@ -187,7 +163,8 @@ class Recorder:
         """Record a call about to be issued. Returns the raw record, its group and the op count.
 
         Only raw values are captured here (``torch.Size``/``torch.dtype`` objects, the code location
-        of the caller); the sender thread turns them into a :class:`CallRecord` (``materialize``).
+        of the caller); they become a :class:`CallRecord` (``materialize``) only the first time
+        their signature is seen, to store its fixed part in the ring.
         """
         group = params.get("group")
         pg = group if group is not None else (self.default_pg or self.c10d._get_default_group())
@@ -213,41 +190,36 @@ class Recorder:
         extra = self._extra(spec, params, pg) if spec.extra else None
         ins = _raw_metas(spec, spec.inputs, params) if spec.inputs else ()
         outs = _raw_metas(spec, spec.outputs, params) if spec.outputs else ()
-        raw: RawCall = (
-            next(self._ids),
-            spec,
-            name,
-            seq,
-            ins,
-            outs,
-            reduce_raw,
-            root,
-            peer,
-            spec.always_async or bool(params.get("async_op", False)),
-            self.step,
-            self.call_site(3),
-            _now(),
-            extra,
-        )
-        self.queue.put(raw)
+        async_op = spec.always_async or bool(params.get("async_op", False))
+        site = self.call_site(3)
+        call_id = next(self._ids)
+        step = self.step
+        now = _now()
+        raw: RawCall = (call_id, spec, name, seq, ins, outs, reduce_raw, root, peer, async_op, step, site, now, extra)
+        sink = self.sink
+        key = (spec, name, ins, outs, reduce_raw, root, peer, async_op, site, _frozen(extra) if extra else None)
+        ref = sink.signatures.get(key)
+        self._last_novel = ref is None
+        if ref is None:
+            self.novel += 1
+            ref = sink.intern(key, self.materialize(raw))
+        h = next(sink.positions)
+        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, Kind.ENTER, async_op, 0, ref,
+                  call_id & _MASK, seq & _MASK, step & _MASK, 0, now, h + 1)  # fmt: skip
         return raw, pg, ops_before
 
     def is_novel(self, raw: RawCall) -> bool:
-        """True the first time this rank makes a call with this signature (op, group, root, reduce
-        op, shapes, dtypes and call site), for the first :data:`MAX_NOVEL_SIGNATURES` signatures.
-        Such a call is flushed to the coordinator before the backend sees it: a mismatched call is
-        nearly always new on at least one side (new arguments, or a code path not taken before),
-        and gloo may kill both processes inside it (float32 vs float64) before the sender
-        thread's next batch. Steady loops repeat signatures and pay nothing."""
-        if not self.flush_novel:
+        """True when the call ``enter`` just recorded has a signature (op, group, root, reduce op,
+        shapes, dtypes, call site) this rank had not made before, for the first
+        :data:`MAX_NOVEL_SIGNATURES` of them. Where no agent reads the ring from outside, such a
+        call is flushed to the coordinator before the backend sees it: a mismatched call is
+        nearly always new on at least one side, and gloo may kill the process inside it before
+        the next batch. Steady loops repeat signatures and pay nothing."""
+        if not self.flush_novel or not self._last_novel:
             return False
-        sig = (raw[1].name, raw[2], raw[4], raw[5], raw[6], raw[7], raw[8], raw[11])
-        if sig in self._signatures:
-            return False
-        if len(self._signatures) >= MAX_NOVEL_SIGNATURES:
+        if self.novel > MAX_NOVEL_SIGNATURES:
             self.flush_novel = False
             return False
-        self._signatures.add(sig)
         return True
 
     def exit(self, raw: RawCall, pg: Any, ops_before: int, error: BaseException | None, result: Any = None) -> None:
@@ -273,8 +245,11 @@ class Recorder:
             works = result if isinstance(result, list) else [result]
             self.pending.append((raw[0], issued, [w for w in works if w is not None]))
             return
-        err = None if error is None else f"{type(error).__name__}: {error}"
-        self.queue.put((raw[0], _now(), err, issued))
+        sink = self.sink
+        ref = 0 if error is None else sink.text(f"{type(error).__name__}: {error}")
+        h = next(sink.positions)
+        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, Kind.EXIT, 0, issued & 0xFFFF, ref,
+                  raw[0] & _MASK, 0, 0, 0, _now(), h + 1)  # fmt: skip
 
     def poll_pending(self) -> None:
         """Record completion of async works that finished (called from the sender thread)."""
@@ -287,17 +262,12 @@ class Recorder:
             except Exception:
                 done = True
             if done:
-                self.queue.put(r.CallExit(self.rank, call_id, _now(), None, issued))
+                self.sink.put(r.CallExit(self.rank, call_id, _now(), None, issued))
             else:
                 self.pending.append((call_id, issued, works))
 
-    def materialize(self, item: Any) -> r.RankEvent:
-        """Turn a raw queue item into a typed record (on the sender thread)."""
-        if not isinstance(item, tuple):
-            return item  # type: ignore[no-any-return]
-        if len(item) == 4:
-            call_id, when, err, issued = item
-            return r.CallExit(self.rank, call_id, when, err, issued)
+    def materialize(self, item: RawCall) -> r.CallRecord:
+        """Turn a raw call into a typed record (once per signature: its blob is made from it)."""
         call_id, spec, group, seq, ins, outs, reduce_raw, root, peer, async_op, step, site, when, extra = item
         return r.CallRecord(
             rank=self.rank,
@@ -375,6 +345,13 @@ def _reduce_name(red: Any) -> str:
         return name.lower()
     text = str(red)
     return text.rsplit(".", 1)[-1].lower()
+
+
+_MASK = 0xFFFFFFFF
+
+
+def _frozen(extra: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(extra.items()))
 
 
 #: A raw call as the hot path records it: (call_id, spec, group, seq, inputs, outputs, reduce op,

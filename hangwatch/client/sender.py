@@ -1,10 +1,18 @@
-"""The daemon thread that ships a rank's events: batches, heartbeats, reconnects, flushes.
+"""The rank's daemon thread: what only the rank can see, and shipping where no agent reads.
 
-The calling threads only append to the bounded queue. This thread drains it every
-``interval_s``, sends one unary ``Report`` per batch (every batch is also a heartbeat, sent at
-least every ``heartbeat_s`` even when idle), registers and re-registers when the coordinator
-asks (it restarted), and backs off while the coordinator is unreachable. Nothing here ever
-raises into the training job.
+The calling threads write their records into the rank's ring (``ringsink``). Two modes:
+
+- **linked** (a node agent holds the ring): the agent reads and ships the records; this thread
+  only polls async works for completion and Flight Recorder for C++-issued collectives, and
+  publishes where the main thread is (the ring's status) every ``heartbeat_s``. No gRPC in the
+  rank, no per-record work here.
+- **direct** (no agent on this node): the thread reads its own ring every ``interval_s`` and
+  sends one unary ``Report`` per batch (every batch is also a heartbeat, sent at least every
+  ``heartbeat_s`` even when idle), registers and re-registers when the coordinator asks (it
+  restarted), and backs off while the coordinator is unreachable; what it cannot send in time
+  is overwritten in the ring and counted (``dropped``).
+
+Nothing here ever raises into the training job.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from hangwatch import config
 from hangwatch import records as r
+from hangwatch.ring import Batch
 
 if TYPE_CHECKING:
     from hangwatch.client.recorder import Recorder
@@ -51,6 +60,7 @@ class ReportTransport(Protocol):
         where: str = "",
         where_user: str = "",
         urgent: bool = False,
+        ring: Batch | None = None,
     ) -> pb.ReportReply: ...
 
     def close(self) -> None: ...
@@ -167,30 +177,68 @@ class Sender:
             log.warning("hangwatch: sender stopped after an internal error: %s", exc)
 
     def _loop(self) -> None:
+        if self.session.link is not None:
+            self._loop_linked()
+        else:
+            self._loop_direct()
+
+    def _poll(self, poller: Poller | None, now: float, final: bool) -> None:
+        """Async completions, and Flight Recorder (also when the rank ends: C++-issued
+        collectives since the last poll, DDP's last buckets, would otherwise never be seen)."""
+        try:
+            self.session.recorder.poll_pending()
+            if poller is not None and (final or poller.due(now)):
+                poller.poll()
+        except Exception as exc:
+            self.session.fail("polling async works", exc)
+
+    def _loop_linked(self) -> None:
+        """The node agent reads the ring from outside: nothing to ship from here. The thread
+        only records what it alone can see (async completions, Flight Recorder entries) and
+        publishes where the main thread is, every heartbeat."""
+        session = self.session
+        clock = self._clock
+        poller = self._poller_factory(session.recorder)
+        last_status = 0.0
+        while True:
+            stopping = self._stop.is_set()
+            flushing = self._flush_requested.is_set()
+            now = clock()
+            self._poll(poller, now, flushing or stopping)
+            if now - last_status >= self.heartbeat_s or flushing:
+                where, where_user = self._where()
+                session.sink.set_status(f"{where}\n{where_user}", time.time())
+                last_status = now
+            if flushing:
+                self._flush_requested.clear()
+                self._flushed.set()
+            if stopping:
+                return
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def _loop_direct(self) -> None:
+        """No agent on this node: read the rank's own ring and ship it to the coordinator."""
+        from hangwatch.ring import RingReader
+
         session = self.session
         recorder = session.recorder
-        queue = session.queue
         clock = self._clock
         transport = self._transport_factory(self.addr, self.token)
         poller = self._poller_factory(recorder)
+        reader = RingReader(session.sink.fd)
         backoff = 0.25
         retry_at = 0.0
         last_sent = 0.0
         batch_seq = 0
-        pending: list[r.RankEvent] = []
+        announce: list[r.RankEvent] = []
+        pending: Batch | None = None
         warned = False
         while True:
             stopping = self._stop.is_set()
             flushing = self._flush_requested.is_set()
             now = clock()
-            try:
-                recorder.poll_pending()
-                # Also on a flush (the rank is ending): C++-issued collectives since the last
-                # poll (DDP's last buckets) would otherwise never be reported.
-                if poller is not None and (flushing or stopping or poller.due(now)):
-                    poller.poll()
-            except Exception as exc:
-                session.fail("polling async works", exc)
+            self._poll(poller, now, flushing or stopping)
             if now >= retry_at or flushing:
                 try:
                     if not self.registered:
@@ -198,36 +246,39 @@ class Sender:
                         self.registered = True
                         if self.coordinator_id and reply.coordinator_id != self.coordinator_id:
                             # a restarted coordinator knows nothing of our groups: announce them again
-                            pending = self._group_announcements() + pending
+                            announce = self._group_announcements()
                         self.coordinator_id = reply.coordinator_id
                         if reply.report_interval_s > 0:  # large jobs: the coordinator asks for fewer RPCs
                             self.interval_s = min(max(reply.report_interval_s, MIN_INTERVAL_S), MAX_INTERVAL_S)
-                    if not pending:
-                        pending = [recorder.materialize(item) for item in queue.drain(MAX_BATCH)]
-                    if pending or now - last_sent >= self.heartbeat_s or flushing:
+                    if pending is None:
+                        pending = reader.poll(MAX_BATCH)
+                    if pending.slots or announce or now - last_sent >= self.heartbeat_s or flushing:
                         where, where_user = self._where()
                         batch_seq += 1
+                        backlog = reader.backlog() if len(pending.slots) >= MAX_BATCH else 0
                         ack = transport.report(
                             session.identity,
                             batch_seq,
-                            pending,
-                            len(queue),
-                            queue.dropped,
+                            announce,
+                            backlog,
+                            reader.lost,
                             where,
                             where_user,
                             urgent=flushing,
+                            ring=pending,
                         )
                         if ack.reregister:
                             self.registered = False
                             retry_at = 0.0
-                            continue  # register, then resend the same batch
-                        pending = []
+                            continue  # register, then resend the same records
+                        pending = None
+                        announce = []
                         last_sent = now
                         self.batches_sent += 1
                         backoff = 0.25
                         warned = False
-                        if len(queue) >= MAX_BATCH:
-                            continue  # more to send right away
+                        if backlog >= MAX_BATCH:
+                            continue  # another full batch waiting: send it right away
                 except Exception as exc:
                     self.send_failures += 1
                     self.registered = False
@@ -241,11 +292,14 @@ class Sender:
                         warned = True
                     retry_at = clock() + backoff
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    if pending is not None and not pending.slots:
+                        pending = None
             if flushing:
                 self._flush_requested.clear()
                 self._flushed.set()
             if stopping:
                 transport.close()
+                reader.close()
                 return
             self._wake.wait(self.interval_s)  # a flush or stop wakes the thread at once
             self._wake.clear()

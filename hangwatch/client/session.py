@@ -19,10 +19,11 @@ import uuid
 from types import TracebackType
 from typing import Any
 
-from hangwatch import __version__, config
+from hangwatch import __version__, config, link
 from hangwatch import records as r
-from hangwatch.client import capture
-from hangwatch.client.recorder import EventQueue, Recorder
+from hangwatch.client import capture, workerserver
+from hangwatch.client.recorder import Recorder
+from hangwatch.client.ringsink import RingSink
 
 log = logging.getLogger("hangwatch.client")
 
@@ -31,15 +32,57 @@ _settings: dict[str, Any] = {}
 
 
 class Session:
-    def __init__(self, identity: r.RankIdentity, addr: str, token: str | None, c10d: Any) -> None:
+    """One attached rank: its ring, its recorder, its link to the node agent, its sender thread.
+
+    ``link`` is the connection to the node agent that holds the ring (None: no agent on this
+    node, and the sender ships the ring itself); ``agent_socket`` None skips looking for one."""
+
+    def __init__(
+        self,
+        identity: r.RankIdentity,
+        addr: str,
+        token: str | None,
+        c10d: Any,
+        agent_socket: str | None = None,
+        **sender_seams: Any,
+    ) -> None:
         from hangwatch.client.sender import Sender
 
         self.identity = identity
-        self.queue = EventQueue(config.env_int(config.ENV_QUEUE_SIZE, config.DEFAULT_QUEUE_SIZE))
-        self.recorder = Recorder(identity.rank, self.queue, c10d)
-        self.sender = Sender(self, addr, token)
+        self.sink = RingSink(config.env_int(config.ENV_QUEUE_SIZE, config.DEFAULT_QUEUE_SIZE), rank=identity.rank)
+        self.recorder = Recorder(identity.rank, self.sink, c10d)
+        self.worker_server = workerserver.start() if agent_socket else None
+        self.link = link.connect(agent_socket, self.hello(), [self.sink.fd]) if agent_socket else None
+        if self.link is not None:
+            self.recorder.flush_novel = False  # every record is outside the rank already
+        elif self.worker_server is not None:
+            self.worker_server.stop()  # nobody on this node to read it
+            self.worker_server = None
+        self.sender = Sender(self, addr, token, **sender_seams)
         self.ended = False
         self._failures: set[str] = set()
+
+    @property
+    def via(self) -> str:
+        return "agent" if self.link is not None else "direct"
+
+    def hello(self) -> dict[str, Any]:
+        """What the rank says of itself to its node agent (its pid, uid and liveness the agent
+        takes from the kernel instead)."""
+        i = self.identity
+        return {
+            "job_id": i.job_id,
+            "rank": i.rank,
+            "world_size": i.world_size,
+            "local_rank": i.local_rank,
+            "session": i.session,
+            "host": i.host,
+            "backend": i.backend,
+            "torch_version": i.torch_version,
+            "hook_version": i.hook_version,
+            "pid": i.pid,
+            "worker_socket": self.worker_server.path if self.worker_server is not None else "",
+        }
 
     def fail(self, what: str, exc: BaseException) -> None:
         """An internal error: log it once, and stop recording calls (the job goes on)."""
@@ -64,7 +107,7 @@ class Session:
         if self.ended:
             return
         self.ended = True
-        self.queue.put(
+        self.sink.put(
             r.RankEnd(self.identity.rank, kind, time.time(), detail, call_site, exit_code, self.recorder.step)
         )
         self.sender.flush(flush_timeout)
@@ -126,7 +169,9 @@ def after_init(params: dict[str, Any]) -> None:
             hook_version=__version__,
             pid_namespace=_pid_namespace(),
         )
-        session = Session(identity, addr, _settings.get("token") or os.environ.get(config.ENV_TOKEN), c10d)
+        session = Session(
+            identity, addr, _settings.get("token") or os.environ.get(config.ENV_TOKEN), c10d, _agent_socket(addr)
+        )
         os.environ[config.ENV_RANK_PID] = str(os.getpid())
         session.recorder.default_pg = c10d._get_default_group()
         session.recorder.group_info(session.recorder.default_pg)
@@ -166,7 +211,7 @@ def after_destroy(info: Any) -> None:
     session = _session
     if session is None or info is None:
         return
-    session.queue.put(r.GroupEvent(session.identity.rank, r.GroupEventKind.DESTROYED, info, time.time()))
+    session.sink.put(r.GroupEvent(session.identity.rank, r.GroupEventKind.DESTROYED, info, time.time()))
 
 
 def step(n: int | None = None) -> None:
@@ -175,7 +220,7 @@ def step(n: int | None = None) -> None:
         return
     rec = session.recorder
     rec.step = rec.step + 1 if n is None else int(n)
-    session.queue.put(r.StepEvent(rec.rank, rec.step, time.time()))
+    session.sink.put(r.StepEvent(rec.rank, rec.step, time.time()))
 
 
 # ---- the end of a rank ------------------------------------------------------------------
@@ -223,11 +268,26 @@ def _install_step_hook() -> None:
         log.debug("hangwatch: no optimizer step hook: %s", exc)
 
 
+def _agent_socket(addr: str) -> str | None:
+    try:
+        return config.agent_socket_path(addr)
+    except Exception:
+        return None
+
+
 def _after_fork_in_child() -> None:
-    """A forked child (e.g. a DataLoader worker) is not a rank: drop everything inherited."""
+    """A forked child (e.g. a DataLoader worker) is not a rank: drop everything inherited, and
+    close the inherited link first, or the agent would not see the rank's death while the child
+    lives (the connection closes when its last descriptor does)."""
     global _session
+    inherited = _session
     _session = None
     capture.set_session(None)
+    if inherited is not None and inherited.link is not None:
+        try:
+            inherited.link.close()
+        except Exception:
+            pass
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

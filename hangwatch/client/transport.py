@@ -15,7 +15,8 @@ from hangwatch import records as r
 from hangwatch import tls, wire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
-from hangwatch.signatures import CallEncoder
+from hangwatch.ring import Batch
+from hangwatch.ringwire import RingEncoder
 
 #: Keepalive settings aligned with the coordinator's (server permits pings every 10 s).
 CHANNEL_OPTIONS = [
@@ -39,7 +40,7 @@ class Transport:
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CoordinatorStub | None = None
-        self.encoder = CallEncoder()
+        self.encoder = RingEncoder()
 
     def _get_stub(self) -> pb_grpc.CoordinatorStub:
         if self._stub is None:
@@ -73,8 +74,9 @@ class Transport:
         where: str = "",
         where_user: str = "",
         urgent: bool = False,
+        ring: Batch | None = None,
     ) -> pb.ReportReply:
-        batch = self.build_report(identity, batch_seq, events, queued, dropped, where, where_user)
+        batch = self.build_report(identity, batch_seq, events, queued, dropped, where, where_user, ring)
         batch.urgent = urgent
         reply: pb.ReportReply = self._get_stub().Report(batch, timeout=self.timeout_s)
         return reply
@@ -88,8 +90,11 @@ class Transport:
         dropped: int,
         where: str = "",
         where_user: str = "",
+        ring: Batch | None = None,
     ) -> pb.ReportBatch:
-        """The batch ``report`` sends (its new call signatures count as sent from here on)."""
+        """The batch ``report`` sends: ``events`` (rare typed events, e.g. group announcements)
+        as whole events, then the records read from the rank's ring (their new call signatures
+        count as sent from here on)."""
         batch = pb.ReportBatch(
             token=self.token,
             job_id=identity.job_id,
@@ -102,5 +107,8 @@ class Transport:
             where=where,
             where_user=where_user,
         )
-        self.encoder.encode(events, batch)
+        for event in events:
+            wire.event_to_pb(event, batch.events.add())
+        if ring is not None:
+            self.encoder.encode(ring, batch)
         return batch

@@ -17,27 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
-import tempfile
 from typing import Any
+
+from hangwatch.config import private_dir
 
 #: torch's variable for the worker server's socket (torch.distributed.elastic.control_plane).
 USER_SOCKET_ENV = "TORCH_WORKER_SERVER_SOCKET"
-
-
-def private_dir() -> str:
-    """``$XDG_RUNTIME_DIR/hangwatch`` (or ``/tmp/hangwatch-<uid>``), 0700 and ours, or an error."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    path = (
-        os.path.join(runtime, "hangwatch")
-        if runtime
-        else os.path.join(tempfile.gettempdir(), f"hangwatch-{os.getuid()}")
-    )
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{path} is not a private directory of this user")
-    return path
 
 
 class WorkerServer:

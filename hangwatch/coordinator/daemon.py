@@ -8,13 +8,14 @@ coordinator.stop()
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hangwatch import config, tls
 from hangwatch import records as r
@@ -24,13 +25,16 @@ from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.server import BindError, RpcServer
-from hangwatch.coordinator.servicer import BLOCKING, CoordinatorServicer
+from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, IntakeError
 from hangwatch.coordinator.state import JobState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import status_json
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.serving import is_loopback
 from hangwatch.signatures import CallDecoder
+
+if TYPE_CHECKING:
+    from hangwatch.agent.rings import RingServer
 
 log = logging.getLogger("hangwatch.coordinator")
 
@@ -60,6 +64,7 @@ class CoordinatorOptions:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA
     alert_webhook: str | None = None
+    agent_socket: str | None = None  # the embedded agent's socket for rank links (default: config)
 
 
 def report_interval_for(world_size: int) -> float:
@@ -118,6 +123,7 @@ class Coordinator:
             self.alerter = WebhookAlerter(options.alert_webhook)
             self.engine.listeners.append(self.alerter)
         self.metrics: MetricsServer | None = None
+        self.rings: RingServer | None = None
 
     def _next_id(self) -> str:
         ident = f"inc-{self._id_counter:04d}"
@@ -159,6 +165,7 @@ class Coordinator:
         self._spawn(self._detect_loop, "hangwatch-detect")
         if self.hub.embedded is not None:
             self._spawn(self._embedded_agent_loop, "hangwatch-agent")
+            self._start_rank_links(port)
         log.info("coordinator %s listening on %s:%d", self.coordinator_id, self.options.host, port)
         return port
 
@@ -184,6 +191,8 @@ class Coordinator:
             self.metrics.stop()
         if self.alerter is not None:
             self.alerter.close()
+        if self.rings is not None:
+            self.rings.stop()
         self.hub.close()
         self.store.close()
 
@@ -197,6 +206,33 @@ class Coordinator:
                 self.engine.tick()
             except Exception:
                 log.exception("detection tick failed")
+
+    def _start_rank_links(self, port: int) -> None:
+        """The embedded agent's rank links: ranks on this node whose ``HANGWATCH_ADDR`` names this
+        coordinator's port find its socket (``config.agent_socket_path``), hand it their rings,
+        and are read from here. Without it (another user's ranks, a socket that cannot be made)
+        ranks ship their own records, as before."""
+        from hangwatch.agent.rings import RingServer
+        from hangwatch.agent.shipper import TICK_S, Shipper
+
+        core = self.hub.embedded
+        assert core is not None
+        try:
+            path = self.options.agent_socket or config.agent_socket_path(f"127.0.0.1:{port}")
+            self.rings = RingServer(path)
+            self.rings.start()
+        except OSError as e:
+            log.warning("no rank links on this node (%s): ranks will ship their own records", e)
+            self.rings = None
+            return
+        shipper = Shipper(self.rings, self, self.hub.embedded_host, core.inspector)
+
+        def loop() -> None:
+            while not self._stop.wait(TICK_S):
+                shipper.tick()
+
+        self._spawn(loop, "hangwatch-rings")
+        log.info("rank links on %s", path)
 
     def _embedded_agent_loop(self) -> None:
         core = self.hub.embedded
@@ -213,20 +249,48 @@ class Coordinator:
 
     # ---- ingest (called by the servicer) --------------------------------------------------
 
-    def register_rank(self, identity: r.RankIdentity) -> None:
+    def register_rank(self, identity: r.RankIdentity, via: str = "direct") -> None:
         with self.lock:
             previous = self.job.ranks.get(identity.rank)
             if previous is not None and previous.identity.session != identity.session:
                 self.decoders.pop(previous.identity.session, None)
-            self.job.register(identity, time.time())
+            self.job.register(identity, time.time(), via)
             self.decoders[identity.session] = CallDecoder()  # the rank's table starts empty too
         log.info(
-            "rank %d registered (pid %d on %s, job %s)",
+            "rank %d registered (pid %d on %s, job %s, via %s)",
             identity.rank,
             identity.pid,
             identity.host,
             identity.job_id,
+            via,
         )
+
+    def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> pb.RegisterReply:
+        """Register a rank (from a ``Register`` RPC, or from the node agent that read its link).
+        Raises :class:`IntakeError` for an identity that cannot be a rank of a job."""
+        if not (0 < identity.world_size <= MAX_WORLD_SIZE) or not (0 <= identity.rank < identity.world_size):
+            self.metrics_rejected("invalid")
+            raise IntakeError(f"invalid rank {identity.rank} for world size {identity.world_size}")
+        if not identity.session:
+            raise IntakeError("registration without a session id")
+        self.register_rank(identity, via)
+        return pb.RegisterReply(
+            coordinator_id=self.coordinator_id, server_time=time.time(), report_interval_s=self.report_interval()
+        )
+
+    def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
+        """Decode and apply one rank's batch (from a ``Report`` RPC, a relay, or the node agent
+        that read the rank's ring)."""
+        decoder = self.decoder_for(request.session)
+        if decoder is None:
+            return pb.ReportReply(reregister=True, server_time=time.time())
+        events, rejected, folded = decoder.decode(request.rank, request)
+        accepted = self.report(request, events, relay)
+        if accepted is None:
+            return pb.ReportReply(reregister=True, server_time=time.time())
+        if rejected:
+            self.metrics_rejected("malformed", rejected)
+        return pb.ReportReply(server_time=time.time(), accepted=accepted + folded)
 
     def decoder_for(self, session: str) -> CallDecoder | None:
         """The signature table of a registered session (None: the rank must register)."""
@@ -265,12 +329,25 @@ class Coordinator:
         return result.applied
 
     def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None:
+        """What a node agent sees of its ranks' processes. A process's end keeps the earliest time
+        it was seen gone (a rank's link closing is that moment; a later poll only confirms it) and
+        whatever was learnt of how it ended."""
+        ended = (r.ProcState.DEAD, r.ProcState.ZOMBIE)
         with self.lock:
             by_pid = {st.identity.pid: st for st in self.job.ranks.values() if st.identity.host == host}
             for status in statuses:
                 st = by_pid.get(status.pid)
-                if st is not None:
-                    st.proc = status
+                if st is None:
+                    continue
+                before = st.proc
+                if before is not None and before.state in ended and status.state in ended:
+                    status = dataclasses.replace(
+                        status,
+                        time=min(before.time, status.time),
+                        exit_code=status.exit_code if status.exit_code is not None else before.exit_code,
+                        signal=status.signal if status.signal is not None else before.signal,
+                    )
+                st.proc = status
 
     def targets_on(self, host: str, include_remote_hosts: bool = True) -> list[r.Target]:
         with self.lock:

@@ -27,8 +27,12 @@ log = logging.getLogger("hangwatch.coordinator")
 
 MAX_EVENTS_PER_BATCH = 20_000
 MAX_REPORTS_PER_RELAY = 4096
-MAX_WORLD_SIZE = 1 << 20
+MAX_WORLD_SIZE = 1 << 20  # the largest world size a registration may claim
 MAX_POLL_WAIT_S = 10.0
+
+
+class IntakeError(ValueError):
+    """A registration that cannot be accepted (from an RPC or a node agent); the message says why."""
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -48,22 +52,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         self._auth(request.token, context)
-        ident = wire.identity_from_pb(request.identity)
-        if not (0 < ident.world_size <= MAX_WORLD_SIZE) or not (0 <= ident.rank < ident.world_size):
-            self.c.metrics_rejected("invalid")
-            _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"invalid rank {ident.rank} for world size {ident.world_size}",
-            )
-        if not ident.session:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "registration without a session id")
-        self.c.register_rank(ident)
-        return pb.RegisterReply(
-            coordinator_id=self.c.coordinator_id,
-            server_time=time.time(),
-            report_interval_s=self.c.report_interval(),
-        )
+        try:
+            return self.c.accept_registration(wire.identity_from_pb(request.identity))
+        except IntakeError as e:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def Report(self, request: pb.ReportBatch, context: grpc.ServicerContext) -> pb.ReportReply:
         self._auth(request.token, context)
@@ -102,16 +94,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return ""
 
     def _report(self, request: pb.ReportBatch, relay: str) -> pb.ReportReply:
-        decoder = self.c.decoder_for(request.session)
-        if decoder is None:
-            return pb.ReportReply(reregister=True, server_time=time.time())
-        events, rejected, folded = decoder.decode(request.rank, request)
-        accepted = self.c.report(request, events, relay)
-        if accepted is None:
-            return pb.ReportReply(reregister=True, server_time=time.time())
-        if rejected:
-            self.c.metrics_rejected("malformed", rejected)
-        return pb.ReportReply(server_time=time.time(), accepted=accepted + folded)
+        return self.c.accept_report(request, relay)
 
     # ---- agents ---------------------------------------------------------------------------
 

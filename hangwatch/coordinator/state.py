@@ -53,6 +53,7 @@ class RankState:
     where: str = ""
     where_user: str = ""
     relay: str = ""  # the node agent relaying this rank's batches, if any
+    via: str = "direct"  # "agent": a node agent reads the rank's ring and registered it (kernel-proven pid)
     queued: int = 0
     dropped: int = 0
     markers: collections.deque[r.MarkerEvent] = field(default_factory=lambda: collections.deque(maxlen=16))
@@ -180,14 +181,15 @@ class JobState:
 
     # ---- registration ---------------------------------------------------------------------
 
-    def register(self, identity: r.RankIdentity, now: float) -> RankState:
+    def register(self, identity: r.RankIdentity, now: float, via: str = "direct") -> RankState:
         previous = self.ranks.get(identity.rank)
         if previous is not None and previous.identity.session == identity.session:
             previous.last_seen = now
+            previous.via = via
             return previous
         if previous is not None:
             self._forget_session(previous)
-        state = RankState(identity=identity, registered_at=now, last_seen=now, last_progress=now)
+        state = RankState(identity=identity, registered_at=now, last_seen=now, last_progress=now, via=via)
         self.ranks[identity.rank] = state
         self.sessions[identity.session] = identity.rank
         self.job_id = identity.job_id or self.job_id

@@ -49,6 +49,7 @@ def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]
         "dropped": st.dropped,
         "process": st.proc.state.value if st.proc else None,
         "relay": st.relay or None,
+        "via": st.via,
         "end": (
             {"kind": st.end.kind.value, "detail": st.end.detail, "call_site": st.end.call_site} if st.end else None
         ),

@@ -2,9 +2,11 @@
 
 - :class:`FakeProcessGroup` / :class:`FakeC10d`: what ``Recorder`` reads of torch's c10d (a
   group's name and sequence number; its members, backend and rank translation). Injected through
-  ``Recorder(rank, queue, c10d)`` and the ``group=`` argument, as ``capture`` does.
+  ``Recorder(rank, sink, c10d)`` and the ``group=`` argument, as ``capture`` does.
 - :class:`FakeWork`: an async work handle (``is_completed``).
-- :func:`make_session`: a real ``Session`` (real queue and recorder) over :class:`FakeC10d`.
+- :func:`make_session`: a real ``Session`` (real ring and recorder) over :class:`FakeC10d`.
+- :class:`RingTap`: reads a rank's ring back as typed events, one per record (a call and its
+  exit apart), as a reader outside the rank would find them.
 
 Nothing here replaces hangwatch code: only torch and the network are faked.
 """
@@ -14,7 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 from hangwatch import records as r
+from hangwatch import wire
+from hangwatch.client.ringsink import RingSink
 from hangwatch.client.session import Session
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.ring import Batch, Kind, RingReader
+from hangwatch.ringwire import TAG_CALL, TAG_EVENT, TAG_TEXT
 
 
 class FakeProcessGroup:
@@ -78,11 +85,58 @@ def identity(rank: int = 0) -> r.RankIdentity:
     return r.RankIdentity(job_id="job", rank=rank, world_size=2, host="node", pid=1234, session="s1")
 
 
-def make_session(rank: int = 0, c10d: FakeC10d | None = None) -> Session:
-    """A real Session (its Sender is built, not started) over a fake c10d, its default group known
-    (as ``session.after_init`` leaves it) and its queue empty."""
-    session = Session(identity(rank), "127.0.0.1:1", None, c10d or FakeC10d(rank))
+class SlotDecoder:
+    """Typed events from ring slots, one per record (a call and its exit apart)."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.blobs: dict[int, bytes] = {}
+
+    def decode(self, batch: Batch) -> list[r.RankEvent]:
+        self.blobs.update(batch.blobs)
+        out: list[r.RankEvent] = []
+        for s in batch.slots:
+            blob = self.blobs.get(s.ref, b"")
+            if s.kind == Kind.ENTER:
+                assert blob.startswith(TAG_CALL), f"call {s.call_id} names no signature"
+                call = wire.call_from_pb(self.rank, pb.Call.FromString(blob[1:]))
+                call.call_id, call.seq, call.step, call.enter_time = s.call_id, s.seq, s.step, s.time
+                out.append(call)
+            elif s.kind == Kind.EXIT:
+                error = blob[1:].decode() if blob.startswith(TAG_TEXT) else None
+                out.append(r.CallExit(self.rank, s.call_id, s.time, error, s.aux or 1))
+            elif s.kind == Kind.STEP:
+                out.append(r.StepEvent(self.rank, s.step, s.time))
+            elif s.kind == Kind.EVENT and blob.startswith(TAG_EVENT):
+                out.append(wire.event_from_pb(self.rank, pb.Event.FromString(blob[1:])))
+        return out
+
+
+class RingTap:
+    """Reads what a rank wrote into its ring, as typed events: what an agent would find there."""
+
+    def __init__(self, sink: RingSink, rank: int = 0) -> None:
+        self.reader = RingReader(sink.fd)
+        self.decoder = SlotDecoder(rank)
+
+    @property
+    def lost(self) -> int:
+        return self.reader.lost
+
+    def drain(self, limit: int = 100_000) -> list[r.RankEvent]:
+        return self.decoder.decode(self.reader.poll(limit))
+
+
+def make_session(
+    rank: int = 0, c10d: FakeC10d | None = None, *, announce: bool = True, ring: int | None = None
+) -> Session:
+    """A real Session (its Sender is built, not started; no node agent) over a fake c10d, its
+    default group known and announced in its ring (as ``session.after_init`` leaves it), or,
+    with ``announce=False``, announced by the first call. ``ring``: its ring's size."""
+    session = Session(identity(rank), "127.0.0.1:1", None, c10d or FakeC10d(rank), None)
+    if ring is not None:
+        session.sink = session.recorder.sink = RingSink(ring, rank=rank)
     session.recorder.default_pg = session.recorder.c10d._get_default_group()
-    session.recorder.group_info(session.recorder.default_pg)
-    session.queue.drain(10)
+    if announce:
+        session.recorder.group_info(session.recorder.default_pg)
     return session

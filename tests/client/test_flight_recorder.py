@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ import pytest
 from hangwatch import records as r
 from hangwatch.client.flight_recorder import FlightRecorderPoller
 from hangwatch.client.ops import FR_DTYPES, OPS_BY_NAME
-from hangwatch.client.recorder import EventQueue, Recorder
-from tests.client.fakes import FakeC10d
+from hangwatch.client.recorder import Recorder
+from hangwatch.client.ringsink import RingSink
+from tests.client.fakes import FakeC10d, RingTap
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "flight_recorder"
 CALLS: dict[str, list[dict[str, Any]]] = json.loads((FIXTURES / "calls.json").read_text())
@@ -34,11 +36,22 @@ def _dump(name: str) -> bytes:
 
 def _recorder() -> Recorder:
     c10d = FakeC10d(rank=0, world_size=2)
-    rec = Recorder(0, EventQueue(1000), c10d)
+    rec = Recorder(0, RingSink(1000), c10d)
     rec.default_pg = c10d.default
     rec.group_info(c10d.default)
-    rec.queue.drain(10)
+    _drain(rec)
     return rec
+
+
+_TAPS: weakref.WeakKeyDictionary[Recorder, RingTap] = weakref.WeakKeyDictionary()  # by recorder
+
+
+def _drain(rec: Recorder) -> list[r.RankEvent]:
+    """What the recorder wrote into its ring since the last look, one event per record."""
+    tap = _TAPS.get(rec)
+    if tap is None:
+        tap = _TAPS[rec] = RingTap(rec.sink, rec.rank)
+    return tap.drain()
 
 
 def _replay(rec: Recorder, fixture: str, *, skip: int | None = None, open_last: bool = False) -> list[int]:
@@ -62,7 +75,7 @@ def _replay(rec: Recorder, fixture: str, *, skip: int | None = None, open_last: 
             break
         pg.seq = call["after"]
         rec.exit(raw, group, before, None)
-    rec.queue.drain(1000)  # the Python calls' own records: not what these tests look at
+    _drain(rec)  # the Python calls' own records: not what these tests look at
     return ids
 
 
@@ -72,7 +85,7 @@ def _poll(rec: Recorder, dump: bytes | str) -> list[r.RankEvent]:
 
 def _poll_with(poller: FlightRecorderPoller, rec: Recorder) -> list[r.RankEvent]:
     poller.poll()
-    return [rec.materialize(item) for item in rec.queue.drain(1000)]
+    return _drain(rec)
 
 
 def _records(events: list[r.RankEvent]) -> list[r.CallRecord]:
@@ -101,12 +114,12 @@ def test_ddp_issued_collectives_become_records_aligned_by_collective_seq_id() ->
         (6, "all_reduce"),
     ]
     bucket = records[-1]
-    assert bucket.group == "0" and bucket.inputs == (r.TensorMeta((27,), "float32", ""),)
+    assert bucket.group == "0" and bucket.inputs == (r.TensorMeta((27,), "float32", "cpu"),)
     assert bucket.outputs == ()  # flattened by Flight Recorder: not comparable, not sent
     assert bucket.source == "flight_recorder" and bucket.call_site == "issued from C++ (gloo:all_reduce)"
     entry = json.loads(_dump("one_rank.json"))["entries"][5]
     assert bucket.enter_time == entry["time_created_ns"] / 1e9
-    assert records[1].inputs == (r.TensorMeta((6,), "int64", ""),)
+    assert records[1].inputs == (r.TensorMeta((6,), "int64", "cpu"),)
     # ids continue the recorder's own numbering; every retired entry is closed right away
     assert [c.call_id for c in records] == list(range(python_ids[-1] + 1, python_ids[-1] + 5))
     exits = [e for e in events if isinstance(e, r.CallExit)]
@@ -126,7 +139,7 @@ def test_without_the_hook_every_entry_is_reported() -> None:
     rec = _recorder()
     records = _records(_poll(rec, _dump("one_rank.json")))
     assert [c.seq for c in records] == [1, 2, 3, 4, 5, 6, 7]
-    assert records[1].inputs == (r.TensorMeta((2, 3), "float64", ""),)
+    assert records[1].inputs == (r.TensorMeta((2, 3), "float64", "cpu"),)
 
 
 def test_p2p_calls_are_absent_from_gloos_ring_and_do_not_shift_collective_seqs() -> None:
@@ -154,7 +167,7 @@ def test_an_in_flight_entry_stays_open_until_flight_recorder_retires_it() -> Non
     poller = FlightRecorderPoller(rec, dump=lambda *_: _dump("two_ranks_in_flight.json"))
     events = _poll_with(poller, rec)
     (record,) = _records(events)
-    assert (record.seq, record.op, record.inputs) == (2, "all_reduce", (r.TensorMeta((2,), "bfloat16", ""),))
+    assert (record.seq, record.op, record.inputs) == (2, "all_reduce", (r.TensorMeta((2,), "bfloat16", "cpu"),))
     assert [e for e in events if isinstance(e, r.CallExit)] == []  # not retired: still running
     assert _poll_with(poller, rec) == []  # still not retired: nothing new
     poller._dump = lambda *_: _dump("two_ranks.json")
@@ -173,7 +186,7 @@ def test_an_open_entry_closes_once_a_later_python_call_exists_on_its_group() -> 
     raw, group, before = rec.enter(OPS_BY_NAME["barrier"], {})  # collective seq 3 on the group
     pg.seq += 1
     rec.exit(raw, group, before, None)
-    rec.queue.drain(10)
+    _drain(rec)
     events = _poll_with(poller, rec)  # the ring still says not retired
     assert [e.call_id for e in events if isinstance(e, r.CallExit)] == [record.call_id]
 
@@ -218,7 +231,7 @@ def test_a_malformed_dump_is_ignored_and_turns_the_poller_off() -> None:
         poller = FlightRecorderPoller(rec, dump=lambda *_, bad=bad: bad)
         assert poller.enabled
         poller.poll()  # never raises
-        assert not poller.enabled and len(rec.queue) == 0 and not poller.due(1e12)
+        assert not poller.enabled and _drain(rec) == [] and not poller.due(1e12)
 
 
 def test_a_dump_function_that_raises_is_contained() -> None:
@@ -228,7 +241,7 @@ def test_a_dump_function_that_raises_is_contained() -> None:
     rec = _recorder()
     poller = FlightRecorderPoller(rec, dump=broken)
     poller.poll()
-    assert not poller.enabled and len(rec.queue) == 0
+    assert not poller.enabled and _drain(rec) == []
 
 
 def test_entries_without_a_collective_seq_are_skipped() -> None:
@@ -260,6 +273,6 @@ def test_a_malformed_entry_is_skipped_and_the_rest_still_read(bad: Any) -> None:
     poller = FlightRecorderPoller(rec, dump=lambda *_: json.dumps({"entries": entries}))
     poller.poll()
     assert poller.enabled
-    recorded = [e for e in rec.queue.drain(100) if isinstance(e, r.CallRecord)]
+    recorded = [e for e in _drain(rec) if isinstance(e, r.CallRecord)]
     assert [(c.op, c.seq) for c in recorded] == ([] if bad is None else [("all_reduce", 2)])
     assert poller.skipped == (0 if bad is None else 1)

@@ -1,4 +1,4 @@
-"""The hook's own machinery, directly: the bounded queue, the post-import hook, idempotent
+"""The hook's own machinery, directly: the bounded ring, the post-import hook, idempotent
 instrument/uninstrument, internal errors contained, and the explicit step API."""
 
 from __future__ import annotations
@@ -13,16 +13,17 @@ import pytest
 from hangwatch import records as r
 from hangwatch.client import capture, importhook
 from hangwatch.client.ops import OPS_BY_NAME
-from hangwatch.client.recorder import EventQueue
+from hangwatch.client.ringsink import RingSink
+from tests.client.fakes import RingTap
 
 
-def test_queue_drops_and_counts_instead_of_blocking() -> None:
-    q = EventQueue(capacity=3)
+def test_the_ring_overwrites_the_oldest_and_counts_instead_of_blocking() -> None:
+    sink = RingSink(capacity=3)
+    tap = RingTap(sink)
     for i in range(10):
-        q.put(r.StepEvent(0, i, 0.0))
-    assert len(q) == 3 and q.dropped == 7
-    assert [e.step for e in q.drain(100)] == [0, 1, 2]
-    assert len(q) == 0
+        sink.put(r.StepEvent(0, i, 0.0))
+    assert [e.step for e in tap.drain()] == [7, 8, 9] and tap.lost == 7  # what the rank did last
+    assert tap.drain() == []
 
 
 def test_post_import_hook_runs_once_after_the_module_executes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

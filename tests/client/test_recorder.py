@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -20,16 +21,19 @@ import torch.distributed as dist
 from hangwatch import records as r
 from hangwatch.client import capture
 from hangwatch.client.ops import OPS_BY_NAME
-from hangwatch.client.recorder import MAX_NOVEL_SIGNATURES, EventQueue, Recorder
-from tests.client.fakes import FakeC10d, FakeProcessGroup, FakeWork, make_session
+from hangwatch.client.recorder import MAX_NOVEL_SIGNATURES, Recorder
+from hangwatch.client.ringsink import RingSink
+from tests.client.fakes import FakeC10d, FakeProcessGroup, FakeWork, RingTap, make_session
 
 
 def _recorder(rank: int = 0, capacity: int = 1000) -> tuple[Recorder, FakeC10d]:
     c10d = FakeC10d(rank, world_size=4)
-    rec = Recorder(rank, EventQueue(capacity), c10d)
+    sink = RingSink(capacity)
+    rec = Recorder(rank, sink, c10d)
     rec.default_pg = c10d.default
     rec.group_info(c10d.default)  # as session.after_init does
-    rec.queue.drain(10)
+    _TAPS[rec] = RingTap(sink, rank)
+    _events(rec)
     return rec, c10d
 
 
@@ -52,8 +56,15 @@ def _call(
     return int(raw[0])
 
 
+_TAPS: weakref.WeakKeyDictionary[Recorder, RingTap] = weakref.WeakKeyDictionary()  # by recorder
+
+
 def _events(rec: Recorder) -> list[r.RankEvent]:
-    return [rec.materialize(item) for item in rec.queue.drain(10_000)]
+    """What the recorder wrote into its ring since the last look, one event per record."""
+    tap = _TAPS.get(rec)
+    if tap is None:
+        tap = _TAPS[rec] = RingTap(rec.sink, rec.rank)
+    return tap.drain()
 
 
 def _calls(events: list[r.RankEvent]) -> list[r.CallRecord]:
@@ -139,11 +150,11 @@ def test_object_collectives_record_lengths_and_every_collective_they_issue() -> 
     events = _events(rec)
     calls = {c.call_id: c for c in _calls(events)}
     exits = _exits(events)
-    assert calls[cid].inputs == (r.TensorMeta((3,), "object", ""),)
+    assert calls[cid].inputs == (r.TensorMeta((3,), "object", "cpu"),)
     assert exits[cid].seq_count == 2
     gather = calls[cid + 1]
-    assert gather.seq == 3 and gather.inputs == (r.TensorMeta((), "object", ""),)
-    assert gather.outputs == (r.TensorMeta((4,), "object", ""),)
+    assert gather.seq == 3 and gather.inputs == (r.TensorMeta((), "object", "cpu"),)
+    assert gather.outputs == (r.TensorMeta((4,), "object", "cpu"),)
     assert calls[nxt].seq == 5  # after the 2 + 2 collectives the object calls issued
     assert list(rec.python_seqs["0"]) == [(1, 2), (3, 4), (5, 5)]
 
@@ -194,12 +205,13 @@ def test_in_progress_marks_the_first_seq_of_the_call_under_way() -> None:
     assert rec.in_progress == {}
 
 
-def test_full_queue_drops_and_counts_and_the_call_still_goes_through() -> None:
+def test_a_full_ring_keeps_the_newest_counts_the_rest_and_the_call_still_goes_through() -> None:
     rec, _ = _recorder(capacity=3)
     ids = [_call(rec, "all_reduce", tensor=torch.ones(1)) for _ in range(4)]  # 8 records into 3 slots
     assert ids == [1, 2, 3, 4]
-    assert len(rec.queue) == 3 and rec.queue.dropped == 5
-    assert [type(e).__name__ for e in _events(rec)] == ["CallRecord", "CallExit", "CallRecord"]
+    events = _events(rec)
+    assert [type(e).__name__ for e in events] == ["CallExit", "CallRecord", "CallExit"]  # what it did last
+    assert [getattr(e, "call_id", 0) for e in events] == [3, 4, 4] and _TAPS[rec].lost == 5
     assert list(rec.python_seqs["0"]) == [(1, 1), (2, 2), (3, 3), (4, 4)]  # seqs unaffected
 
 
@@ -258,8 +270,5 @@ def test_call_site_names_the_users_line_through_the_real_wrapper() -> None:
     assert call.call_site == f"test_recorder.py:{line} in test_call_site_names_the_users_line_through_the_real_wrapper"
 
 
-def test_a_zero_capacity_queue_records_nothing_and_never_blocks() -> None:
-    rec, _ = _recorder(capacity=0)
-    dropped = rec.queue.dropped  # the default group's announcement
-    _call(rec, "all_reduce", tensor=torch.ones(1))
-    assert len(rec.queue) == 0 and rec.queue.dropped - dropped == 2
+def test_the_ring_size_is_clamped_to_something_usable() -> None:
+    assert RingSink(0).capacity == RingSink(1).capacity == 2

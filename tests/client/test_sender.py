@@ -30,8 +30,9 @@ from hangwatch.client import session as session_mod
 from hangwatch.client.ops import OPS_BY_NAME
 from hangwatch.client.sender import MAX_BACKOFF_S, MAX_BATCH, SEND_INTERVAL_S, Sender
 from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.ring import Batch
 from hangwatch.testing import wait_for
-from tests.client.fakes import FakeWork, make_session
+from tests.client.fakes import FakeWork, SlotDecoder, make_session
 
 START = 1_000_000_000.0  # a clock in seconds since the epoch, as time.time() is
 
@@ -77,6 +78,14 @@ class FakeTransport:
         self.gate.set()
         self.closed = 0
         self.made_with: tuple[str, str | None] | None = None
+        self.slots = SlotDecoder()
+        self._seen_first_group = False
+
+    def _first_group(self, e: r.RankEvent) -> bool:
+        if isinstance(e, r.GroupEvent) and not self._seen_first_group:
+            self._seen_first_group = True
+            return True
+        return False
 
     def register(self, identity: r.RankIdentity) -> pb.RegisterReply:
         with self.lock:
@@ -96,11 +105,17 @@ class FakeTransport:
         where: str = "",
         where_user: str = "",
         urgent: bool = False,
+        ring: Batch | None = None,
     ) -> pb.ReportReply:
         self.gate.wait(5)
         with self.lock:
+            # what the batch carries, as typed events; the default group's announcement (made by
+            # the first call) is left out, as these tests are not about it
+            sent = list(events) + [
+                e for e in (self.slots.decode(ring) if ring is not None else []) if not self._first_group(e)
+            ]
             self.log.append(
-                ("report", Report(batch_seq, list(events), queued, dropped, where, where_user, urgent, self.clock()))
+                ("report", Report(batch_seq, sent, queued, dropped, where, where_user, urgent, self.clock()))
             )
             plan = self.report_plan.popleft() if self.report_plan else pb.ReportReply()
         if isinstance(plan, BaseException):
@@ -160,7 +175,7 @@ class Rig:
     def put_steps(self, n: int) -> list[r.StepEvent]:
         events = [r.StepEvent(0, i, float(i)) for i in range(n)]
         for e in events:
-            self.session.queue.put(e)
+            self.session.sink.put(e)
         return events
 
 
@@ -168,8 +183,10 @@ class Rig:
 def rig() -> Iterator[Callable[..., Rig]]:
     made: list[Rig] = []
 
-    def make(interval_s: float = 0.002, heartbeat_s: float = 1e6, poller: FakePoller | None = None) -> Rig:
-        session = make_session()
+    def make(
+        interval_s: float = 0.002, heartbeat_s: float = 1e6, poller: FakePoller | None = None, ring: int | None = None
+    ) -> Rig:
+        session = make_session(announce=False, ring=ring)  # the group is announced by the first call
         clock = ManualClock()
         transport = FakeTransport(clock)
         fake_poller = poller or FakePoller()
@@ -268,13 +285,12 @@ def test_a_backlog_is_sent_back_to_back_in_batches_of_max_batch(rig: Callable[..
     assert [(len(x.events), x.urgent) for x in t.transport.reports()[2:]] == [(500, True)]
 
 
-def test_an_idle_rank_heartbeats_every_heartbeat_s_with_its_queue_counts(rig: Callable[..., Rig]) -> None:
-    t = rig(heartbeat_s=10.0)
-    t.session.queue.capacity = 2
-    steps = t.put_steps(5)  # 2 queued, 3 dropped
+def test_an_idle_rank_heartbeats_every_heartbeat_s_with_its_ring_counts(rig: Callable[..., Rig]) -> None:
+    t = rig(heartbeat_s=10.0, ring=2)
+    steps = t.put_steps(5)  # a ring of 2 slots keeps the newest 2; 3 overwritten before anyone read them
     t.start()
     (first,) = wait_for(t.transport.reports, 1.0, 0.002, "the first report")
-    assert first.events == steps[:2] and (first.queued, first.dropped) == (0, 3)
+    assert first.events == steps[3:] and (first.queued, first.dropped) == (0, 3)
     t.clock.now = START + 9.99
     time.sleep(0.03)  # ~15 turns of the loop
     assert len(t.transport.reports()) == 1
@@ -340,7 +356,6 @@ def test_a_restarted_coordinator_is_told_the_groups_again(rig: Callable[..., Rig
     c10d = t.session.recorder.c10d
     t.session.recorder.group_info(c10d.default)
     t.session.recorder.group_info(c10d.new_group("1", [0, 1], desc="pair"))
-    t.session.queue.drain(10)
     t.transport.register_plan.extend(
         [
             pb.RegisterReply(coordinator_id="c1"),

@@ -20,10 +20,12 @@ import grpc
 import pytest
 
 from hangwatch import records as r
+from hangwatch.client.ringsink import RingSink
 from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+from hangwatch.ring import Batch, RingReader
 from hangwatch.signatures import CallDecoder
 from hangwatch.testing import BlackHole, free_port
 from tests.client.fakes import identity
@@ -109,13 +111,12 @@ def test_register_sends_the_token_and_identity_in_the_request(server: Server) ->
 def test_report_encodes_a_batch_the_coordinator_decodes(server: Server) -> None:
     t = Transport(server.addr, None)
     t.register(identity())
-    events: list[r.RankEvent] = [
-        _call(1, 1),
-        r.CallExit(0, 1, 2.5),
-        r.StepEvent(0, 7, 3.0),
-    ]
+    sink = RingSink(64)
+    for e in (_call(1, 1), r.CallExit(0, 1, 2.5), r.StepEvent(0, 7, 3.0)):
+        sink.put(e)
+    ring = RingReader(sink.fd).poll()
     reply = t.report(
-        identity(), 5, events, queued=11, dropped=2, where="a.py:1 in f", where_user="b.py:2 in g", urgent=True
+        identity(), 5, [], queued=11, dropped=2, where="a.py:1 in f", where_user="b.py:2 in g", urgent=True, ring=ring
     )
     assert reply.accepted == 3
     ((batch, _),) = server.servicer.reports
@@ -143,11 +144,18 @@ def test_report_encodes_a_batch_the_coordinator_decodes(server: Server) -> None:
 
 def test_signatures_are_sent_once_per_registration(server: Server) -> None:
     t = Transport(server.addr, "tok")
+    sink = RingSink(64)
+    reader = RingReader(sink.fd)
+
+    def ring_of(call: r.CallRecord) -> Batch:
+        sink.put(call)
+        return reader.poll()
+
     t.register(identity())
-    t.report(identity(), 1, [_call(1, 1)], 0, 0)
-    t.report(identity(), 2, [_call(2, 2)], 0, 0)
+    t.report(identity(), 1, [], 0, 0, ring=ring_of(_call(1, 1)))
+    t.report(identity(), 2, [], 0, 0, ring=ring_of(_call(2, 2)))
     t.register(identity())  # the coordinator restarted: its table of our signatures is gone
-    t.report(identity(), 3, [_call(3, 3)], 0, 0)
+    t.report(identity(), 3, [], 0, 0, ring=ring_of(_call(3, 3)))
     batches = [b for b, _ in server.servicer.reports]
     assert [len(b.signatures) for b in batches] == [1, 0, 1]
     assert [list(b.calls.call_id) for b in batches] == [[1], [2], [3]]

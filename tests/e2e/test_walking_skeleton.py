@@ -57,6 +57,7 @@ def test_stuck_all_reduce_diagnosed_end_to_end(
     assert set(data) >= {"job", "ranks", "incidents"}
     for rank in data["ranks"]:
         assert set(rank) >= {"rank", "host", "pid", "state", "step", "last_op", "group", "seq", "since"}
+        assert rank["via"] == "agent"  # the coordinator's embedded agent reads the rank's ring
     assert sorted(r["rank"] for r in data["ranks"]) == [0, 1]
     assert data["job"]["world_size"] == 2
 

@@ -1,0 +1,192 @@
+"""The node agent ships its linked ranks' records: read from their rings, off the ranks' GILs.
+
+For every rank linked to this node's agent (:mod:`hangwatch.agent.rings`), each tick:
+
+- registers it with the coordinator on its behalf, once, with the identity the kernel proved
+  (the pid at the other end of the link, its start time read from ``/proc``; this node's name as
+  the host) and the rest as the rank said it in its hello;
+- reads what the rank wrote into its ring since the last tick, turns it into a wire batch
+  (:class:`~hangwatch.ringwire.RingEncoder`) with the rank's status (where its main thread is)
+  and hands it to the coordinator; a batch the coordinator refuses for want of a registration is
+  kept and sent again after registering;
+- once the link has closed (the process is gone, however it went) and the ring is read to the
+  end, reports the process gone, at the moment its link closed, with how it ended where
+  ``/proc`` still says so (a zombie's exit status), and forgets the link.
+
+``intake`` is the coordinator's side: in the coordinator's embedded agent it is the coordinator
+itself; a remote agent passes a gRPC client of it. Nothing here blocks the ranks: they never
+wait for the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hangwatch import records as r
+from hangwatch.agent.procinfo import ProcessInspector
+from hangwatch.agent.rings import RankLink, RingServer
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.ring import Batch
+from hangwatch.ringwire import RingEncoder
+
+log = logging.getLogger("hangwatch.agent")
+
+#: Slots read per rank per tick at most (a batch the coordinator takes in one piece).
+MAX_SLOTS = 8000
+#: How often the shipper looks at its ranks' rings.
+TICK_S = 0.05
+
+
+class Intake(Protocol):
+    """What the shipper needs of the coordinator."""
+
+    def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> pb.RegisterReply: ...
+
+    def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply: ...
+
+    def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None: ...
+
+
+@dataclass
+class _Rank:
+    link: RankLink
+    identity: r.RankIdentity
+    encoder: RingEncoder = field(default_factory=RingEncoder)
+    registered: bool = False
+    batch_seq: int = 0
+    pending: Batch | None = None
+    last_sent: float = 0.0
+    gone_reported: bool = False
+
+
+def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
+    """The rank's identity: pid from the kernel, the rest from its hello (checked for type)."""
+    hello = link.hello
+
+    def text(key: str) -> str:
+        value = hello.get(key, "")
+        return value if isinstance(value, str) else str(value)
+
+    def number(key: str, default: int) -> int:
+        value = hello.get(key, default)
+        return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+    status = inspector.status(link.peer.pid)
+    return r.RankIdentity(
+        job_id=text("job_id"),
+        rank=number("rank", -1),
+        world_size=number("world_size", 0),
+        host=host,
+        pid=link.peer.pid,
+        local_rank=number("local_rank", -1),
+        start_time=status.start_time,
+        session=text("session"),
+        backend=text("backend"),
+        torch_version=text("torch_version"),
+        hook_version=text("hook_version"),
+    )
+
+
+class Shipper:
+    """Ships the records of the ranks linked to ``server`` to ``intake``. Not thread-safe: one
+    thread calls :meth:`tick` (see ``run``)."""
+
+    def __init__(
+        self,
+        server: RingServer,
+        intake: Intake,
+        host: str,
+        inspector: ProcessInspector,
+        clock: Callable[[], float] = time.time,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self.server = server
+        self.intake = intake
+        self.host = host
+        self.inspector = inspector
+        self.clock = clock
+        self.heartbeat_s = heartbeat_s
+        self._ranks: dict[int, _Rank] = {}  # by id(link)
+        self.refused = 0  # links whose registration the coordinator refused
+
+    def tick(self) -> None:
+        for link in self.server.links():
+            state = self._ranks.get(id(link))
+            if state is None:
+                state = self._ranks[id(link)] = _Rank(link, identity_of(link, self.host, self.inspector))
+            try:
+                self._ship(state)
+            except Exception:
+                log.exception("shipping rank %d's records failed", state.identity.rank)
+
+    def _ship(self, state: _Rank) -> None:
+        link = state.link
+        closed = link.closed_at is not None
+        if not state.registered:
+            try:
+                self.intake.accept_registration(state.identity, via="agent")
+            except ValueError as e:
+                self.refused += 1
+                log.warning("rank link from pid %d refused by the coordinator: %s", link.peer.pid, e)
+                self.server.forget(link)
+                del self._ranks[id(link)]
+                return
+            state.registered = True
+            state.encoder.reset()
+        while True:
+            if state.pending is None:
+                state.pending = link.reader.poll(MAX_SLOTS)
+            now = self.clock()
+            if not state.pending.slots and not state.pending.blobs and now - state.last_sent < self.heartbeat_s:
+                break
+            batch = self._batch(state, state.pending, now)
+            reply = self.intake.accept_report(batch)
+            if reply.reregister:
+                state.registered = False
+                return  # register on the next tick and send the same records again
+            state.pending = None
+            state.last_sent = now
+            if len(batch.calls.call_id) + len(batch.events) < MAX_SLOTS // 2:
+                break  # read to the end for now
+        if closed and not state.gone_reported:
+            self._gone(state)
+
+    def _batch(self, state: _Rank, ring: Batch, now: float) -> pb.ReportBatch:
+        ident = state.identity
+        state.batch_seq += 1
+        batch = pb.ReportBatch(
+            job_id=ident.job_id,
+            rank=ident.rank,
+            session=ident.session,
+            batch_seq=state.batch_seq,
+            sent_time=now,  # read now, on the coordinator's clock's host: no transit to net out
+            dropped=state.link.reader.lost,
+        )
+        status = state.link.reader.status()
+        if status is not None:
+            where, _, where_user = status[1].partition("\n")
+            batch.where, batch.where_user = where, where_user
+        state.encoder.encode(ring, batch)
+        return batch
+
+    def _gone(self, state: _Rank) -> None:
+        """The rank's process is gone (its link closed): say so, with how it ended if /proc knows."""
+        link = state.link
+        closed_at = link.closed_at or self.clock()
+        now_status = self.inspector.status(link.peer.pid)
+        ended = r.ProcessStatus(
+            pid=link.peer.pid,
+            state=r.ProcState.ZOMBIE if now_status.state is r.ProcState.ZOMBIE else r.ProcState.DEAD,
+            time=closed_at,
+            start_time=state.identity.start_time,
+            exit_code=now_status.exit_code,
+            signal=now_status.signal,
+        )
+        self.intake.apply_process_statuses(self.host, [ended])
+        state.gone_reported = True
+        self.server.forget(link)
+        del self._ranks[id(link)]

@@ -1,0 +1,142 @@
+"""The agent's shipper, with a real rank process, a real ring, a real link and the coordinator's
+real decoder behind a recording intake: the identity it registers is the kernel's, the records
+arrive whole, a refused batch is sent again after registering, and a rank killed mid-call is
+reported gone at the moment its link closed, with every record it wrote before."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hangwatch import records as r
+from hangwatch.agent.procinfo import PsutilInspector
+from hangwatch.agent.rings import RingServer
+from hangwatch.agent.shipper import Shipper
+from hangwatch.coordinator.servicer import IntakeError
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.signatures import CallDecoder
+from hangwatch.testing import wait_for
+
+_RANK = textwrap.dedent(
+    """
+    import sys, time
+    from hangwatch import link, records as r
+    from hangwatch.client.ringsink import RingSink
+    rank = int(sys.argv[2])
+    sink = RingSink(4096, rank=rank)
+    hello = {"job_id": "j", "rank": rank, "world_size": 2, "session": "s%d" % rank, "pid": 1, "local_rank": rank}
+    assert link.connect(sys.argv[1], hello, [sink.fd]) is not None
+    meta = (r.TensorMeta((4,), "float32"),)
+    for i in range(1, 51):
+        sink.put(r.CallRecord(rank, i, "all_reduce", "0", i, meta, meta, "sum", enter_time=time.time(),
+                              exit_time=time.time(), call_site="train.py:9 in step"))
+    sink.put(r.CallRecord(rank, 51, "all_reduce", "0", 51, meta, meta, "sum", enter_time=time.time(),
+                          call_site="train.py:9 in step"))  # the call it is in when killed
+    sink.set_status("train.py:9 in step\\ntrain.py:9 in step", time.time())
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+class Intake:
+    """The coordinator's side, recorded: registrations, and batches decoded by the real decoder."""
+
+    def __init__(self) -> None:
+        self.identities: list[r.RankIdentity] = []
+        self.events: dict[int, list[r.RankEvent]] = {}
+        self.decoders: dict[str, CallDecoder] = {}
+        self.statuses: list[r.ProcessStatus] = []
+        self.refuse_next_report = False
+        self.wheres: list[str] = []
+
+    def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> pb.RegisterReply:
+        assert via == "agent"
+        if identity.rank < 0:
+            raise IntakeError(f"invalid rank {identity.rank}")
+        self.identities.append(identity)
+        self.decoders[identity.session] = CallDecoder()
+        return pb.RegisterReply(coordinator_id="c")
+
+    def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
+        if self.refuse_next_report:  # as a restarted coordinator answers a session it does not know
+            self.refuse_next_report = False
+            self.decoders.clear()
+            return pb.ReportReply(reregister=True)
+        events, rejected, _ = self.decoders[request.session].decode(request.rank, request)
+        assert rejected == 0
+        self.events.setdefault(request.rank, []).extend(events)
+        if request.where_user:
+            self.wheres.append(request.where_user)
+        return pb.ReportReply(accepted=len(events))
+
+    def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None:
+        assert host == "node-1"
+        self.statuses.extend(statuses)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[RingServer, Shipper, Intake]]:
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    intake = Intake()
+    yield server, Shipper(server, intake, "node-1", PsutilInspector()), intake
+    server.stop()
+
+
+def _rank(path: str, rank: int) -> subprocess.Popen[str]:
+    child = subprocess.Popen([sys.executable, "-c", _RANK, path, str(rank)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return child
+
+
+@pytest.mark.timeout(60)
+def test_records_identity_and_death_of_a_linked_rank(agent: tuple[RingServer, Shipper, Intake]) -> None:
+    server, shipper, intake = agent
+    child = _rank(server.path, 1)
+    try:
+        wait_for(lambda: server.links(), 5, 0.02, "the link")
+        intake.refuse_next_report = True
+        for _ in range(3):
+            shipper.tick()
+        (ident,) = intake.identities[-1:]
+        assert ident.pid == child.pid and ident.host == "node-1"  # the kernel's pid, not the hello's 1
+        assert ident.start_time > 0 and (ident.rank, ident.session, ident.world_size) == (1, "s1", 2)
+        assert len(intake.identities) == 2  # registered again after the refusal, nothing lost:
+        calls = [e for e in intake.events[1] if isinstance(e, r.CallRecord)]
+        assert [c.call_id for c in calls] == list(range(1, 52))
+        assert calls[-1].exit_time is None and calls[0].exit_time is not None
+        assert intake.wheres[-1] == "train.py:9 in step"
+        killed = time.time()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        wait_for(lambda: (shipper.tick(), intake.statuses)[1], 5, 0.02, "the rank reported gone")
+        (gone,) = intake.statuses
+        assert gone.pid == child.pid and gone.state in (r.ProcState.DEAD, r.ProcState.ZOMBIE)
+        assert gone.time - killed < 1.0
+        assert server.links() == []  # read to the end and forgotten
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_link_the_coordinator_refuses_is_dropped(agent: tuple[RingServer, Shipper, Intake]) -> None:
+    server, shipper, intake = agent
+    child = _rank(server.path, -3)
+    try:
+        wait_for(lambda: server.links(), 5, 0.02, "the link")
+        shipper.tick()
+        assert shipper.refused == 1 and server.links() == [] and intake.identities == []
+    finally:
+        child.kill()
+        child.wait(10)
