@@ -51,13 +51,12 @@ class Session:
         self.identity = identity
         self.sink = RingSink(config.env_int(config.ENV_QUEUE_SIZE, config.DEFAULT_QUEUE_SIZE), rank=identity.rank)
         self.recorder = Recorder(identity.rank, self.sink, c10d)
-        self.worker_server = workerserver.start() if agent_socket else None
-        self.link = link.connect(agent_socket, self.hello(), [self.sink.fd]) if agent_socket else None
+        self.worker_server: workerserver.WorkerServer | None = None
+        worker_socket = workerserver.planned_path() if agent_socket else ""
+        self.link = link.connect(agent_socket, self.hello(worker_socket), [self.sink.fd]) if agent_socket else None
         if self.link is not None:
             self.recorder.flush_novel = False  # every record is outside the rank already
-        elif self.worker_server is not None:
-            self.worker_server.stop()  # nobody on this node to read it
-            self.worker_server = None
+            self.worker_server = workerserver.start(worker_socket)
         self.sender = Sender(self, addr, token, **sender_seams)
         self.ended = False
         self._failures: set[str] = set()
@@ -66,7 +65,7 @@ class Session:
     def via(self) -> str:
         return "agent" if self.link is not None else "direct"
 
-    def hello(self) -> dict[str, Any]:
+    def hello(self, worker_socket: str = "") -> dict[str, Any]:
         """What the rank says of itself to its node agent (its pid, uid and liveness the agent
         takes from the kernel instead)."""
         i = self.identity
@@ -81,7 +80,7 @@ class Session:
             "torch_version": i.torch_version,
             "hook_version": i.hook_version,
             "pid": i.pid,
-            "worker_socket": self.worker_server.path if self.worker_server is not None else "",
+            "worker_socket": worker_socket,
         }
 
     def fail(self, what: str, exc: BaseException) -> None:

@@ -45,15 +45,25 @@ class WorkerServer:
                 os.unlink(self.path)
 
 
-def start() -> WorkerServer | None:
-    """Start (or find) the rank's worker server; None where this torch has none. Never raises."""
+def planned_path() -> str:
+    """Where the rank's worker server listens (or will): the user's own, else ours. "" if none can be."""
     try:
-        user = os.environ.get(USER_SOCKET_ENV)
-        if user:
-            return WorkerServer(user, None)
+        return os.environ.get(USER_SOCKET_ENV) or os.path.join(private_dir(), f"worker-{os.getpid()}.sock")
+    except Exception:
+        return ""
+
+
+def start(path: str) -> WorkerServer | None:
+    """Start the rank's worker server on ``path`` (or adopt the user's own); None where this torch
+    has none. Started only once the rank is linked to its agent: an unused server is not worth a
+    thread, and stopping one right after starting it can hang. Never raises."""
+    try:
+        if not path:
+            return None
+        if path == os.environ.get(USER_SOCKET_ENV):
+            return WorkerServer(path, None)
         from torch._C._distributed_c10d import _WorkerServer
 
-        path = os.path.join(private_dir(), f"worker-{os.getpid()}.sock")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a socket left by an earlier process with this pid
         return WorkerServer(path, _WorkerServer(path))

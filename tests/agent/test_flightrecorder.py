@@ -34,7 +34,7 @@ _RANK = textwrap.dedent(
     t = torch.ones(4)
     for _ in range(3):
         dist.all_reduce(t)
-    ws = workerserver.start()
+    ws = workerserver.start(workerserver.planned_path())
     print(ws.path if ws else "none", flush=True)
     time.sleep(0.3)
     print("holding the GIL", flush=True)
