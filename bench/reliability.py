@@ -53,7 +53,8 @@ while time.time() - start < 20:
     dist.all_reduce(t); calls += 1
     if calls % 2000 == 0:
         s = session.current()
-        samples.append((round(time.time() - start, 1), me.memory_info().rss, s.queue.dropped if s else -1, calls))
+        lost = s.sender.ring_counts()[1] if s else -1
+        samples.append((round(time.time() - start, 1), me.memory_info().rss, lost, calls))
 if dist.get_rank() == 0:
     json.dump(samples, open(os.environ["OUT"], "w"))
 dist.destroy_process_group()
@@ -123,8 +124,8 @@ def black_hole() -> None:
     rss = [s[1] for s in samples]
     half = len(rss) // 2
     print(
-        f"    RSS growth over the second half: {(max(rss[half:]) - rss[half]) / 2**20:.1f} MiB (bounded queue: "
-        "it fills, then drops and counts)"
+        f"    RSS growth over the second half: {(max(rss[half:]) - rss[half]) / 2**20:.1f} MiB (bounded ring: "
+        "it fills, then overwrites the oldest and counts)"
     )
 
 

@@ -318,6 +318,13 @@ class RingReader:
         self.position = p
         return Batch(slots=out, blobs=blobs, lost=lost)
 
+    def counts(self) -> tuple[int, int]:
+        """(unread, lost): slots published and not read yet (at most the capacity), and slots
+        lost so far, those overwritten before this reader got to them included. A scan."""
+        unread = self.head() - self.position
+        overwritten = max(0, unread - self.capacity)
+        return unread - overwritten, self.lost + overwritten
+
     def backlog(self) -> int:
         """Published slots not read yet (a scan: call it when a poll came back full)."""
         n = 0

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from hangwatch.client.recorder import Recorder
     from hangwatch.client.session import Session
     from hangwatch.protos import hangwatch_pb2 as pb
+    from hangwatch.ring import RingReader
 
 log = logging.getLogger("hangwatch.client")
 
@@ -124,10 +125,19 @@ class Sender:
         self._flushed = threading.Event()
         self._thread: threading.Thread | None = None
         self._main_ident = threading.main_thread().ident
+        self.reader: RingReader | None = None  # the ring's reader, where this thread ships it
         self.batches_sent = 0
         self.send_failures = 0
         self.registered = False
         self.coordinator_id = ""
+
+    def ring_counts(self) -> tuple[int, int]:
+        """(queued, dropped): records in the ring not shipped yet, and records overwritten
+        before they were shipped. Only meaningful where this thread ships the ring (direct)."""
+        from hangwatch.ring import RingReader
+
+        reader = self.reader or RingReader(self.session.sink.fd)
+        return reader.counts()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -226,7 +236,7 @@ class Sender:
         clock = self._clock
         transport = self._transport_factory(self.addr, self.token)
         poller = self._poller_factory(recorder)
-        reader = RingReader(session.sink.fd)
+        reader = self.reader = RingReader(session.sink.fd)
         backoff = 0.25
         retry_at = 0.0
         last_sent = 0.0
