@@ -39,9 +39,9 @@ def _count_registrations(c: Coordinator) -> list[int]:
     seen: list[int] = []
     original = c.register_rank
 
-    def counting(identity):  # type: ignore[no-untyped-def]
+    def counting(identity, via="direct"):  # type: ignore[no-untyped-def]
         seen.append(identity.rank)
-        original(identity)
+        original(identity, via)
 
     c.register_rank = counting  # type: ignore[method-assign]
     return seen
