@@ -60,6 +60,7 @@ class _Rank:
     batch_seq: int = 0
     pending: Batch | None = None
     last_sent: float = 0.0
+    status_time: float = 0.0  # when the rank's own thread last published its status
     gone_reported: bool = False
 
 
@@ -141,7 +142,7 @@ class Shipper:
             if state.pending is None:
                 state.pending = link.reader.poll(MAX_SLOTS)
             now = self.clock()
-            if not state.pending.slots and not state.pending.blobs and now - state.last_sent < self.heartbeat_s:
+            if not state.pending.slots and not state.pending.blobs and not self._beat_due(state, now):
                 break
             batch = self._batch(state, state.pending, now)
             reply = self.intake.accept_report(batch)
@@ -154,6 +155,19 @@ class Shipper:
                 break  # read to the end for now
         if closed and not state.gone_reported:
             self._gone(state)
+
+    def _beat_due(self, state: _Rank, now: float) -> bool:
+        """A heartbeat stands for the rank's own interpreter: it is sent only when the rank's
+        thread has published its status since the last one. A rank frozen with its GIL held
+        publishes nothing, so it falls silent to the coordinator exactly as it would have
+        without an agent (and the agent's process status says it is alive: frozen)."""
+        if now - state.last_sent < self.heartbeat_s:
+            return False
+        status = state.link.reader.status()
+        if status is None or status[0] <= state.status_time:
+            return False
+        state.status_time = status[0]
+        return True
 
     def _batch(self, state: _Rank, ring: Batch, now: float) -> pb.ReportBatch:
         ident = state.identity
