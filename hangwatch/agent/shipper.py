@@ -143,6 +143,7 @@ class Shipper:
                 state.pending = link.reader.poll(MAX_SLOTS)
             now = self.clock()
             if not state.pending.slots and not state.pending.blobs and not self._beat_due(state, now):
+                state.pending = None  # nothing new: read afresh next time
                 break
             batch = self._batch(state, state.pending, now)
             reply = self.intake.accept_report(batch)

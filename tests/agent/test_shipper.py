@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from hangwatch import link
 from hangwatch import records as r
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import Shipper
+from hangwatch.client.ringsink import RingSink
 from hangwatch.coordinator.servicer import IntakeError
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.signatures import CallDecoder
@@ -140,3 +142,23 @@ def test_a_link_the_coordinator_refuses_is_dropped(agent: tuple[RingServer, Ship
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_records_written_after_an_idle_tick_are_shipped(agent: tuple[RingServer, Shipper, Intake]) -> None:
+    """A tick that finds nothing new must not keep that empty read: the next one reads afresh
+    (it once did, and a short job's records never left the ring)."""
+    server, shipper, intake = agent
+    sink = RingSink(64, rank=0)
+    sock = link.connect(server.path, {"job_id": "j", "rank": 0, "world_size": 2, "session": "s0"}, [sink.fd])
+    assert sock is not None
+    try:
+        wait_for(lambda: server.links(), 5, 0.02, "the link")
+        for _ in range(3):
+            shipper.tick()  # registered; nothing written yet, and no status: no heartbeat either
+        meta = (r.TensorMeta((4,), "float32"),)
+        sink.put(r.CallRecord(0, 1, "all_reduce", "0", 1, meta, meta, "sum", enter_time=1.0, call_site="t.py:1"))
+        shipper.tick()
+        assert [e.call_id for e in intake.events[0] if isinstance(e, r.CallRecord)] == [1]
+    finally:
+        sock.close()
+        sink.close()
