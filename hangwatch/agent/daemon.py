@@ -15,16 +15,18 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
 import hangwatch
-from hangwatch import tls
+from hangwatch import tls, wire
 from hangwatch.agent.core import NodeAgentCore
 from hangwatch.agent.pyspy import ptrace_diagnosis
+from hangwatch.agent.rings import RingServer
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos.hangwatch_pb2_grpc import CoordinatorStub
-from hangwatch.records import Target
+from hangwatch.records import ProcessStatus, Target
 from hangwatch.wire import process_status_to_pb, stack_dump_to_pb
 
 log = logging.getLogger(__name__)
@@ -50,10 +52,41 @@ def _targets(msgs: Iterable[pb.Target]) -> list[Target]:
     return [Target(t.rank, t.pid, t.start_time, t.pid_namespace) for t in msgs]
 
 
+class _RemoteIntake:
+    """The coordinator's intake as a remote agent's shipper reaches it: over gRPC. A process
+    seen gone goes up with the agent's next poll (at most one long-poll wait later)."""
+
+    def __init__(self, stub: CoordinatorStub, agent: _Agent) -> None:
+        self.stub = stub
+        self.agent = agent
+
+    def accept_registration(self, identity: Any, via: str = "direct") -> pb.RegisterReply:
+        req = pb.RegisterRequest(token=self.agent.token, via=via)
+        wire.identity_to_pb(identity, req.identity)
+        try:
+            reply: pb.RegisterReply = self.stub.Register(req, timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            call: object = e  # errors from stubs are also grpc.Call, which the stubs cannot express
+            if isinstance(call, grpc.Call) and call.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(call.details()) from None
+            raise
+        return reply
+
+    def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
+        request.token = self.agent.token
+        reply: pb.ReportReply = self.stub.Report(request, timeout=RPC_TIMEOUT_S)
+        return reply
+
+    def apply_process_statuses(self, host: str, statuses: list[ProcessStatus]) -> None:
+        with self.agent._lock:
+            self.agent.gone.extend(statuses)
+
+
 class _Agent:
     def __init__(self, core: NodeAgentCore, token: str) -> None:
         self.core = core
         self.token = token
+        self.gone: list[ProcessStatus] = []  # ranks whose link closed, for the next poll
         self._results: list[pb.CommandResult] = []
         self._lock = threading.Lock()
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hangwatch-agent-cmd")
@@ -75,14 +108,16 @@ class _Agent:
     def poll(self, stub: CoordinatorStub, agent_id: str, full: bool, wait_s: float) -> pb.AgentPollReply:
         with self._lock:
             results, self._results = self._results, []
+            gone, self.gone = self.gone, []
         req = pb.AgentPollRequest(token=self.token, agent_id=agent_id, results=results, wait_s=wait_s)
-        for status in self.core.poll(full=full):
+        for status in [*gone, *self.core.poll(full=full)]:
             process_status_to_pb(status, req.processes.add())
         try:
             reply: pb.AgentPollReply = stub.AgentPoll(req, timeout=wait_s + RPC_TIMEOUT_S)
         except grpc.RpcError:
             with self._lock:  # deliver them with the next poll
                 self._results[:0] = results
+                self.gone[:0] = gone
             raise
         return reply
 
@@ -114,8 +149,12 @@ def run_agent(
     stop: threading.Event,
     poll_wait_s: float = 2.0,
     core: NodeAgentCore | None = None,
+    rank_socket: str | None = None,
 ) -> None:
-    """Serve the coordinator at ``host:port`` until ``stop`` is set (within about ``poll_wait_s``)."""
+    """Serve the coordinator at ``host:port`` until ``stop`` is set (within about ``poll_wait_s``).
+
+    With ``rank_socket``, this node's ranks link to the agent there and it ships their rings
+    (:mod:`hangwatch.agent.shipper`) over the same channel."""
     agent = _Agent(core or NodeAgentCore(), token or "")
     backoff_ms = int(BACKOFF_MAX_S * 1000)
     options = [
@@ -125,6 +164,7 @@ def run_agent(
     ]
     channel = tls.channel(coordinator, options)
     stub = CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    rings = _start_rank_links(rank_socket, stub, agent, stop) if rank_socket else None
     agent_id = ""
     full = True
     delay = BACKOFF_INITIAL_S
@@ -157,5 +197,28 @@ def run_agent(
             if not reply.commands:
                 stop.wait(max(0.0, MIN_POLL_INTERVAL_S - (time.monotonic() - began)))
     finally:
+        if rings is not None:
+            rings.stop()
         agent.workers.shutdown(wait=False, cancel_futures=True)
         channel.close()
+
+
+def _start_rank_links(path: str, stub: CoordinatorStub, agent: _Agent, stop: threading.Event) -> RingServer | None:
+    """This node's ranks link to the agent on ``path``; a thread ships their rings."""
+    from hangwatch.agent.shipper import TICK_S, Shipper
+
+    try:
+        server = RingServer(path)
+        server.start()
+    except OSError as e:
+        log.warning("no rank links on %s (%s): ranks will ship their own records", path, e)
+        return None
+    shipper = Shipper(server, _RemoteIntake(stub, agent), agent.core.host, agent.core.inspector)
+
+    def loop() -> None:
+        while not stop.wait(TICK_S):
+            shipper.tick()
+
+    threading.Thread(target=loop, name="hangwatch-rings", daemon=True).start()
+    log.info("rank links on %s", path)
+    return server

@@ -113,6 +113,8 @@ class Shipper:
         self.heartbeat_s = heartbeat_s
         self._ranks: dict[int, _Rank] = {}  # by id(link)
         self.refused = 0  # links whose registration the coordinator refused
+        self.failures = 0  # ticks on which the coordinator could not be reached
+        self._failing = False
 
     def tick(self) -> None:
         for link in self.server.links():
@@ -121,8 +123,15 @@ class Shipper:
                 state = self._ranks[id(link)] = _Rank(link, identity_of(link, self.host, self.inspector))
             try:
                 self._ship(state)
-            except Exception:
-                log.exception("shipping rank %d's records failed", state.identity.rank)
+                if self._failing:
+                    log.info("coordinator reachable again: shipping resumed")
+                    self._failing = False
+            except Exception as e:  # the coordinator is unreachable (remote agents): retry next tick
+                self.failures += 1
+                state.registered = False  # a restarted coordinator must hear of the rank again
+                if not self._failing:
+                    log.warning("cannot ship rank %d's records (%s); will retry", state.identity.rank, e)
+                    self._failing = True
 
     def _ship(self, state: _Rank) -> None:
         link = state.link

@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("agent", help="run a node agent that watches this node's ranks and dumps their stacks")
     p.add_argument(
+        "--rank-socket",
+        default=None,
+        help=f"Unix socket this node's ranks link to (default ${config.ENV_AGENT_SOCKET}, then agent-<port>.sock "
+        "in this user's private directory, <port> being the relay's or the coordinator's)",
+    )
+    p.add_argument(
         "--coordinator",
         "--addr",
         dest="coordinator",
@@ -350,12 +356,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         relay = _start_relay(args, addr, core.host)
         if relay is None:
             return 2
-    sys.stdout.write(f"hangwatch agent serving coordinator {addr}\n")
+    # ranks find the agent's socket from the port their HANGWATCH_ADDR names: the relay's if any
+    rank_socket = args.rank_socket or config.agent_socket_path(relay.addr if relay is not None else addr)
+    sys.stdout.write(f"hangwatch agent serving coordinator {addr}; rank links on {rank_socket}\n")
     if relay is not None:
         sys.stdout.write(f"relaying this node's ranks: export {config.ENV_ADDR}={relay.addr}\n")
     sys.stdout.flush()
     try:
-        run_agent(addr, token=args.token, stop=stop, core=core)
+        run_agent(addr, token=args.token, stop=stop, core=core, rank_socket=rank_socket)
     except KeyboardInterrupt:
         stop.set()
     finally:

@@ -53,7 +53,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         self._auth(request.token, context)
         try:
-            return self.c.accept_registration(wire.identity_from_pb(request.identity))
+            return self.c.accept_registration(wire.identity_from_pb(request.identity), request.via or "direct")
         except IntakeError as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -210,12 +210,14 @@ class RankIdentity(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., start_time: _Optional[float] = ..., session: _Optional[str] = ..., backend: _Optional[str] = ..., torch_version: _Optional[str] = ..., hook_version: _Optional[str] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("token", "identity")
+    __slots__ = ("token", "identity", "via")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    VIA_FIELD_NUMBER: _ClassVar[int]
     token: str
     identity: RankIdentity
-    def __init__(self, token: _Optional[str] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ...) -> None: ...
+    via: str
+    def __init__(self, token: _Optional[str] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., via: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("coordinator_id", "server_time", "report_interval_s")

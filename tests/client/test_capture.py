@@ -211,10 +211,10 @@ def _start_coordinator(data_dir: Path) -> tuple[Coordinator, list[r.RankIdentity
     lock = threading.Lock()
     original = c.register_rank
 
-    def counting(identity: r.RankIdentity) -> None:  # every Register RPC, including re-registrations
+    def counting(identity: r.RankIdentity, via: str = "direct") -> None:  # every registration, again ones too
         with lock:
             registrations.append(identity)
-        original(identity)
+        original(identity, via)
 
     c.register_rank = counting  # type: ignore[method-assign]
     c.start()
@@ -551,7 +551,10 @@ def test_forked_dataloader_workers_neither_hang_nor_register(ddp: Ran) -> None:
     pids = ddp.pids()
     assert {rank: st.identity.pid for rank, st in ddp.ranks.items()} == pids
     assert "Traceback" not in ddp.output
-    assert "hangwatch" not in ddp.output.lower()  # no warning from the hook either
+    # no warning from the hook either (torch's worker server, which the hook starts for the agent
+    # to read Flight Recorder, logs the socket it listens on: that line is torch's own)
+    ours = [line for line in ddp.output.lower().splitlines() if "workerserver.cpp" not in line]
+    assert not [line for line in ours if "hangwatch" in line], ours
     for state in ddp.ranks.values():
         assert state.end is not None and state.end.kind is r.EndKind.CLEAN_EXIT
 
