@@ -20,13 +20,12 @@ between two records of its kind.
 from __future__ import annotations
 
 import collections
-import math
 
 from hangwatch import records as r
 from hangwatch import wire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind
-from hangwatch.signatures import MAX_SIGNATURES
+from hangwatch.signatures import MAX_SIGNATURES, Columns
 
 TAG_CALL = b"C"
 TAG_EVENT = b"V"
@@ -149,13 +148,7 @@ class RingEncoder:
     def encode(self, ring: Batch, batch: pb.ReportBatch) -> int:
         """Add ``ring``'s records to ``batch``; returns how many records it carries."""
         self.blobs.update(ring.blobs)
-        sigs: list[int] = []
-        ids: list[int] = []
-        seqs: list[int] = []
-        steps: list[int] = []
-        enters: list[float] = []
-        exits: list[float] = []
-        counts: list[int] = []
+        cols = Columns()
         position: dict[int, int] = {}
         wholes: dict[int, pb.Call] = {}
         used: set[int] = set()
@@ -175,21 +168,13 @@ class RingEncoder:
                     carried += 1
                     continue
                 used.add(sid)
-                position[call_id] = len(ids)
-                sigs.append(sid)
-                ids.append(call_id)
-                seqs.append(self._seq(s.ref, s.seq))
-                steps.append(step)
-                enters.append(s.time)
-                exits.append(_NAN)
-                counts.append(1)
+                position[call_id] = cols.add(sid, call_id, self._seq(s.ref, s.seq), step, s.time, _NAN, 1)
             elif kind == Kind.EXIT:
                 call_id = _extend(s.call_id, self._last_call)
                 i = position.get(call_id)
                 whole_call = wholes.pop(call_id, None)
-                if i is not None and not s.ref and math.isnan(exits[i]):
-                    exits[i] = s.time
-                    counts[i] = s.aux or 1
+                if i is not None and not s.ref and cols.fold_exit(i, s.time, s.aux or 1):
+                    pass
                 elif whole_call is not None and not s.ref:
                     whole_call.exit_time = s.time
                     whole_call.seq_count = s.aux or 1
@@ -220,13 +205,5 @@ class RingEncoder:
             else:
                 continue
             carried += 1
-        if ids:
-            cols = batch.calls
-            cols.signature.extend(sigs)
-            cols.call_id.extend(ids)
-            cols.seq.extend(seqs)
-            cols.step.extend(steps)
-            cols.enter_time.extend(enters)
-            cols.exit_time.extend(exits)
-            cols.seq_count.extend(counts)
+        cols.write(batch)
         return carried

@@ -35,6 +35,52 @@ def _key(c: r.CallRecord) -> Key:
     return (c.op, c.group, c.inputs, c.outputs, c.reduce_op, c.root, c.peer, c.async_op, c.call_site, c.source, extra)
 
 
+class Columns:
+    """Calls being put into a batch's ``CallColumns``, one list per column (both encoders)."""
+
+    __slots__ = ("counts", "enters", "exits", "ids", "seqs", "sigs", "steps")
+
+    def __init__(self) -> None:
+        self.sigs: list[int] = []
+        self.ids: list[int] = []
+        self.seqs: list[int] = []
+        self.steps: list[int] = []
+        self.enters: list[float] = []
+        self.exits: list[float] = []
+        self.counts: list[int] = []
+
+    def add(self, sid: int, call_id: int, seq: int, step: int, enter: float, exit_time: float, count: int) -> int:
+        """Append a call (``exit_time`` NaN: still under way); its index."""
+        self.sigs.append(sid)
+        self.ids.append(call_id)
+        self.seqs.append(seq)
+        self.steps.append(step)
+        self.enters.append(enter)
+        self.exits.append(exit_time)
+        self.counts.append(count)
+        return len(self.ids) - 1
+
+    def fold_exit(self, i: int, exit_time: float, count: int) -> bool:
+        """Fold an exit into call ``i`` if it is still open there; whether it was."""
+        if not math.isnan(self.exits[i]):
+            return False
+        self.exits[i] = exit_time
+        self.counts[i] = count
+        return True
+
+    def write(self, batch: pb.ReportBatch) -> None:
+        if not self.ids:
+            return
+        cols = batch.calls
+        cols.signature.extend(self.sigs)
+        cols.call_id.extend(self.ids)
+        cols.seq.extend(self.seqs)
+        cols.step.extend(self.steps)
+        cols.enter_time.extend(self.enters)
+        cols.exit_time.extend(self.exits)
+        cols.seq_count.extend(self.counts)
+
+
 class CallEncoder:
     """The sender's side: interns calls into a batch. Not thread-safe (the sender thread owns it)."""
 
@@ -77,13 +123,7 @@ class CallEncoder:
 
     def encode(self, events: Sequence[r.RankEvent], batch: pb.ReportBatch) -> None:
         """Add ``events`` to ``batch``: calls as columns, everything else as events."""
-        sigs: list[int] = []
-        ids: list[int] = []
-        seqs: list[int] = []
-        steps: list[int] = []
-        enters: list[float] = []
-        exits: list[float] = []
-        counts: list[int] = []
+        cols = Columns()
         position: dict[int, int] = {}  # call id -> column index, for exits in the same batch
         used: set[int] = set()
         for ev in events:
@@ -95,32 +135,18 @@ class CallEncoder:
                     wire.event_to_pb(call, batch.events.add())
                     continue
                 used.add(sid)
-                position[call.call_id] = len(ids)
-                sigs.append(sid)
-                ids.append(call.call_id)
-                seqs.append(call.seq)
-                steps.append(call.step)
-                enters.append(call.enter_time)
-                exits.append(_NAN if call.exit_time is None else call.exit_time)
-                counts.append(call.seq_count)
+                exit_time = _NAN if call.exit_time is None else call.exit_time
+                position[call.call_id] = cols.add(
+                    sid, call.call_id, call.seq, call.step, call.enter_time, exit_time, call.seq_count
+                )
                 continue
             if kind is r.CallExit:
                 done: r.CallExit = ev  # type: ignore[assignment]
                 i = position.get(done.call_id)
-                if i is not None and done.error is None and math.isnan(exits[i]):
-                    exits[i] = done.exit_time
-                    counts[i] = done.seq_count
+                if i is not None and done.error is None and cols.fold_exit(i, done.exit_time, done.seq_count):
                     continue
             wire.event_to_pb(ev, batch.events.add())
-        if ids:
-            cols = batch.calls
-            cols.signature.extend(sigs)
-            cols.call_id.extend(ids)
-            cols.seq.extend(seqs)
-            cols.step.extend(steps)
-            cols.enter_time.extend(enters)
-            cols.exit_time.extend(exits)
-            cols.seq_count.extend(counts)
+        cols.write(batch)
 
 
 #: Tensor lists and extras shared by every session's signatures (ranks of one job make the same
