@@ -9,6 +9,10 @@
     start with ``HANGWATCH_ADDR`` unset / set, and with no site hook at all (``python -S``).
 The ranks are spawned by this script (``torch.multiprocessing.spawn``) and report to an
 in-process coordinator, as a real job would.
+
+This is the calling thread's share. The whole bill per collective (the rank's process over all
+its threads, the wall time, and the coordinator process's CPU, hook on vs off in fresh processes)
+is ``bench/allin.py``.
 """
 
 from __future__ import annotations
