@@ -73,9 +73,10 @@ class _RemoteIntake:
         return reply
 
     def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
-        request.token = self.agent.token
-        reply: pb.ReportReply = self.stub.Report(request, timeout=RPC_TIMEOUT_S)
-        return reply
+        """Sent as a relayed batch, so the coordinator knows which agent carries the rank."""
+        relayed = pb.RelayBatch(token=self.agent.token, relay_host=self.agent.core.host, reports=[request])
+        reply: pb.RelayReply = self.stub.ReportMany(relayed, timeout=RPC_TIMEOUT_S)
+        return reply.replies[0] if reply.replies else pb.ReportReply(reregister=True)
 
     def apply_process_statuses(self, host: str, statuses: list[ProcessStatus]) -> None:
         with self.agent._lock:

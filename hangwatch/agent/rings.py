@@ -83,8 +83,19 @@ class RingServer:
         self._listener: socket.socket | None = None
 
     def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        """Listen on the socket; an OSError if another live agent serves it already (a stale
+        socket file, one nobody listens on, is replaced)."""
+        if os.path.exists(self.path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(self.path)
+            except OSError:
+                os.unlink(self.path)  # nobody listens: left by an agent that is gone
+            else:
+                raise OSError(f"{self.path} is served by another agent")
+            finally:
+                probe.close()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -44,6 +46,15 @@ MAX_BATCH = 2000
 SEND_INTERVAL_S = 0.2
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 5.0  # bounds on the interval a coordinator may ask for
 MAX_BACKOFF_S = 2.0  # a restarted coordinator is found again within a few seconds
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the agent's end of the link has closed (it never sends anything: readable = EOF)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
 
 
 class ReportTransport(Protocol):
@@ -126,6 +137,7 @@ class Sender:
         self._thread: threading.Thread | None = None
         self._main_ident = threading.main_thread().ident
         self.reader: RingReader | None = None  # the ring's reader, where this thread ships it
+        self.link_losses = 0  # times the node agent's end of the link closed
         self.batches_sent = 0
         self.send_failures = 0
         self.registered = False
@@ -204,12 +216,16 @@ class Sender:
 
     def _loop_linked(self) -> None:
         """The node agent reads the ring from outside: nothing to ship from here. The thread
-        only records what it alone can see (async completions, Flight Recorder entries) and
-        publishes where the main thread is, every heartbeat."""
+        only records what it alone can see (async completions, Flight Recorder entries),
+        publishes where the main thread is every heartbeat, and links again when its agent goes
+        away (a restarted coordinator's embedded agent, a restarted node agent): the new agent
+        reads the ring from its start, as far as it still holds, and registers the rank anew."""
         session = self.session
         clock = self._clock
         poller = self._poller_factory(session.recorder)
         last_status = 0.0
+        relink_at = 0.0
+        backoff = 0.25
         while True:
             stopping = self._stop.is_set()
             flushing = self._flush_requested.is_set()
@@ -219,6 +235,17 @@ class Sender:
                 where, where_user = self._where()
                 session.sink.set_status(f"{where}\n{where_user}", time.time())
                 last_status = now
+            if session.link is not None and _closed(session.link):
+                session.link.close()
+                session.link = None
+                self.link_losses += 1
+                log.warning("hangwatch: lost the link to the node agent; will link again")
+            if session.link is None and now >= relink_at and not stopping:
+                if not session.relink():
+                    relink_at = now + backoff
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                else:
+                    backoff = 0.25
             if flushing:
                 self._flush_requested.clear()
                 self._flushed.set()

@@ -52,14 +52,21 @@ class Session:
         self.sink = RingSink(config.env_int(config.ENV_QUEUE_SIZE, config.DEFAULT_QUEUE_SIZE), rank=identity.rank)
         self.recorder = Recorder(identity.rank, self.sink, c10d)
         self.worker_server: workerserver.WorkerServer | None = None
-        worker_socket = workerserver.planned_path() if agent_socket else ""
-        self.link = link.connect(agent_socket, self.hello(worker_socket), [self.sink.fd]) if agent_socket else None
+        self.agent_socket = agent_socket
+        self.worker_socket = workerserver.planned_path() if agent_socket else ""
+        self.link = link.connect(agent_socket, self.hello(self.worker_socket), [self.sink.fd]) if agent_socket else None
         if self.link is not None:
             self.recorder.flush_novel = False  # every record is outside the rank already
-            self.worker_server = workerserver.start(worker_socket)
+            self.worker_server = workerserver.start(self.worker_socket)
         self.sender = Sender(self, addr, token, **sender_seams)
         self.ended = False
         self._failures: set[str] = set()
+
+    def relink(self) -> bool:
+        """Link to the node agent again (from the sender thread, after the agent went away)."""
+        if self.agent_socket:
+            self.link = link.connect(self.agent_socket, self.hello(self.worker_socket), [self.sink.fd])
+        return self.link is not None
 
     @property
     def via(self) -> str:

@@ -127,3 +127,16 @@ def test_bad_hellos_are_refused_and_the_server_keeps_serving(agent: Agent) -> No
 
 def test_the_socket_is_private_to_the_agents_user(agent: Agent) -> None:
     assert os.stat(agent.server.path).st_mode & 0o777 == 0o600
+
+
+def test_a_live_agents_socket_is_not_taken_over_and_a_stale_one_is(agent: Agent, tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="served by another agent"):
+        RingServer(agent.server.path).start()
+    assert os.path.exists(agent.server.path)
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))  # bound, never listening: what a killed agent leaves
+    s.close()
+    second = RingServer(str(stale))
+    second.start()
+    second.stop()

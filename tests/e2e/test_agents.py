@@ -47,8 +47,19 @@ def agents(tmp_path: Path) -> Iterator[Callable[[str, int], subprocess.Popen[str
     procs: list[subprocess.Popen[str]] = []
 
     def start(node: str, port: int) -> subprocess.Popen[str]:
+        # two "nodes" on one machine: each agent its own socket (one node, one agent, in real life)
+        socket_path = str(tmp_path / f"{node}.sock")
         proc = subprocess.Popen(
-            [str(BIN / "hangwatch"), "agent", "--coordinator", f"127.0.0.1:{port}", "--node-name", node],
+            [
+                str(BIN / "hangwatch"),
+                "agent",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--node-name",
+                node,
+                "--rank-socket",
+                socket_path,
+            ],
             cwd=tmp_path,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -68,12 +79,14 @@ def test_stacks_come_from_the_agent_of_the_ranks_node(
     coordinator_factory: Callable[..., Coordinator],
     agents: Callable[[str, int], subprocess.Popen[str]],
     torchrun: Callable[..., Job],
+    tmp_path: Path,
 ) -> None:
     c = coordinator_factory(embedded_agent=False, stuck_after=3.0)
     agents("node-a", c.port)
     agent_b = agents("node-b", c.port)
     wait_for(lambda: {"node-a", "node-b"} <= set(c.hub.hosts()), 30, 0.2, "both agents to register")
-    job = torchrun(STUCK, addr=f"127.0.0.1:{c.port}", env={"HANGWATCH_NODE_NAME": "node-b"}, name="node_b_job")
+    node_b = {"HANGWATCH_NODE_NAME": "node-b", "HANGWATCH_AGENT_SOCKET": str(tmp_path / "node-b.sock")}
+    job = torchrun(STUCK, addr=f"127.0.0.1:{c.port}", env=node_b, name="node_b_job")
 
     inc = wait_for(lambda: _stuck_with_stacks(c), 60, 0.3, "a stuck incident with the culprit's stack")
     assert inc["culprit_ranks"] == [1]
