@@ -93,7 +93,8 @@ class FlightRecorderPoller:
         seqs = self.recorder.python_seqs.get(group)
         if not seqs:
             return False
-        return any(lo <= seq <= hi for lo, hi in reversed(seqs))
+        # a snapshot: the calling thread appends to this deque while we look (copying is atomic)
+        return any(lo <= seq <= hi for lo, hi in reversed(tuple(seqs)))
 
     def _close(self, key: tuple[str, int], record: r.CallRecord) -> None:
         del self._open[key]

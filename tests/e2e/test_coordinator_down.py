@@ -50,13 +50,14 @@ while time.monotonic() < deadline:
     opt.zero_grad()
     model(torch.randn(16, 32)).sum().backward()
     opt.step()
-    connected = float(hook is not None and hook.sender.batches_sent > 0)
+    connected = float(hook is not None and (hook.sender.batches_sent > 0 or hook.link is not None))
     flags = torch.tensor([1.0 if killed_file and os.path.exists(killed_file) else 0.0, -connected])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [anyone saw the kill, -(everyone connected)]
     if killed_file and flags[1].item() == -1.0 and step >= 50 and rank == 0 and at_kill is None:
         open(os.path.join(out_dir, "ready"), "w").close()
     if flags[0].item() == 1.0 and at_kill is None:
-        at_kill = {"step": step, "batches_sent": hook.sender.batches_sent, "registered": hook.sender.registered}
+        at_kill = {"step": step, "batches_sent": hook.sender.batches_sent, "registered": hook.sender.registered,
+                   "via": hook.via}
         # calls of new signatures: the hook flushes such a record before issuing the call
         dist.broadcast(torch.zeros(3, 7), src=0)
         dist.all_gather(list(torch.zeros(2, 5).unbind(0)), torch.ones(5))
@@ -83,6 +84,8 @@ if hook is not None:
         batches_sent=hook.sender.batches_sent,
         registered=hook.sender.registered,
         flush_novel=hook.recorder.flush_novel,
+        via=hook.via,
+        link_losses=hook.sender.link_losses,
         queued=hook.sender.ring_counts()[0],
         dropped=hook.sender.ring_counts()[1],
         capacity=hook.sink.capacity,
@@ -99,7 +102,7 @@ def _results(out: Path, job: Job) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in found]
 
 
-def _never_waited(job: Job, results: list[dict[str, Any]]) -> None:
+def _never_waited(job: Job, results: list[dict[str, Any]], agent: bool = False) -> None:
     output = job.output()
     assert "Traceback" not in output, output[-3000:]
     assert "hangwatch: internal error" not in output, output[-3000:]
@@ -107,11 +110,12 @@ def _never_waited(job: Job, results: list[dict[str, Any]]) -> None:
     for res in results:
         assert res["attached"], "the hook did not attach: this test would prove nothing"
         assert res["max_step_s"] < MAX_STEP_S, res  # nothing on the training thread waited for the network
-        assert res["send_failures"] >= 1, res  # the sender thread met the failure and counted it
-        assert res["registered"] is False, res
         assert res["capacity"] == QUEUE
         assert res["queued"] <= QUEUE, res
-        assert res["queued"] + res["dropped"] > 0, res  # what could not be sent is kept (bounded) or dropped
+        if not agent:
+            assert res["send_failures"] >= 1, res  # the sender thread met the failure and counted it
+            assert res["registered"] is False, res
+            assert res["queued"] + res["dropped"] > 0, res  # what could not be sent is kept (bounded) or dropped
 
 
 def test_no_coordinator_listening(tmp_path: Path, torchrun: Callable[..., Job]) -> None:
@@ -130,8 +134,9 @@ def test_no_coordinator_listening(tmp_path: Path, torchrun: Callable[..., Job]) 
         assert res["queued"] == QUEUE, res  # never read: nothing is sent before registration
 
 
+@pytest.mark.parametrize("path", ["agent", "direct"])
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])
-def test_coordinator_dies_mid_job(tmp_path: Path, torchrun: Callable[..., Job], how: str) -> None:
+def test_coordinator_dies_mid_job(tmp_path: Path, torchrun: Callable[..., Job], how: str, path: str) -> None:
     """SIGKILL: connections are refused at once. SIGSTOP: they stay open and every RPC runs into its
     deadline on the sender thread, while the training thread issues calls of new signatures (which
     it flushes first, waiting at most NOVEL_FLUSH_TIMEOUT_S once, then never again)."""
@@ -141,7 +146,9 @@ def test_coordinator_dies_mid_job(tmp_path: Path, torchrun: Callable[..., Job], 
     addr, coordinator = start_coordinator_cli(tmp_path / "data", stuck_after=3.0, cwd=tmp_path)
     try:
         env = {"OUT_DIR": str(out), "KILLED_FILE": str(killed), "STEPS": "200", "HANGWATCH_QUEUE_SIZE": str(QUEUE)}
-        job = torchrun(TRAIN, addr=addr, env=env, name=how)
+        if path == "direct":  # no agent socket to be found: the ranks ship their own rings
+            env["HANGWATCH_AGENT_SOCKET"] = str(tmp_path / "no-agent.sock")
+        job = torchrun(TRAIN, addr=addr, env=env, name=f"{how}_{path}")
         wait_for(lambda: (out / "ready").exists() or job.proc.poll() is not None, 60, 0.1, "both ranks connected")
         assert job.proc.poll() is None, job.output()[-3000:]
         if how == "sigkill":
@@ -158,11 +165,18 @@ def test_coordinator_dies_mid_job(tmp_path: Path, torchrun: Callable[..., Job], 
             coordinator.kill()  # also ends a stopped process
             coordinator.wait(10)
     results = _results(out, job)
-    _never_waited(job, results)
+    _never_waited(job, results, agent=path == "agent")
     for res in results:
         at_kill = res["at_kill"]
         assert at_kill is not None and res["after_kill"] == 200, res
-        assert at_kill["step"] >= 50 and at_kill["batches_sent"] > 0, res  # it trained connected first
+        assert res["via"] == at_kill["via"] == path or (path == "agent" and how == "sigkill"), res
+        assert at_kill["step"] >= 50, res  # it trained connected first
+        if path == "agent":
+            # its agent died with the coordinator (SIGKILL): the link closed and the rank keeps
+            # trying to link again, off the training thread; SIGSTOP: nothing closes, nothing waits
+            assert res["link_losses"] == (1 if how == "sigkill" else 0), res
+            continue
+        assert at_kill["batches_sent"] > 0, res
         assert res["batches_sent"] == at_kill["batches_sent"], res  # and nothing got through after
         if how == "sigstop" and at_kill["registered"]:
             assert res["flush_novel"] is False, res  # a flush timed out: the hook stopped flushing
