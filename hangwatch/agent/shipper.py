@@ -61,6 +61,9 @@ class _Rank:
     pending: Batch | None = None
     last_sent: float = 0.0
     gone_reported: bool = False
+    #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when
+    #: the last batch left: a batch without records is a heartbeat only if the rank wrote since
+    status_time: float | None = None
 
 
 def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
@@ -138,10 +141,12 @@ class Shipper:
             state.registered = True
             state.encoder.reset()
         while True:
-            if state.pending is None:
+            if state.pending is None or not (state.pending.slots or state.pending.blobs):
+                # an empty batch kept back (nothing to send before the next heartbeat) is no
+                # reason not to look again: the rank may have written since, or just died
                 state.pending = link.reader.poll(MAX_SLOTS)
             now = self.clock()
-            if not state.pending.slots and not state.pending.blobs and now - state.last_sent < self.heartbeat_s:
+            if not state.pending.slots and not state.pending.blobs and not self._heartbeat_due(state, now):
                 break
             batch = self._batch(state, state.pending, now)
             reply = self.intake.accept_report(batch)
@@ -154,6 +159,16 @@ class Shipper:
                 break  # read to the end for now
         if closed and not state.gone_reported:
             self._gone(state)
+
+    def _heartbeat_due(self, state: _Rank, now: float) -> bool:
+        """Time for a batch without records, and the rank itself is alive: its sender thread
+        rewrote its status since the last batch (or never wrote one yet). The agent never
+        heartbeats for a rank whose interpreter is stuck (the GIL held in native code, SIGSTOP):
+        that silence is how the coordinator tells it frozen."""
+        if now - state.last_sent < self.heartbeat_s:
+            return False
+        status = state.link.reader.status()
+        return status is None or state.status_time is None or status[0] != state.status_time
 
     def _batch(self, state: _Rank, ring: Batch, now: float) -> pb.ReportBatch:
         ident = state.identity
@@ -168,6 +183,7 @@ class Shipper:
         )
         status = state.link.reader.status()
         if status is not None:
+            state.status_time = batch.alive_time = status[0]
             where, _, where_user = status[1].partition("\n")
             batch.where, batch.where_user = where, where_user
         state.encoder.encode(ring, batch)
@@ -178,13 +194,15 @@ class Shipper:
         link = state.link
         closed_at = link.closed_at or self.clock()
         now_status = self.inspector.status(link.peer.pid)
+        seen = link.exit_code is not None or link.exit_signal is not None  # at the moment it closed
         ended = r.ProcessStatus(
             pid=link.peer.pid,
-            state=r.ProcState.ZOMBIE if now_status.state is r.ProcState.ZOMBIE else r.ProcState.DEAD,
+            state=r.ProcState.ZOMBIE if seen or now_status.state is r.ProcState.ZOMBIE else r.ProcState.DEAD,
             time=closed_at,
             start_time=state.identity.start_time,
-            exit_code=now_status.exit_code,
-            signal=now_status.signal,
+            exit_code=link.exit_code if seen else now_status.exit_code,
+            signal=link.exit_signal if seen else now_status.signal,
+            oom_killed=link.oom_killed,
         )
         self.intake.apply_process_statuses(self.host, [ended])
         state.gone_reported = True
