@@ -275,3 +275,16 @@ def test_a_death_told_before_its_mismatch_was_known_is_closed_as_its_aftermath()
     assert shape.kind == "shape_mismatch" and "aftermath" in shape.details
     assert died.status == "resolved" and shape.id in died.resolution
     assert [i.kind for i in open_incidents(engine)] == ["shape_mismatch"]
+
+
+def test_job_stopped_while_every_rank_is_inside_a_collective_is_not_a_stall() -> None:
+    sim = SimJob(4)
+    sim.collective(1, T0 + 1)
+    for rk in range(4):
+        sim.call(rk, T0 + 10, seq=2)
+    for rk, dt in ((1, 0.0), (0, 0.012), (3, 0.023), (2, 0.028)):
+        _gone(sim, rk, T0 + 10.01 + dt, signal=SIGTERM)
+    engine = sim.engine(stuck_after=3.0)
+    for now in (T0 + 10.6, T0 + 14, T0 + 30):
+        assert stuck.detect(sim.job, sim.ctx(now, stuck_after=3.0)) == []
+        assert engine.tick(now) == []
