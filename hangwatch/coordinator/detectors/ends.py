@@ -172,8 +172,6 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         "oom_killed": bool(first.proc and first.proc.oom_killed),
         "time": first_time,
     }
-    if first.end is not None and first.proc is not None and first.proc.signal is None:
-        exit_details["signal"] = None
     details: dict[str, object] = {
         "exit": exit_details,
         "affected": {str(st.rank): _death_text(st) for _, st in ended[1:]},
