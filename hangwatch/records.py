@@ -214,8 +214,9 @@ class ProcessStatus:
     cpu_percent: float = 0.0
     rss_bytes: int = 0
     num_threads: int = 0
-    exit_code: int | None = None  # where it can be known (the agent's own children)
+    exit_code: int | None = None  # where it can be known (a zombie's exit status)
     signal: int | None = None
+    oom_killed: bool = False  # its cgroup's oom_kill counter went up as it died (cgroup v2)
 
 
 @dataclass(frozen=True, slots=True)

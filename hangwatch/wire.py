@@ -119,6 +119,7 @@ def process_status_to_pb(s: r.ProcessStatus, msg: pb.ProcStatus) -> None:
         msg.exit_code = s.exit_code
     if s.signal is not None:
         msg.signal = s.signal
+    msg.oom_killed = s.oom_killed
 
 
 def stack_dump_to_pb(d: r.StackDump, rank: int, msg: pb.StackDumpMsg) -> None:
@@ -261,6 +262,7 @@ def process_status_from_pb(msg: pb.ProcStatus) -> r.ProcessStatus:
         num_threads=msg.num_threads,
         exit_code=msg.exit_code if msg.HasField("exit_code") else None,
         signal=msg.signal if msg.HasField("signal") else None,
+        oom_killed=msg.oom_killed,
     )
 
 

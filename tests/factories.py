@@ -189,8 +189,10 @@ class SimJob:
     def end(self, rank: int, kind: r.EndKind, t: float, detail: str = "", site: str = "") -> None:
         self.apply(r.RankEnd(rank, kind, t, detail=detail, call_site=site), t)
 
-    def proc(self, rank: int, state: r.ProcState, t: float) -> None:
-        self.states[rank].proc = r.ProcessStatus(pid=self.states[rank].identity.pid, state=state, time=t)
+    def proc(self, rank: int, state: r.ProcState, t: float, **how: Any) -> None:
+        """What a node agent says of ``rank``'s process at ``t`` (``how``: ``signal``,
+        ``exit_code``, ``oom_killed``: how a gone process ended)."""
+        self.states[rank].proc = r.ProcessStatus(pid=self.states[rank].identity.pid, state=state, time=t, **how)
 
     # ---- detection ------------------------------------------------------------------------------
 

@@ -111,3 +111,58 @@ class PsutilInspector:
                 del self._procs[key]
             start, code, sig = self._exits.get(pid, (0.0, None, None))
         return ProcessStatus(pid, ProcState.DEAD, now, start, exit_code=code, signal=sig)
+
+
+def exit_when_gone(pid: int, wait_s: float = 0.02, proc_root: str = "/proc") -> tuple[int | None, int | None]:
+    """Exit code or signal of ``pid`` whose rank link just closed: the process is exiting, and
+    becomes a zombie within moments, until its parent reaps it (torchrun polls every 0.1 s), so
+    look at once and for a few milliseconds more. (None, None) when it could not be seen."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(f"{proc_root}/{pid}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] == "Z":
+                return wait_status(int(fields[49]))
+        except (OSError, ValueError, IndexError):
+            return None, None  # reaped already (or never readable)
+        if time.monotonic() >= deadline:
+            return None, None
+        time.sleep(0.001)
+
+
+def memory_events_path(pid: int, proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> str | None:
+    """The cgroup v2 ``memory.events`` file of ``pid``'s cgroup, where it can be read (pure v2
+    at ``cgroup_root``, or a hybrid host's ``unified`` mount); None otherwise (cgroup v1, the
+    root cgroup, another namespace's path, no permission)."""
+    try:
+        with open(f"{proc_root}/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("0::"):
+            path = line[3:].rstrip("/")
+            if not path:
+                return None
+            for base in (cgroup_root, f"{cgroup_root}/unified"):
+                candidate = f"{base}{path}/memory.events"
+                if oom_kills(candidate) is not None:
+                    return candidate
+    return None
+
+
+def oom_kills(path: str | None) -> int | None:
+    """The ``oom_kill`` counter of a cgroup v2 ``memory.events`` file (None: unreadable)."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hangwatch.agent.procinfo import exit_when_gone, memory_events_path, oom_kills
 from hangwatch.link import LinkError, Peer, peer_of, recv_hello
 from hangwatch.ring import RingError, RingReader
 
@@ -46,6 +47,14 @@ class RankLink:
     connected_at: float
     closed_at: float | None = None  # when the connection closed: the process is gone
     sock: socket.socket | None = field(default=None, repr=False)
+    #: its cgroup v2 ``memory.events`` and that file's ``oom_kill`` count when it linked (None:
+    #: not readable, and then nothing is said about the OOM killer)
+    memory_events: str | None = None
+    oom_kills: int | None = None
+    #: how it ended, read the moment its link closed (before its parent reaps it), where known
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    oom_killed: bool = False
 
     @property
     def alive(self) -> bool:
@@ -193,6 +202,8 @@ class RingServer:
                 return None
             link = RankLink(peer, hello, reader, fds[0], self._clock(), sock=conn)
             self._links.append(link)
+        link.memory_events = memory_events_path(peer.pid)
+        link.oom_kills = oom_kills(link.memory_events)
         try:
             conn.sendall(b"\x01")
         except OSError:
@@ -216,5 +227,14 @@ class RingServer:
         with contextlib.suppress(OSError):
             sock.close()
         link.sock = None
+        self._ended(link)
         if self._on_close is not None:
             self._on_close(link)
+
+    @staticmethod
+    def _ended(link: RankLink) -> None:
+        """How the process ended, read now: its parent (torchrun polls every 0.1 s) reaps it soon
+        and then ``/proc`` no longer says; and whether its cgroup's OOM killer struck meanwhile."""
+        link.exit_code, link.exit_signal = exit_when_gone(link.peer.pid)
+        now = oom_kills(link.memory_events)
+        link.oom_killed = now is not None and link.oom_kills is not None and now > link.oom_kills

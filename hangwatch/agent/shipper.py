@@ -60,8 +60,10 @@ class _Rank:
     batch_seq: int = 0
     pending: Batch | None = None
     last_sent: float = 0.0
-    status_time: float = 0.0  # when the rank's own thread last published its status
     gone_reported: bool = False
+    #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when
+    #: the last batch left: a batch without records is a heartbeat only if the rank wrote since
+    status_time: float | None = None
 
 
 def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
@@ -148,11 +150,12 @@ class Shipper:
             state.registered = True
             state.encoder.reset()
         while True:
-            if state.pending is None:
+            if state.pending is None or not (state.pending.slots or state.pending.blobs):
+                # an empty batch kept back (nothing to send before the next heartbeat) is no
+                # reason not to look again: the rank may have written since, or just died
                 state.pending = link.reader.poll(MAX_SLOTS)
             now = self.clock()
-            if not state.pending.slots and not state.pending.blobs and not self._beat_due(state, now):
-                state.pending = None  # nothing new: read afresh next time
+            if not state.pending.slots and not state.pending.blobs and not self._heartbeat_due(state, now):
                 break
             batch = self._batch(state, state.pending, now)
             reply = self.intake.accept_report(batch)
@@ -166,18 +169,15 @@ class Shipper:
         if closed and not state.gone_reported:
             self._gone(state)
 
-    def _beat_due(self, state: _Rank, now: float) -> bool:
-        """A heartbeat stands for the rank's own interpreter: it is sent only when the rank's
-        thread has published its status since the last one. A rank frozen with its GIL held
-        publishes nothing, so it falls silent to the coordinator exactly as it would have
-        without an agent (and the agent's process status says it is alive: frozen)."""
+    def _heartbeat_due(self, state: _Rank, now: float) -> bool:
+        """Time for a batch without records, and the rank itself is alive: its sender thread
+        rewrote its status since the last batch (or never wrote one yet). The agent never
+        heartbeats for a rank whose interpreter is stuck (the GIL held in native code, SIGSTOP):
+        that silence is how the coordinator tells it frozen."""
         if now - state.last_sent < self.heartbeat_s:
             return False
         status = state.link.reader.status()
-        if status is None or status[0] <= state.status_time:
-            return False
-        state.status_time = status[0]
-        return True
+        return status is None or state.status_time is None or status[0] != state.status_time
 
     def _batch(self, state: _Rank, ring: Batch, now: float) -> pb.ReportBatch:
         ident = state.identity
@@ -192,6 +192,7 @@ class Shipper:
         )
         status = state.link.reader.status()
         if status is not None:
+            state.status_time = batch.alive_time = status[0]
             where, _, where_user = status[1].partition("\n")
             batch.where, batch.where_user = where, where_user
         state.encoder.encode(ring, batch)
@@ -202,13 +203,15 @@ class Shipper:
         link = state.link
         closed_at = link.closed_at or self.clock()
         now_status = self.inspector.status(link.peer.pid)
+        seen = link.exit_code is not None or link.exit_signal is not None  # at the moment it closed
         ended = r.ProcessStatus(
             pid=link.peer.pid,
-            state=r.ProcState.ZOMBIE if now_status.state is r.ProcState.ZOMBIE else r.ProcState.DEAD,
+            state=r.ProcState.ZOMBIE if seen or now_status.state is r.ProcState.ZOMBIE else r.ProcState.DEAD,
             time=closed_at,
             start_time=state.identity.start_time,
-            exit_code=now_status.exit_code,
-            signal=now_status.signal,
+            exit_code=link.exit_code if seen else now_status.exit_code,
+            signal=link.exit_signal if seen else now_status.signal,
+            oom_killed=link.oom_killed,
         )
         self.intake.apply_process_statuses(self.host, [ended])
         state.gone_reported = True

@@ -310,6 +310,7 @@ class Coordinator:
                 events,
                 now=now,
                 sent_time=batch.sent_time,
+                alive_time=batch.alive_time,
                 held_s=batch.relay_held_s,
                 relay=relay,
                 queued=batch.queued,
@@ -346,6 +347,7 @@ class Coordinator:
                         time=min(before.time, status.time),
                         exit_code=status.exit_code if status.exit_code is not None else before.exit_code,
                         signal=status.signal if status.signal is not None else before.signal,
+                        oom_killed=status.oom_killed or before.oom_killed,
                     )
                 st.proc = status
 

@@ -127,17 +127,21 @@ class Engine:
         return opened
 
     def _absorb(self, finding: Finding, now: float) -> tuple[Incident | None, bool]:
+        if finding.aftermath_of:
+            self._fold_aftermath(finding, now)
+            return None, False
         existing_id = self.by_key.get(finding.key)
         if existing_id is not None:
             incident = self.incidents.get(existing_id)
             if incident is None:
                 return None, False  # reported long ago, and no longer kept in memory
+            summary = _with_aftermath(finding.summary, incident)
             if incident.status == "open" and (
-                incident.summary != finding.summary
+                incident.summary != summary
                 or incident.waiting_ranks != sorted(finding.waiting_ranks)
                 or incident.culprit_ranks != sorted(finding.culprit_ranks)
             ):
-                incident.summary = finding.summary
+                incident.summary = summary
                 incident.culprit_ranks = sorted(finding.culprit_ranks)
                 incident.waiting_ranks = sorted(finding.waiting_ranks)
                 incident.details.update(finding.details)
@@ -150,6 +154,33 @@ class Engine:
             self._forget_oldest()
         self.persist(incident)
         return incident, True
+
+    def _fold_aftermath(self, finding: Finding, now: float) -> None:
+        """A consequence (a rank killed by the mismatch it took part in) joins its root cause's
+        incident as ``details["aftermath"]`` and a clause of its summary; it opens nothing. An
+        incident of its own already opened for it (its root cause found only later) is closed."""
+        root_id = self.by_key.get(finding.aftermath_of)
+        root = self.incidents.get(root_id) if root_id is not None else None
+        if root is None:
+            return  # the root cause is not known (yet): the detector says so on a later tick
+        aftermath = {
+            "summary": finding.summary,
+            "ranks": sorted(finding.culprit_ranks),
+            "op": finding.op,
+            **finding.details,
+        }
+        if root.details.get("aftermath") != aftermath:
+            base = _without_aftermath(root)
+            root.details["aftermath"] = aftermath
+            root.summary = _with_aftermath(base, root)
+            self.persist(root)
+        own_id = self.by_key.get(finding.key)
+        own = self.incidents.get(own_id) if own_id is not None else None
+        if own is not None and own.status == "open" and own.id != root.id:
+            own.status = "resolved"
+            own.resolved_time = now
+            own.resolution = f"the aftermath of {root.id} ({root.kind.value}), which tells it"
+            self.persist(own)
 
     def _forget_oldest(self) -> None:
         resolved = [i for i in self.incidents.values() if i.status != "open"]
@@ -235,3 +266,18 @@ class Engine:
                         incident.details.setdefault("stack_summary", {})[str(rank)] = doing
             incident.stacks_time = time.time()
             self.persist(incident)
+
+
+def _aftermath_clause(incident: Incident) -> str:
+    aftermath = incident.details.get("aftermath")
+    return f"; {aftermath['summary']}" if isinstance(aftermath, dict) and aftermath.get("summary") else ""
+
+
+def _without_aftermath(incident: Incident) -> str:
+    clause = _aftermath_clause(incident)
+    return incident.summary[: -len(clause)] if clause and incident.summary.endswith(clause) else incident.summary
+
+
+def _with_aftermath(summary: str, incident: Incident) -> str:
+    """``summary`` (a finding's, of the root cause) with the incident's aftermath told after it."""
+    return summary + _aftermath_clause(incident)

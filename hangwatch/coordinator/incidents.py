@@ -119,6 +119,9 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
     stack_ranks: list[int] = field(default_factory=list)  # whose stacks to attach
     native: bool = False  # ask for native frames too
+    #: the key of the incident this finding is a consequence of (a rank killed by the mismatch
+    #: it took part in): folded into that incident's ``details["aftermath"]``, never its own
+    aftermath_of: str = ""
 
 
 @dataclass

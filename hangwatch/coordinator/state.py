@@ -219,6 +219,7 @@ class JobState:
         *,
         now: float,
         sent_time: float = 0.0,
+        alive_time: float = 0.0,
         held_s: float = 0.0,
         relay: str = "",
         queued: int = 0,
@@ -229,8 +230,10 @@ class JobState:
         """Apply one batch of ``rank``'s session ``session`` that arrived at ``now``.
 
         ``sent_time`` (rank clock; 0: unknown) and ``held_s`` (seconds a relay held it) feed the
-        rank's clock offset; the rest of the header (``relay``, ``queued``, ``dropped``,
-        ``where``, ``where_user``) is recorded as the rank's latest word. Events of another rank
+        rank's clock offset; ``alive_time`` (rank clock; 0: the rank sent it) bounds what the
+        batch proves the rank had not done (a node agent reads a frozen rank's ring too); the
+        rest of the header (``relay``, ``queued``, ``dropped``, ``where``, ``where_user``) is
+        recorded as the rank's latest word. Events of another rank
         are ignored; an event that raises is counted and skipped, so one bad event does not block
         the rank's stream. Returns None when the session is not the rank's registered one (it
         must register again)."""
@@ -241,7 +244,10 @@ class JobState:
         state.relay = relay
         if sent_time:
             state.observe_clock(now, sent_time, held_s)
-            state.last_sent = max(state.last_sent, sent_time + state.clock_offset)
+            # what the batch proves the rank had not done yet holds up to when the rank itself was
+            # last seen alive: a node agent reads a frozen rank's ring as well as a live one's
+            proven = min(sent_time, alive_time) if alive_time else sent_time
+            state.last_sent = max(state.last_sent, proven + state.clock_offset)
         state.queued = queued
         state.dropped = dropped
         state.where = where

@@ -230,7 +230,7 @@ class RegisterReply(_message.Message):
     def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class ReportBatch(_message.Message):
-    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls", "urgent", "relay_held_s")
+    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls", "urgent", "relay_held_s", "alive_time")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class ReportBatch(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     URGENT_FIELD_NUMBER: _ClassVar[int]
     RELAY_HELD_S_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_TIME_FIELD_NUMBER: _ClassVar[int]
     token: str
     job_id: str
     rank: int
@@ -261,7 +262,8 @@ class ReportBatch(_message.Message):
     calls: CallColumns
     urgent: bool
     relay_held_s: float
-    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ..., calls: _Optional[_Union[CallColumns, _Mapping]] = ..., urgent: _Optional[bool] = ..., relay_held_s: _Optional[float] = ...) -> None: ...
+    alive_time: float
+    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ..., calls: _Optional[_Union[CallColumns, _Mapping]] = ..., urgent: _Optional[bool] = ..., relay_held_s: _Optional[float] = ..., alive_time: _Optional[float] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("reregister", "server_time", "accepted")
@@ -336,7 +338,7 @@ class Target(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., start_time: _Optional[float] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class ProcStatus(_message.Message):
-    __slots__ = ("pid", "state", "time", "start_time", "cpu_percent", "rss_bytes", "num_threads", "exit_code", "signal")
+    __slots__ = ("pid", "state", "time", "start_time", "cpu_percent", "rss_bytes", "num_threads", "exit_code", "signal", "oom_killed")
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +348,7 @@ class ProcStatus(_message.Message):
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
     pid: int
     state: str
     time: float
@@ -355,7 +358,8 @@ class ProcStatus(_message.Message):
     num_threads: int
     exit_code: int
     signal: int
-    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., time: _Optional[float] = ..., start_time: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., num_threads: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ...) -> None: ...
+    oom_killed: bool
+    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., time: _Optional[float] = ..., start_time: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., num_threads: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., oom_killed: _Optional[bool] = ...) -> None: ...
 
 class FrameMsg(_message.Message):
     __slots__ = ("function", "filename", "line", "native")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 from hangwatch.agent.identity import check, verify
-from hangwatch.agent.procinfo import PsutilInspector
+from hangwatch.agent.procinfo import PsutilInspector, exit_when_gone, memory_events_path, oom_kills
 from hangwatch.records import ProcessStatus, ProcState, Target
 
 from .conftest import Spawn, target, wait_until
@@ -78,3 +79,38 @@ def test_check_cannot_inspect() -> None:
     assert check(Target(1, 42, 100.0), ProcessStatus(42, ProcState.UNKNOWN, 0.0)) == (
         "pid 42 cannot be inspected (access denied)"
     )
+
+
+def _stat(state: str, wait_status: int) -> str:
+    # pid (comm) state, then fields 4..52 of proc(5); the exit code is field 52
+    rest = ["0"] * 49
+    rest[-1] = str(wait_status)
+    return f"42 (python3 x) {state} " + " ".join(rest) + "\n"
+
+
+def test_exit_of_a_zombie_is_read_once_it_is_one(tmp_path: Path) -> None:
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "stat").write_text(_stat("Z", signal.SIGKILL))
+    assert exit_when_gone(42, proc_root=str(tmp_path)) == (None, signal.SIGKILL)
+    (tmp_path / "42" / "stat").write_text(_stat("Z", 3 << 8))
+    assert exit_when_gone(42, proc_root=str(tmp_path)) == (3, None)
+    (tmp_path / "42" / "stat").write_text(_stat("S", 0))  # not exiting after all: say nothing
+    assert exit_when_gone(42, wait_s=0.01, proc_root=str(tmp_path)) == (None, None)
+    assert exit_when_gone(43, proc_root=str(tmp_path)) == (None, None)  # reaped already
+
+
+def test_oom_kills_of_the_ranks_cgroup_v2(tmp_path: Path) -> None:
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "42").mkdir(parents=True)
+    (proc / "42" / "cgroup").write_text("0::/job.slice/rank-0.scope\n")
+    events = cgroup / "unified" / "job.slice" / "rank-0.scope"  # a hybrid host's v2 mount
+    events.mkdir(parents=True)
+    (events / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\noom_group_kill 0\n")
+    path = memory_events_path(42, proc_root=str(proc), cgroup_root=str(cgroup))
+    assert path == str(events / "memory.events")
+    assert oom_kills(path) == 1
+    # cgroup v1 only, the root cgroup, or a file that cannot be read: nothing is said about OOM
+    (proc / "42" / "cgroup").write_text("4:memory:/job\n0::/\n")
+    assert memory_events_path(42, proc_root=str(proc), cgroup_root=str(cgroup)) is None
+    assert memory_events_path(43, proc_root=str(proc), cgroup_root=str(cgroup)) is None
+    assert oom_kills(None) is None and oom_kills(str(tmp_path / "missing")) is None

@@ -162,3 +162,95 @@ def test_records_written_after_an_idle_tick_are_shipped(agent: tuple[RingServer,
     finally:
         sock.close()
         sink.close()
+
+
+_RANK_IN_PHASES = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from hangwatch import link, records as r
+    from hangwatch.client.ringsink import RingSink
+    sink = RingSink(4096, rank=0)
+    hello = {"job_id": "j", "rank": 0, "world_size": 2, "session": "s0", "pid": 1, "local_rank": 0}
+    linked = link.connect(sys.argv[1], hello, [sink.fd])  # kept: the link closes when the rank dies
+    assert linked is not None
+    meta = (r.TensorMeta((4,), "float32"),)
+    sink.set_status("train.py:9 in step\\ntrain.py:9 in step", time.time())
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "status":
+            sink.set_status("train.py:9 in step\\ntrain.py:9 in step", time.time())
+        elif line.strip() == "die":
+            sink.put(r.CallRecord(0, 7, "broadcast", "0", 7, meta, meta, root=0, enter_time=time.time(),
+                                  call_site="train.py:9 in step"))  # written, then killed at once
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("done", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_records_written_after_an_idle_poll_and_just_before_death_arrive(
+    agent: tuple[RingServer, Shipper, Intake],
+) -> None:
+    """An empty poll kept back until the next heartbeat must not stop the shipper from looking
+    again: the rank writes its last record and is killed within one heartbeat; the record and
+    the death arrive together, the death with its signal read before the parent reaps it."""
+    server, shipper, intake = agent
+    shipper.heartbeat_s = 60.0  # no heartbeat in this test: only records make batches
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RANK_IN_PHASES, server.path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        wait_for(lambda: server.links(), 5, 0.02, "the link")
+        for _ in range(3):
+            shipper.tick()  # registered, a first batch, then an idle poll
+        child.stdin.write("die\n")
+        child.stdin.flush()
+        wait_for(lambda: server.links()[0].closed_at if server.links() else True, 5, 0.02, "the link closed")
+        shipper.tick()
+        calls = [e for e in intake.events.get(0, []) if isinstance(e, r.CallRecord)]
+        assert [(c.op, c.seq, c.exit_time) for c in calls] == [("broadcast", 7, None)]
+        (gone,) = intake.statuses
+        assert gone.signal == signal.SIGKILL and gone.exit_code is None
+        assert not gone.oom_killed
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_no_heartbeat_for_a_rank_whose_own_status_stands_still(agent: tuple[RingServer, Shipper, Intake]) -> None:
+    """A frozen rank (its GIL held) writes neither records nor status: the agent, which could
+    read its ring all the same, must not heartbeat for it, or it would never look frozen."""
+    server, shipper, intake = agent
+    shipper.heartbeat_s = 0.0
+    batches: list[pb.ReportBatch] = []
+    accept = intake.accept_report
+
+    def counting(request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
+        batches.append(request)
+        return accept(request, relay)
+
+    intake.accept_report = counting  # type: ignore[method-assign]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RANK_IN_PHASES, server.path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        wait_for(lambda: server.links(), 5, 0.02, "the link")
+        for _ in range(5):
+            shipper.tick()
+        assert len(batches) == 1 and batches[0].alive_time > 0  # the first, then nothing new from the rank
+        child.stdin.write("status\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
+        for _ in range(5):
+            shipper.tick()
+        assert len(batches) == 2 and batches[1].alive_time > batches[0].alive_time
+    finally:
+        child.kill()
+        child.wait(10)

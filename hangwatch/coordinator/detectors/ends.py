@@ -1,15 +1,22 @@
 """Ranks that ended while the job runs: ``rank_died``, or ``early_exit`` when the first to go left
 cleanly while others were still in (or entering) a collective.
 
-The root cause is the first rank to end. Peers that fail afterwards because their connection
-to it broke ("Connection closed by peer", torchrun's SIGTERM) are consequences, listed as
-affected ranks of the same incident, never incidents of their own.
+The root cause is the first rank to end, by the precise moment its process vanished (its link to
+the node agent closing) or the end it reported. Peers that fail afterwards because their
+connection to it broke ("Connection closed by peer", torchrun's SIGTERM) are consequences,
+listed as affected ranks of the same incident, never incidents of their own. Not deaths: a job
+stopped as a whole (every rank stopped by a stop signal within a short window, or every process
+gone at once), ends after our own abort. A death right after a mismatched collective the rank
+took part in is the mismatch's aftermath: the finding names the mismatch incident
+(``aftermath_of``) and the engine folds it in there.
 """
 
 from __future__ import annotations
 
+import signal
+
 from hangwatch import records as r
-from hangwatch.coordinator.detectors import Context
+from hangwatch.coordinator.detectors import Context, SlotId
 from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.state import JobState, RankState
@@ -20,42 +27,73 @@ CLEAN = (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 #: How long to wait, after a rank is stopped by such a signal, to see whether the whole job is.
 JOB_STOP_WINDOW_S = 2.0
+#: A death is told this long after it (link-close time), not before: the ends of a job stopped
+#: as a whole, and the peers' records of a mismatch that killed it, arrive within it.
+SETTLE_S = 0.5
+#: Ranks whose processes vanished within this long of one another went at once: stopped from
+#: outside together (kill -9 of the whole job). A launcher reacting to one death (torchrun polls
+#: every 0.1 s) stops the others later than that: the first, alone and earlier, is the culprit.
+TOGETHER_S = 0.05
+#: A death within this many collectives (in a group) after a mismatched slot it took part in is
+#: the mismatch's aftermath (gloo aborts on 10 vs 20 floats, float32 vs int64), not a root cause.
+AFTERMATH_CALLS = 2
+
+STOP, FAULT, UNKNOWN = "stop", "fault", "unknown"
 
 
-def _stopped_by_signal(state: RankState) -> bool:
-    """Ended the way a stopped job's ranks end: a stop signal (the process vanishes, or reports it),
-    or Ctrl-C's KeyboardInterrupt."""
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _cause(state: RankState) -> str:
+    """How a rank that did not exit cleanly ended: ``stop`` (a stop signal, Ctrl-C), ``fault``
+    (an exception, a fatal signal, the OOM killer, a failing exit code) or ``unknown`` (its
+    process vanished and was reaped before anyone could see how)."""
     end = state.end
-    if end is None:
-        return state.proc is not None and state.proc.state in (r.ProcState.DEAD, r.ProcState.ZOMBIE)
-    if end.kind is r.EndKind.SIGNAL:
-        return end.detail in STOP_SIGNALS
-    return end.kind is r.EndKind.EXCEPTION and end.detail.startswith("KeyboardInterrupt")
+    if end is not None:
+        if end.kind is r.EndKind.SIGNAL:
+            return STOP if end.detail in STOP_SIGNALS else FAULT
+        if end.kind is r.EndKind.EXCEPTION:
+            return STOP if end.detail.startswith("KeyboardInterrupt") else FAULT
+        return UNKNOWN
+    proc = state.proc
+    if proc is None:
+        return UNKNOWN
+    if proc.oom_killed:
+        return FAULT
+    if proc.signal is not None:
+        return STOP if _signal_name(proc.signal) in STOP_SIGNALS else FAULT
+    if proc.exit_code:
+        return FAULT
+    return UNKNOWN
 
 
 def _job_stopping(job: JobState, ctx: Context, first: RankState, first_time: float) -> bool:
-    """The first end looks like a stop: wait a moment, then say whether every rank stopped so.
+    """The first end was a stop signal: wait a moment, then say whether every rank stopped so.
 
     torchrun, SLURM and Kubernetes stop a job by signalling all its ranks; that is the operator's
-    decision, not a fault of the rank that happened to go first. A rank killed alone (the OOM
-    killer) is different: its peers then fail with connection errors, or keep running.
+    decision, not a fault of the rank that happened to go first. A rank stopped alone is
+    different: its peers then fail with connection errors, or keep running.
     """
-    if not _stopped_by_signal(first):
-        return False
     if ctx.now - first_time < JOB_STOP_WINDOW_S:
         return True  # undecided yet: look again on a later tick
     others = [st for st in job.ranks.values() if st is not first]
     return all(
-        _stopped_by_signal(st) or (st.end is not None and st.end.kind is not r.EndKind.EXCEPTION) for st in others
+        _end_time(st) is not None and ((st.end is not None and st.end.kind in CLEAN) or _cause(st) in (STOP, UNKNOWN))
+        for st in others
     )
 
 
 def _end_time(state: RankState) -> float | None:
-    """When a rank ended, or None while it runs (a dead process without an end: last heard)."""
+    """When a rank ended, or None while it runs: what it said of its end, else the moment its
+    process was seen gone (its link to the node agent closing)."""
     if state.end is not None:
         return state.to_local(state.end.time)
     if state.proc is not None and state.proc.state in (r.ProcState.DEAD, r.ProcState.ZOMBIE):
-        return state.last_seen
+        return state.proc.time
     return None
 
 
@@ -71,8 +109,12 @@ def _death_text(state: RankState) -> str:
     if end is None:
         proc = state.proc
         how = "its process disappeared without a word (SIGKILL, the OOM killer, or a native crash)"
-        if proc is not None and proc.signal:
-            how = f"its process was killed by signal {proc.signal}"
+        if proc is not None and proc.oom_killed:
+            how = "it was killed by the OOM killer (its cgroup's oom_kill count went up)"
+            if proc.signal:
+                how += f": {_signal_name(proc.signal)} (signal {proc.signal})"
+        elif proc is not None and proc.signal:
+            how = f"its process was killed by {_signal_name(proc.signal)} (signal {proc.signal})"
         elif proc is not None and proc.exit_code is not None:
             how = f"its process exited with code {proc.exit_code}"
         return how
@@ -82,6 +124,19 @@ def _death_text(state: RankState) -> str:
     if end.kind is r.EndKind.SIGNAL:
         return f"it received {end.detail}{where}"
     return f"it ended ({end.kind.value}){where}"
+
+
+def _mismatch_behind(state: RankState, ctx: Context) -> SlotId | None:
+    """The mismatched slot this rank took part in just before it died, if any."""
+    best: SlotId | None = None
+    for group, seq in ctx.mismatched:
+        hist = state.history.get(group)
+        if not hist:
+            continue
+        seqs = [c.seq for c in hist if c.kind is r.OpKind.COLLECTIVE]
+        if seq in seqs and max(seqs) - seq <= AFTERMATH_CALLS and (best is None or seq > best[1]):
+            best = (group, seq)
+    return best
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
@@ -94,29 +149,55 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     ended.sort(key=lambda item: item[0])
     first_time, first = ended[0]
     running = [st for st in job.ranks.values() if _end_time(st) is None]
-    if _job_stopping(job, ctx, first, first_time):
-        return []
     clean = first.end is not None and first.end.kind in CLEAN
     if clean:
         return _early_exit(job, ctx, first, first_time, ended)
+    if ctx.now - first_time < SETTLE_S:
+        return []  # undecided yet: a stop's other ends, a mismatch's records, are on their way
+    cause = _cause(first)
+    if cause == STOP and _job_stopping(job, ctx, first, first_time):
+        return []
+    is_exception = first.end is not None and first.end.kind is r.EndKind.EXCEPTION
+    if cause != STOP and not is_exception and not running and all(t - first_time <= TOGETHER_S for t, _ in ended):
+        return []  # every process vanished at once: the job was stopped (killed) as a whole
     affected = sorted(st.rank for _, st in ended[1:]) + sorted(st.rank for st in running)
     last = first.last_call
-    if (
-        last is not None
-        and (last.group, last.seq) in ctx.mismatched
-        and (first.end is None or last.exit_time is None or last.error is not None)
-    ):
-        # Killed, or failed, inside a mismatched call: the backend crashed on the mismatch (gloo:
-        # 10 vs 20 floats, float32 vs float64). The mismatch incident is the root cause.
-        return []
-    mismatch_note = ""
-    if last is not None and (last.group, last.seq) in ctx.mismatched:
-        mismatch_note = f"; its last call, {last.op} (group {last.group}, seq {last.seq}), was mismatched"
-    if last is not None and last.exit_time is None:
-        in_call = f" inside {describe_call(last)}"
-    else:
-        in_call = ""
-    summary = f"rank {first.rank} died: {_death_text(first)}{in_call}{mismatch_note}"
+    in_call = f" inside {describe_call(last)}" if last is not None and last.exit_time is None else ""
+    exit_details = {
+        "kind": first.end.kind.value if first.end else "vanished",
+        "detail": first.end.detail if first.end else "",
+        "call_site": first.end.call_site if first.end else "",
+        "exit_code": (first.end.exit_code if first.end else (first.proc.exit_code if first.proc else None)),
+        "signal": first.proc.signal if first.proc else None,
+        "oom_killed": bool(first.proc and first.proc.oom_killed),
+        "time": first_time,
+    }
+    details: dict[str, object] = {
+        "exit": exit_details,
+        "affected": {str(st.rank): _death_text(st) for _, st in ended[1:]},
+    }
+    behind = _mismatch_behind(first, ctx)
+    if behind is not None:
+        # The backend crashed on the mismatch (gloo aborts on 10 vs 20 floats, float32 vs int64):
+        # the mismatch is the root cause, the death its aftermath, told in the mismatch's incident.
+        return [
+            Finding(
+                kind=IncidentKind.RANK_DIED,
+                key=incident_key(KeyFamily.DIED, session=first.identity.session),
+                culprit_ranks=[first.rank],
+                waiting_ranks=affected,
+                summary=f"rank {first.rank} then died: {_death_text(first)}{in_call}",
+                hint="",
+                onset_time=first_time,
+                op=last.op if last else "",
+                group=behind[0],
+                seq=behind[1],
+                step=first.step,
+                details=details,
+                aftermath_of=incident_key(KeyFamily.MISMATCH, group=behind[0], seq=behind[1]),
+            )
+        ]
+    summary = f"rank {first.rank} died: {_death_text(first)}{in_call}"
     if affected:
         summary += f"; rank{'s' if len(affected) > 1 else ''} {format_ranks(affected)} then failed or wait for it"
     return [
@@ -130,24 +211,13 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 "Fix the error on the culprit rank (its exception and frame are above); the other ranks only "
                 "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "
                 "the launcher's logs."
-                if not mismatch_note
-                else "The backend crashed on a mismatched collective: make every rank call it with the same "
-                "arguments (see the mismatch incident)."
             ),
             onset_time=first_time,
             op=last.op if last else "",
             group=last.group if last else "",
             seq=last.seq if last else 0,
             step=first.step,
-            details={
-                "exit": {
-                    "kind": first.end.kind.value if first.end else "vanished",
-                    "detail": first.end.detail if first.end else "",
-                    "call_site": first.end.call_site if first.end else "",
-                    "exit_code": (first.end.exit_code if first.end else (first.proc.exit_code if first.proc else None)),
-                },
-                "affected": {str(st.rank): _death_text(st) for _, st in ended[1:]},
-            },
+            details=details,
             stack_ranks=[st.rank for st in running][:4],
         )
     ]

@@ -45,6 +45,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             waiting = [rk for rk, c in slot.calls.items() if c.exit_time is None]
             if not waiting:
                 continue
+            if any(not st.alive for rk in waiting if (st := job.ranks.get(rk)) is not None):
+                # a rank died inside it: the call never returns, and its end explains the slot
+                # (rank_died, or nothing at all where the whole job was stopped mid-call)
+                continue
             oldest = min(slot.calls[rk].enter_time for rk in waiting)
             if ctx.now - oldest < ctx.stuck_after or (group, seq) in ctx.claimed:
                 break  # later slots of this group are younger; this one is not a hang (yet)
