@@ -89,11 +89,11 @@ def _worker(rank: int, mode: str, port: int, addr: str, out: str) -> None:
         dist.barrier()
         # the hot path alone: enter + exit, on rank 0 only (no communication involved)
         if rank == 0:
-            # a private recorder and queue: these calls are not sent to the coordinator
-            from hangwatch.client.recorder import EventQueue, Recorder
+            # a private recorder and ring: these calls are not sent to the coordinator
+            from hangwatch.client.recorder import Recorder
+            from hangwatch.client.ringsink import RingSink
 
-            queue = EventQueue(1 << 20)
-            rec, spec = Recorder(rank, queue, sess.recorder.c10d), OPS_BY_NAME["all_reduce"]
+            rec, spec = Recorder(rank, RingSink(1 << 16), sess.recorder.c10d), OPS_BY_NAME["all_reduce"]
             params = {"tensor": t}
 
             def one() -> None:
@@ -103,7 +103,6 @@ def _worker(rank: int, mode: str, port: int, addr: str, out: str) -> None:
             samples = []
             for _ in range(10):
                 samples.append(_per_call(one, MICRO // 10))
-                queue.items.clear()
             result["enter_exit_us"] = statistics.median(samples) * 1e6
             # the full wrapper around a no-op original, minus the bare no-op
             wrapped = capture._wrap_op(spec, lambda tensor, op=None, group=None, async_op=False: None)
@@ -119,7 +118,6 @@ def _worker(rank: int, mode: str, port: int, addr: str, out: str) -> None:
             w, b = [], []
             for _ in range(10):
                 w.append(_per_call(lambda: wrapped(t), MICRO // 10))
-                queue.items.clear()
                 b.append(_per_call(lambda: bare(t), MICRO // 10))
             result["wrapper_noop_us"] = (statistics.median(w) - statistics.median(b)) * 1e6
             capture.set_session(sess)
