@@ -170,9 +170,15 @@ def _worker(spec: dict[str, Any]) -> None:
 
         current = session.current()
         assert current is not None, "HANGWATCH_ADDR set, yet the hook did not attach"
-        # one-time start-up (the sender imports grpc, then registers) stays out of the windows
+        # one-time start-up stays out of the windows: linked to the node agent (which then reads
+        # the ring), or, with no agent, the sender's first attempt (it imports grpc, registers)
         sender_ = current.sender
-        wait_for(lambda: sender_.registered or sender_.send_failures > 0, 30, 0.01, "the sender's first attempt")
+        wait_for(
+            lambda: current.link is not None or sender_.registered or sender_.send_failures > 0,
+            30,
+            0.01,
+            "the link to the agent or the sender's first attempt",
+        )
     coordinator = int(spec["coordinator_pid"]) if rank == 0 and spec["coordinator_pid"] else None
 
     def coordinator_cpu() -> float:
