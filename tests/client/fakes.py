@@ -13,10 +13,12 @@ Nothing here replaces hangwatch code: only torch and the network are faked.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from hangwatch import records as r
 from hangwatch import wire
+from hangwatch.client.recorder import Recorder
 from hangwatch.client.ringsink import RingSink
 from hangwatch.client.session import Session
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -125,6 +127,22 @@ class RingTap:
 
     def drain(self, limit: int = 100_000) -> list[r.RankEvent]:
         return self.decoder.decode(self.reader.poll(limit))
+
+
+_TAPS: weakref.WeakKeyDictionary[Recorder, RingTap] = weakref.WeakKeyDictionary()
+
+
+def recorded(rec: Recorder) -> list[r.RankEvent]:
+    """What ``rec`` wrote into its ring since the last look, one event per record."""
+    tap = _TAPS.get(rec)
+    if tap is None:
+        tap = _TAPS[rec] = RingTap(rec.sink, rec.rank)
+    return tap.drain()
+
+
+def lost(rec: Recorder) -> int:
+    """Records of ``rec`` overwritten before :func:`recorded` got to them."""
+    return _TAPS[rec].lost
 
 
 def make_session(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from hangwatch.client.flight_recorder import FlightRecorderPoller
 from hangwatch.client.ops import FR_DTYPES, OPS_BY_NAME
 from hangwatch.client.recorder import Recorder
 from hangwatch.client.ringsink import RingSink
-from tests.client.fakes import FakeC10d, RingTap
+from tests.client.fakes import FakeC10d, recorded
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "flight_recorder"
 CALLS: dict[str, list[dict[str, Any]]] = json.loads((FIXTURES / "calls.json").read_text())
@@ -43,15 +42,7 @@ def _recorder() -> Recorder:
     return rec
 
 
-_TAPS: weakref.WeakKeyDictionary[Recorder, RingTap] = weakref.WeakKeyDictionary()  # by recorder
-
-
-def _drain(rec: Recorder) -> list[r.RankEvent]:
-    """What the recorder wrote into its ring since the last look, one event per record."""
-    tap = _TAPS.get(rec)
-    if tap is None:
-        tap = _TAPS[rec] = RingTap(rec.sink, rec.rank)
-    return tap.drain()
+_drain = recorded
 
 
 def _replay(rec: Recorder, fixture: str, *, skip: int | None = None, open_last: bool = False) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from hangwatch.client import capture
 from hangwatch.client.ops import OPS_BY_NAME
 from hangwatch.client.recorder import MAX_NOVEL_SIGNATURES, Recorder
 from hangwatch.client.ringsink import RingSink
-from tests.client.fakes import FakeC10d, FakeProcessGroup, FakeWork, RingTap, make_session
+from tests.client.fakes import FakeC10d, FakeProcessGroup, FakeWork, lost, make_session, recorded
 
 
 def _recorder(rank: int = 0, capacity: int = 1000) -> tuple[Recorder, FakeC10d]:
@@ -32,7 +31,6 @@ def _recorder(rank: int = 0, capacity: int = 1000) -> tuple[Recorder, FakeC10d]:
     rec = Recorder(rank, sink, c10d)
     rec.default_pg = c10d.default
     rec.group_info(c10d.default)  # as session.after_init does
-    _TAPS[rec] = RingTap(sink, rank)
     _events(rec)
     return rec, c10d
 
@@ -56,15 +54,7 @@ def _call(
     return int(raw[0])
 
 
-_TAPS: weakref.WeakKeyDictionary[Recorder, RingTap] = weakref.WeakKeyDictionary()  # by recorder
-
-
-def _events(rec: Recorder) -> list[r.RankEvent]:
-    """What the recorder wrote into its ring since the last look, one event per record."""
-    tap = _TAPS.get(rec)
-    if tap is None:
-        tap = _TAPS[rec] = RingTap(rec.sink, rec.rank)
-    return tap.drain()
+_events = recorded
 
 
 def _calls(events: list[r.RankEvent]) -> list[r.CallRecord]:
@@ -211,7 +201,7 @@ def test_a_full_ring_keeps_the_newest_counts_the_rest_and_the_call_still_goes_th
     assert ids == [1, 2, 3, 4]
     events = _events(rec)
     assert [type(e).__name__ for e in events] == ["CallExit", "CallRecord", "CallExit"]  # what it did last
-    assert [getattr(e, "call_id", 0) for e in events] == [3, 4, 4] and _TAPS[rec].lost == 5
+    assert [getattr(e, "call_id", 0) for e in events] == [3, 4, 4] and lost(rec) == 5
     assert list(rec.python_seqs["0"]) == [(1, 1), (2, 2), (3, 3), (4, 4)]  # seqs unaffected
 
 
