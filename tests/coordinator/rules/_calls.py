@@ -129,3 +129,20 @@ def with_(calls: dict[int, CallRecord], rank: int, **kw: object) -> dict[int, Ca
     args.update(kw)
     out[rank] = call(rank, **args)  # type: ignore[arg-type]
     return out
+
+
+def check_mismatch(case: Case) -> None:
+    """``case.calls`` disagree as ``case`` says: kind, culprits, the rest agreeing, every rank's
+    call described, the summary's texts, one line, and a hint."""
+    from hangwatch.coordinator.rules import compare_collective
+
+    m = compare_collective(case.calls, case.group_size)
+    assert m is not None
+    assert m.kind == case.kind, m.summary
+    assert m.culprit_ranks == case.culprits, m.summary
+    assert set(m.agreeing_ranks) == set(case.calls) - set(case.culprits)
+    assert set(m.details) == set(case.calls)
+    for text in case.in_summary:
+        assert text in m.summary
+    assert "\n" not in m.summary
+    assert m.hint

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hangwatch.coordinator.rules import Mismatch, canonical_op, compare_collective
 from hangwatch.records import CallRecord, TensorMeta
-from tests.coordinator.rules._calls import F32, F64, Case, call, objs, same, t
+from tests.coordinator.rules._calls import F32, F64, Case, call, check_mismatch, objs, same, t
 from tests.coordinator.rules._calls import with_ as _with
 
 # --------------------------------------------------------------------------------------------
@@ -362,16 +362,7 @@ def _mismatches() -> list[Case]:
 
 @pytest.mark.parametrize("case", _mismatches(), ids=lambda c: c.name)
 def test_mismatch(case: Case) -> None:
-    m = compare_collective(case.calls, case.group_size)
-    assert m is not None
-    assert m.kind == case.kind, m.summary
-    assert m.culprit_ranks == case.culprits, m.summary
-    assert set(m.agreeing_ranks) == set(case.calls) - set(case.culprits)
-    assert set(m.details) == set(case.calls)
-    for text in case.in_summary:
-        assert text in m.summary
-    assert "\n" not in m.summary
-    assert m.hint
+    check_mismatch(case)
 
 
 def test_shape_hint_names_rank_and_call_site() -> None:
