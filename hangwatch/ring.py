@@ -39,6 +39,7 @@ collector; the figures are in BENCHMARKS.md.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import struct
@@ -132,7 +133,9 @@ class RingWriter:
         os.ftruncate(self.fd, self.size)
         self.mm = _map(self.fd, self.size, writable=True)
         self._blobs = HEADER_SIZE + capacity * SLOT_SIZE
-        self.head = 0
+        #: ``next(positions)`` claims the slot a record takes: atomic under the GIL, so threads
+        #: that write at once never share one (the hook's hot path uses it directly too)
+        self.positions = itertools.count()
         self.blob_used = 0
         self.blob_count = 0
         self.blobs_dropped = 0
@@ -148,8 +151,7 @@ class RingWriter:
         self, kind: int, flags: int, aux: int, ref: int, call_id: int, seq: int, step: int, arg: int, t: float
     ) -> None:
         """Append one slot. Never blocks, never fails for lack of room (the oldest is overwritten)."""
-        head = self.head
-        self.head = head + 1
+        head = next(self.positions)
         self.pack_slot(self.mm, HEADER_SIZE + (head % self.capacity) * SLOT_SIZE, head + 1, kind, flags, aux, ref,
                        call_id & _MASK, seq & _MASK, step & _MASK, arg & _MASK, t, head + 1)  # fmt: skip
 

@@ -204,7 +204,7 @@ class Recorder:
             self.novel += 1
             ref = sink.intern(key, self.materialize(raw))
         h = next(sink.positions)
-        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, Kind.ENTER, async_op, 0, ref,
+        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, _ENTER, async_op, 0, ref,
                   call_id & _MASK, seq & _MASK, step & _MASK, 0, now, h + 1)  # fmt: skip
         return raw, pg, ops_before
 
@@ -248,7 +248,7 @@ class Recorder:
         sink = self.sink
         ref = 0 if error is None else sink.text(f"{type(error).__name__}: {error}")
         h = next(sink.positions)
-        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, Kind.EXIT, 0, issued & 0xFFFF, ref,
+        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, _EXIT, 0, issued & 0xFFFF, ref,
                   raw[0] & _MASK, 0, 0, 0, _now(), h + 1)  # fmt: skip
 
     def poll_pending(self) -> None:
@@ -348,6 +348,7 @@ def _reduce_name(red: Any) -> str:
 
 
 _MASK = 0xFFFFFFFF
+_ENTER, _EXIT = Kind.ENTER, Kind.EXIT  # module constants: no class lookup per call
 
 
 def _frozen(extra: dict[str, str]) -> tuple[tuple[str, str], ...]:

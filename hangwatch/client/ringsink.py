@@ -7,24 +7,22 @@ module is the rest: interning call signatures as blobs (once per signature), and
 events that are rare (steps, group changes, markers, the rank's end, Flight Recorder records,
 async completions), written from any thread.
 
-Slots are claimed with ``next()`` on an ``itertools.count``, which is atomic under the GIL, so
-threads that issue collectives concurrently never share a slot.
+Slots are claimed with ``next()`` on the writer's ``itertools.count``, which is atomic under the
+GIL, so threads that issue collectives concurrently never share a slot.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable
 
 from hangwatch import records as r
-from hangwatch.ring import HEADER_SIZE, SLOT_SIZE, Kind, RingWriter
+from hangwatch.ring import Kind, RingWriter
 from hangwatch.ringwire import call_blob, event_blob, text_blob
 from hangwatch.signatures import _key as call_key
 
 #: Signatures a rank interns; past this a new signature's calls travel with an empty reference
 #: (counted as unnamed where they are read), as the blob area would soon be full anyway.
 MAX_SIGNATURES = 16384
-_MASK = 0xFFFFFFFF
 
 
 class RingSink:
@@ -36,7 +34,7 @@ class RingSink:
         self.capacity = capacity
         self.mm = self.writer.mm
         self.pack = self.writer.pack_slot
-        self.positions = itertools.count()  # next(positions): the slot a record takes
+        self.positions = self.writer.positions  # the hot path claims its slots here directly
         self.signatures: dict[Hashable, int] = {}  # signature key -> blob id (0: could not store)
 
     @property
@@ -44,9 +42,7 @@ class RingSink:
         return self.writer.fd
 
     def slot(self, kind: int, flags: int, aux: int, ref: int, call_id: int, seq: int, step: int, t: float) -> None:
-        h = next(self.positions)
-        self.pack(self.mm, HEADER_SIZE + (h % self.capacity) * SLOT_SIZE, h + 1, kind, flags, aux, ref,
-                  call_id & _MASK, seq & _MASK, step & _MASK, 0, t, h + 1)  # fmt: skip
+        self.writer.write(kind, flags, aux, ref, call_id, seq, step, 0, t)
 
     def intern(self, key: Hashable, call: r.CallRecord | None) -> int:
         """The blob id of a signature, storing ``call``'s fixed part the first time ``key`` is seen."""
