@@ -161,6 +161,9 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 dist.all_reduce(torch.ones(5))  # SITE attached_all_reduce
 sys.stdout.write(f"ATTACHED={attached}\\n")  # one write: ranks' lines must not interleave
 sys.stdout.flush()
+# torch 2.13's gloo sometimes aborts at interpreter exit when a rank leaves its group alive
+# ("terminate called without an active exception", without the hook too: FIELD_NOTES.md)
+dist.destroy_process_group()
 """
 
 
