@@ -9,6 +9,11 @@ connection carries nothing; it exists for what the kernel says about it:
 - when that process is gone: its descriptors close when it exits, however it exits (SIGKILL,
   a native abort, the OOM killer), and the agent's end reads EOF at once.
 
+One exchange follows the hello, at the rank's end: the rank says it is ending (``ENDING``) once its
+last records are in its ring, and waits, for a bounded time, for the agent's ``FAREWELL``, sent
+once the agent has read them and the rank's Flight Recorder one last time through its worker
+server (which dies with the process).
+
 The ring's descriptor keeps the ring alive in the agent after the rank is gone, so its last
 records are still there to read. Both ends are here; neither raises into the training job (the
 rank's side returns None on any failure, and the rank goes on without an agent).
@@ -27,6 +32,9 @@ from typing import Any
 HELLO_MAX = 16384
 _LEN = struct.Struct("<I")
 MAX_FDS = 2  # the ring, and one spare for later use
+ACK = b"\x01"  # the agent took the hello
+ENDING = b"E"  # the rank: my last records are written
+FAREWELL = b"\x02"  # the agent: read; you may go
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,7 @@ def connect(path: str, hello: dict[str, Any], fds: list[int], timeout_s: float =
         sock.settimeout(timeout_s)
         sock.connect(path)
         socket.send_fds(sock, [encode_hello(hello)], fds)
-        if sock.recv(1) != b"\x01":
+        if sock.recv(1) != ACK:
             sock.close()
             return None
         sock.settimeout(None)
@@ -104,3 +112,19 @@ def connect(path: str, hello: dict[str, Any], fds: list[int], timeout_s: float =
             except OSError:
                 pass
         return None
+
+
+def farewell(sock: socket.socket, timeout_s: float) -> bool:
+    """The rank's side, as it ends: say so, and wait up to ``timeout_s`` for the agent to have
+    read its last records. True when it answered. Never raises."""
+    try:
+        sock.settimeout(timeout_s)
+        sock.sendall(ENDING)
+        while True:
+            data = sock.recv(16)
+            if not data:
+                return False
+            if FAREWELL in data:
+                return True
+    except Exception:
+        return False

@@ -23,6 +23,7 @@ import collections
 
 from hangwatch import records as r
 from hangwatch import wire
+from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind
 from hangwatch.signatures import MAX_SIGNATURES, Columns
@@ -79,6 +80,10 @@ class RingEncoder:
         self.capacity = capacity
         self.blobs: dict[int, bytes] = {}  # bounded by the ring's blob area
         self._lanes: dict[int, tuple[str, int]] = {}  # signature blob -> (group, peer), for seqs
+        self._collective: dict[int, str] = {}  # signature blob of a collective -> its group
+        #: the collective seqs the rank's Python calls covered (Flight Recorder's reader asks)
+        self.python = PythonSeqs()
+        self.last_step = 0
         self._ids: collections.OrderedDict[int, int] = collections.OrderedDict()  # blob -> wire id
         self._free: list[int] = []
         self._next = 1
@@ -117,9 +122,14 @@ class RingEncoder:
             del batch.signatures[-1]
             return None
         self._ids[blob_id] = sid
-        if blob_id not in self._lanes:
-            self._lanes[blob_id] = (sig.call.group, sig.call.peer if sig.call.HasField("peer") else -1)
+        self._learn(blob_id, sig.call)
         return sid
+
+    def _learn(self, blob_id: int, call: pb.Call) -> None:
+        if blob_id not in self._lanes:
+            self._lanes[blob_id] = (call.group, call.peer if call.HasField("peer") else -1)
+            if r.op_kind(call.op) is r.OpKind.COLLECTIVE:
+                self._collective[blob_id] = call.group
 
     def _whole_call(
         self, blob_id: int, call_id: int, seq: int, step: int, t: float, batch: pb.ReportBatch
@@ -136,6 +146,7 @@ class RingEncoder:
         except Exception:
             del batch.events[-1]
             return None
+        self._learn(blob_id, call)
         call.call_id, call.seq, call.step, call.enter_time = call_id, seq, step, t
         return call
 
@@ -160,17 +171,22 @@ class RingEncoder:
                 step = self._last_step = _extend(s.step, self._last_step)
                 sid = self._signature(s.ref, used, batch)
                 if sid is None:
-                    whole = self._whole_call(s.ref, call_id, self._seq(s.ref, s.seq), step, s.time, batch)
+                    seq = self._seq(s.ref, s.seq)
+                    whole = self._whole_call(s.ref, call_id, seq, step, s.time, batch)
                     if whole is None:
                         self.unnamed += 1
                         continue
+                    self._entered(s.ref, call_id, seq)
                     wholes[call_id] = whole
                     carried += 1
                     continue
                 used.add(sid)
-                position[call_id] = cols.add(sid, call_id, self._seq(s.ref, s.seq), step, s.time, _NAN, 1)
+                seq = self._seq(s.ref, s.seq)
+                self._entered(s.ref, call_id, seq)
+                position[call_id] = cols.add(sid, call_id, seq, step, s.time, _NAN, 1)
             elif kind == Kind.EXIT:
                 call_id = _extend(s.call_id, self._last_call)
+                self.python.exited(call_id, s.aux or 1)
                 i = position.get(call_id)
                 whole_call = wholes.pop(call_id, None)
                 if i is not None and not s.ref and cols.fold_exit(i, s.time, s.aux or 1):
@@ -206,4 +222,10 @@ class RingEncoder:
                 continue
             carried += 1
         cols.write(batch)
+        self.last_step = self._last_step
         return carried
+
+    def _entered(self, blob_id: int, call_id: int, seq: int) -> None:
+        group = self._collective.get(blob_id)
+        if group is not None:
+            self.python.entered(call_id, group, seq)

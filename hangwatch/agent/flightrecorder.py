@@ -18,11 +18,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
 from hangwatch.link import peer_of
+
+log = logging.getLogger("hangwatch.agent")
 
 #: The handler of each ring, by the name the rest of hangwatch uses.
 RING_HANDLERS = {"cpu": "fr_trace_json", "nccl": "dump_nccl_trace_json"}
@@ -99,3 +106,118 @@ def read_rings(
         if isinstance(data, dict):
             rings[name] = data
     return rings, errors
+
+
+def entries_of(rings: dict[str, dict[str, Any]]) -> list[Any]:
+    """Every entry of both rings, the CPU ring's first (their (group, seq) never overlap: a
+    group records into one of them)."""
+    out: list[Any] = []
+    for name in RING_HANDLERS:
+        entries = rings.get(name, {}).get("entries", [])
+        if isinstance(entries, list):
+            out.extend(entries)
+    return out
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One read of a rank's rings: when it was asked for, and its entries."""
+
+    time: float
+    entries: list[Any]
+
+
+@dataclass
+class _Watched:
+    path: str
+    pid: int
+    latest: Fetched | None = None
+    failing: str = ""
+
+
+class RingFetcher:
+    """Reads the Flight Recorder rings of the ranks it watches, every ``interval_s``, on its own
+    thread: a rank whose worker server does not answer (stopped by SIGSTOP, gone) costs this
+    thread its timeout and never the shipper's tick. The shipper takes the newest read of each
+    rank when it has read that rank's own ring past the moment it was asked for (so every
+    Python call an entry could belong to is known), and asks for one last read itself when a
+    rank says it is ending. ``read`` is the seam tests replace."""
+
+    def __init__(
+        self,
+        interval_s: float = 1.0,
+        timeout_s: float = 1.0,
+        read: Callable[..., tuple[dict[str, dict[str, Any]], dict[str, str]]] = read_rings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._read = read
+        self._clock = clock
+        self._watched: dict[int, _Watched] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reads = 0
+        self.failures = 0
+
+    def watch(self, key: int, path: str, pid: int) -> None:
+        with self._lock:
+            self._watched[key] = _Watched(path, pid)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hangwatch-flightrecorder", daemon=True)
+                self._thread.start()
+
+    def forget(self, key: int) -> None:
+        with self._lock:
+            self._watched.pop(key, None)
+
+    def take(self, key: int) -> Fetched | None:
+        """The newest read of ``key`` not taken yet (None: none since the last take)."""
+        with self._lock:
+            watched = self._watched.get(key)
+            if watched is None or watched.latest is None:
+                return None
+            fetched, watched.latest = watched.latest, None
+            return fetched
+
+    def fetch_now(self, key: int, timeout_s: float = 0.5) -> Fetched | None:
+        """Read ``key``'s rings now, on the caller's thread (a rank that is ending waits for it)."""
+        with self._lock:
+            watched = self._watched.get(key)
+        return None if watched is None else self._fetch(watched, timeout_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _fetch(self, watched: _Watched, timeout_s: float) -> Fetched | None:
+        asked = self._clock()
+        try:
+            rings, errors = self._read(watched.path, watched.pid, timeout_s=timeout_s)
+        except Exception as e:  # never the caller's problem
+            rings, errors = {}, {"read": f"{type(e).__name__}: {e}"}
+        self.reads += 1
+        if errors and not rings:
+            self.failures += 1
+            text = "; ".join(f"{k}: {v}" for k, v in errors.items())
+            if text != watched.failing:
+                log.info("Flight Recorder of pid %d not read: %s", watched.pid, text)
+                watched.failing = text
+            return None
+        watched.failing = ""
+        return Fetched(asked, entries_of(rings))
+
+    def poll_once(self) -> None:
+        """Read every watched rank once (what the thread does every ``interval_s``)."""
+        with self._lock:
+            watched = list(self._watched.items())
+        for key, w in watched:
+            fetched = self._fetch(w, self.timeout_s)
+            if fetched is not None:
+                with self._lock:
+                    if self._watched.get(key) is w:
+                        w.latest = fetched
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll_once()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hangwatch.agent.procinfo import exit_when_gone, memory_events_path, oom_kills
-from hangwatch.link import LinkError, Peer, peer_of, recv_hello
+from hangwatch.link import ACK, ENDING, FAREWELL, LinkError, Peer, peer_of, recv_hello
 from hangwatch.ring import RingError, RingReader
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ class RankLink:
     exit_code: int | None = None
     exit_signal: int | None = None
     oom_killed: bool = False
+    #: when the rank said it is ending (its last records are in its ring; it waits, briefly,
+    #: for the agent's farewell before it exits)
+    ending_at: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -135,6 +138,13 @@ class RingServer:
         with self._lock:
             return list(self._links)
 
+    def farewell(self, link: RankLink) -> None:
+        """Tell a rank that said it is ending that its last records are read: it may go."""
+        sock = link.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.send(FAREWELL)
+
     def forget(self, link: RankLink) -> None:
         """Drop a closed link once its ring has been read to the end."""
         with self._lock:
@@ -205,7 +215,7 @@ class RingServer:
         link.memory_events = memory_events_path(peer.pid)
         link.oom_kills = oom_kills(link.memory_events)
         try:
-            conn.sendall(b"\x01")
+            conn.sendall(ACK)
         except OSError:
             pass  # gone already: the selector sees it closed next
         return link
@@ -221,7 +231,9 @@ class RingServer:
         except OSError:
             data = b""
         if data:
-            return  # a rank sends nothing after its hello; ignore it
+            if ENDING in data and link.ending_at is None:
+                link.ending_at = self._clock()
+            return  # nothing else is said on a link
         sel.unregister(sock)
         link.closed_at = self._clock()
         with contextlib.suppress(OSError):

@@ -9,6 +9,11 @@ For every rank linked to this node's agent (:mod:`hangwatch.agent.rings`), each 
   (:class:`~hangwatch.ringwire.RingEncoder`) with the rank's status (where its main thread is)
   and hands it to the coordinator; a batch the coordinator refuses for want of a registration is
   kept and sent again after registering;
+- reads the rank's Flight Recorder rings from outside the process, through its worker server
+  (:class:`~hangwatch.agent.flightrecorder.RingFetcher`, on a thread of its own), and ships the
+  collectives no Python call covered (DDP's buckets, anything issued from C++) as records
+  (:mod:`hangwatch.flight_entries`); a rank that says it is ending gets one last read before it
+  is let go, so its last C++-issued collectives are not lost with it;
 - once the link has closed (the process is gone, however it went) and the ring is read to the
   end, reports the process gone, at the moment its link closed, with how it ended where
   ``/proc`` still says so (a zombie's exit status), and forgets the link.
@@ -27,8 +32,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hangwatch import records as r
+from hangwatch import wire
+from hangwatch.agent.flightrecorder import Fetched, RingFetcher
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
+from hangwatch.flight_entries import EntryTracker
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch
 from hangwatch.ringwire import RingEncoder
@@ -64,6 +72,13 @@ class _Rank:
     #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when
     #: the last batch left: a batch without records is a heartbeat only if the rank wrote since
     status_time: float | None = None
+    #: Flight Recorder: entries made into records, a read waiting for the ring to be read past
+    #: it, and when the ring was last read to its end
+    flight: EntryTracker | None = None
+    fetched: Fetched | None = None
+    read_to: float = float("-inf")
+    farewell: bool = False
+    unsent: list[r.RankEvent] = field(default_factory=list)
 
 
 def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
@@ -106,6 +121,7 @@ class Shipper:
         inspector: ProcessInspector,
         clock: Callable[[], float] = time.time,
         heartbeat_s: float = 1.0,
+        flight_recorder: RingFetcher | None = None,
     ) -> None:
         self.server = server
         self.intake = intake
@@ -113,6 +129,7 @@ class Shipper:
         self.inspector = inspector
         self.clock = clock
         self.heartbeat_s = heartbeat_s
+        self.fetcher = flight_recorder if flight_recorder is not None else RingFetcher(clock=clock)
         self._ranks: dict[int, _Rank] = {}  # by id(link)
         self.refused = 0  # links whose registration the coordinator refused
         self.failures = 0  # ticks on which the coordinator could not be reached
@@ -122,7 +139,7 @@ class Shipper:
         for link in self.server.links():
             state = self._ranks.get(id(link))
             if state is None:
-                state = self._ranks[id(link)] = _Rank(link, identity_of(link, self.host, self.inspector))
+                state = self._ranks[id(link)] = self._new_rank(link)
             try:
                 self._ship(state)
                 if self._failing:
@@ -135,9 +152,22 @@ class Shipper:
                     log.warning("cannot ship rank %d's records (%s); will retry", state.identity.rank, e)
                     self._failing = True
 
+    def close(self) -> None:
+        self.fetcher.stop()
+
+    def _new_rank(self, link: RankLink) -> _Rank:
+        state = _Rank(link, identity_of(link, self.host, self.inspector))
+        path = link.hello.get("worker_socket")
+        if isinstance(path, str) and path and link.alive:
+            state.flight = EntryTracker(state.identity.rank)
+            self.fetcher.watch(id(link), path, link.peer.pid)
+        return state
+
     def _ship(self, state: _Rank) -> None:
         link = state.link
         closed = link.closed_at is not None
+        if state.flight is not None:
+            state.fetched = self.fetcher.take(id(link)) or state.fetched
         if not state.registered:
             try:
                 self.intake.accept_registration(state.identity, via="agent")
@@ -153,7 +183,7 @@ class Shipper:
             if state.pending is None or not (state.pending.slots or state.pending.blobs):
                 # an empty batch kept back (nothing to send before the next heartbeat) is no
                 # reason not to look again: the rank may have written since, or just died
-                state.pending = link.reader.poll(MAX_SLOTS)
+                state.pending = self._read(state)
             now = self.clock()
             if not state.pending.slots and not state.pending.blobs and not self._heartbeat_due(state, now):
                 break
@@ -166,8 +196,55 @@ class Shipper:
             state.last_sent = now
             if len(batch.calls.call_id) + len(batch.events) < MAX_SLOTS // 2:
                 break  # read to the end for now
+        if state.flight is not None:
+            self._flight_recorder(state)
         if closed and not state.gone_reported:
             self._gone(state)
+
+    def _read(self, state: _Rank) -> Batch:
+        asked = self.clock()
+        batch = state.link.reader.poll(MAX_SLOTS)
+        if len(batch.slots) < MAX_SLOTS:
+            state.read_to = asked
+        return batch
+
+    def _flight_recorder(self, state: _Rank) -> None:
+        """Ship the entries of the newest Flight Recorder read that no Python call covered, once
+        the rank's ring has been read past the moment of that read (every Python call an entry
+        could belong to has then been seen: its record was written before it was issued). A
+        rank that says it is ending is read once more, here, and then let go."""
+        link = state.link
+        assert state.flight is not None
+        ending = link.ending_at is not None and not state.farewell and link.alive
+        if ending:
+            state.fetched = self.fetcher.fetch_now(id(link)) or state.fetched
+            if state.pending is None:
+                state.pending = self._read(state)
+        fetched = state.fetched
+        if fetched is not None and state.pending is not None and (state.pending.slots or state.pending.blobs):
+            batch = self._batch(state, state.pending, self.clock())  # records read meanwhile go first
+            if self.intake.accept_report(batch).reregister:
+                state.registered = False
+                return
+            state.pending = None
+        if fetched is not None and state.read_to >= fetched.time:
+            state.fetched = None
+            state.unsent += state.flight.update(
+                fetched.entries, state.encoder.python, state.encoder.last_step, self.clock()
+            )
+        if state.unsent:
+            now = self.clock()
+            batch = self._batch(state, Batch([], {}, 0), now)
+            for event in state.unsent:
+                wire.event_to_pb(event, batch.events.add())
+            if self.intake.accept_report(batch).reregister:
+                state.registered = False
+                return  # sent again after registering
+            state.unsent.clear()
+            state.last_sent = now
+        if ending:
+            state.farewell = True
+            self.server.farewell(link)
 
     def _heartbeat_due(self, state: _Rank, now: float) -> bool:
         """Time for a batch without records, and the rank itself is alive: its sender thread
@@ -215,5 +292,6 @@ class Shipper:
         )
         self.intake.apply_process_statuses(self.host, [ended])
         state.gone_reported = True
+        self.fetcher.forget(id(link))
         self.server.forget(link)
         del self._ranks[id(link)]

@@ -1,9 +1,12 @@
-"""Collectives issued from C++ (DDP's gradient all-reduce) seen through PyTorch's Flight Recorder.
+"""Flight Recorder read from inside the rank, for ranks that ship their own records.
 
-The bootstrap sets ``TORCH_FR_BUFFER_SIZE`` before any process group exists; the sender thread
-then reads the ring every ``interval_s`` and emits records for collectives that no Python call
-covered, numbered by the process group's own collective sequence id so they line up with
-Python-issued calls. A dump of a 256-entry ring costs a few milliseconds on the sender thread.
+Where a node agent reads the rank's ring, it also reads Flight Recorder from outside the process
+(``hangwatch.agent.flightrecorder``), and this module is not used. Where none runs (a rank
+pointed at a remote coordinator), the sender thread reads the ring every ``interval_s`` through
+torch's ``_dump_fr_trace_json`` and turns entries no Python call covered into records
+(:mod:`hangwatch.flight_entries`), with the recorder's own call ids. The bootstrap sets
+``TORCH_FR_BUFFER_SIZE`` before any process group exists. A dump of a 256-entry ring costs a
+few milliseconds on the sender thread.
 """
 
 from __future__ import annotations
@@ -15,10 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hangwatch import config
-from hangwatch import records as r
-from hangwatch.catalogue import FR_OP_NAMES
-from hangwatch.client.ops import FR_DTYPES
 from hangwatch.client.recorder import Recorder
+from hangwatch.flight_entries import EntryTracker
 
 log = logging.getLogger("hangwatch.client")
 
@@ -36,6 +37,25 @@ def _dump_function() -> Any:
 DumpFunction = Callable[[bool, bool], Any]
 
 
+class _RecorderCoverage:
+    """The seqs the recorder's Python calls covered (read from the sender thread while the
+    calling thread appends: the deque is copied, which is atomic)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def covers(self, group: str, seq: int) -> bool:
+        started = self.recorder.in_progress.get(group)
+        if started is not None and seq >= started:
+            return True
+        seqs = self.recorder.python_seqs.get(group)
+        return bool(seqs) and any(lo <= seq <= hi for lo, hi in reversed(tuple(seqs or ())))
+
+    def newest(self, group: str) -> int:
+        seqs = self.recorder.python_seqs.get(group)
+        return seqs[-1][1] if seqs else 0
+
+
 class FlightRecorderPoller:
     """Reads the ring through ``dump`` (default: torch's ``_dump_fr_trace_json``; None when this
     torch has none, which disables the poller). Tests pass a function returning a saved dump."""
@@ -50,15 +70,17 @@ class FlightRecorderPoller:
         self.interval_s = interval_s
         self._dump = dump if dump is not None else _dump_function()
         self._last_poll = 0.0
-        self._seen: dict[str, int] = {}  # group -> highest collective seq handled
-        self._open: dict[tuple[str, int], r.CallRecord] = {}  # emitted, not yet seen retired
+        self._coverage = _RecorderCoverage(recorder)
+        self._tracker = EntryTracker(recorder.rank, lambda group, seq: next(recorder._ids))
         self.enabled = self._dump is not None
+
+    @property
+    def skipped(self) -> int:
+        """Entries that could not be read (a newer torch's schema, a corrupt ring)."""
+        return self._tracker.skipped
 
     def due(self, now: float) -> bool:
         return self.enabled and now - self._last_poll >= self.interval_s
-
-    #: Entries that could not be read (a newer torch's schema, a corrupt ring), counted and skipped.
-    skipped = 0
 
     def poll(self) -> None:
         self._last_poll = time.time()
@@ -68,76 +90,7 @@ class FlightRecorderPoller:
             log.debug("hangwatch: flight recorder unavailable: %s", exc)
             self.enabled = False
             return
-        newest: dict[str, int] = {}
-        for entry in entries if isinstance(entries, list) else ():
-            try:
-                self._handle(entry, newest)
-            except (AttributeError, TypeError, ValueError, IndexError):
-                self.skipped += 1  # one malformed entry: skip it, keep the others and the poller
-        # Collectives on a group complete in order: an older open record is done once a newer
-        # collective exists on the same group (Flight Recorder keeps works alive past completion).
-        for key, record in list(self._open.items()):
-            group, seq = key
-            python_max = self._python_max(group)
-            if newest.get(group, 0) > seq or python_max > seq:
-                self._close(key, record)
-
-    def _python_max(self, group: str) -> int:
-        seqs = self.recorder.python_seqs.get(group)
-        return seqs[-1][1] if seqs else 0
-
-    def _covered(self, group: str, seq: int) -> bool:
-        started = self.recorder.in_progress.get(group)
-        if started is not None and seq >= started:
-            return True
-        seqs = self.recorder.python_seqs.get(group)
-        if not seqs:
-            return False
-        # a snapshot: the calling thread appends to this deque while we look (copying is atomic)
-        return any(lo <= seq <= hi for lo, hi in reversed(tuple(seqs)))
-
-    def _close(self, key: tuple[str, int], record: r.CallRecord) -> None:
-        del self._open[key]
-        self.recorder.sink.put(r.CallExit(self.recorder.rank, record.call_id, time.time(), None, 1))
-
-    def _handle(self, entry: dict[str, Any], newest: dict[str, int]) -> None:
-        seq = int(entry.get("collective_seq_id") or 0)
-        if seq <= 0:
+        if not isinstance(entries, list):
             return
-        pg = entry.get("process_group") or ["", ""]
-        group = str(pg[0])
-        newest[group] = max(newest.get(group, 0), seq)
-        key = (group, seq)
-        if seq <= self._seen.get(group, 0):
-            record = self._open.get(key)
-            if record is not None and entry.get("retired"):
-                self._close(key, record)
-            return
-        self._seen[group] = seq
-        if self._covered(group, seq):
-            return
-        name = str(entry.get("profiling_name", ""))
-        op = FR_OP_NAMES.get(name.split(":", 1)[-1], name.split(":", 1)[-1] or "unknown")
-        dtypes = [FR_DTYPES.get(d, str(d).lower()) for d in entry.get("input_dtypes", [])]
-        inputs = tuple(
-            r.TensorMeta(tuple(int(x) for x in shape), dtypes[i] if i < len(dtypes) else "", "")
-            for i, shape in enumerate(entry.get("input_sizes", []))
-        )
-        created = float(entry.get("time_created_ns", 0)) / 1e9 or time.time()
-        record = r.CallRecord(
-            rank=self.recorder.rank,
-            call_id=next(self.recorder._ids),
-            op=op,
-            group=group,
-            seq=seq,
-            inputs=inputs,  # outputs are flattened by Flight Recorder: not comparable, not sent
-            step=self.recorder.step,
-            call_site=f"issued from C++ ({name})",
-            enter_time=created,
-            source="flight_recorder",
-        )
-        self.recorder.sink.put(record)
-        if entry.get("retired"):
-            self.recorder.sink.put(r.CallExit(self.recorder.rank, record.call_id, time.time(), None, 1))
-        else:
-            self._open[key] = record
+        for event in self._tracker.update(entries, self._coverage, self.recorder.step, time.time()):
+            self.recorder.sink.put(event)

@@ -106,19 +106,3 @@ OPS_BY_NAME = {spec.name: spec for spec in OPS}
 
 if OPS_BY_NAME.keys() != catalogue.BY_API.keys():  # every function the catalogue names is hooked, and only those
     raise ValueError(f"hook table and catalogue disagree on {sorted(OPS_BY_NAME.keys() ^ catalogue.BY_API.keys())}")
-
-#: Flight Recorder dtype spellings (c10 ScalarType names) mapped to torch's names.
-FR_DTYPES = {
-    "Float": "float32",
-    "Double": "float64",
-    "Half": "float16",
-    "BFloat16": "bfloat16",
-    "Long": "int64",
-    "Int": "int32",
-    "Short": "int16",
-    "Char": "int8",
-    "Byte": "uint8",
-    "Bool": "bool",
-    "ComplexFloat": "complex64",
-    "ComplexDouble": "complex128",
-}

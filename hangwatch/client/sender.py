@@ -216,13 +216,15 @@ class Sender:
 
     def _loop_linked(self) -> None:
         """The node agent reads the ring from outside: nothing to ship from here. The thread
-        only records what it alone can see (async completions, Flight Recorder entries),
+        only records what it alone can see (async completions; Flight Recorder entries where
+        the rank has no worker server for the agent to read them through),
         publishes where the main thread is every heartbeat, and links again when its agent goes
         away (a restarted coordinator's embedded agent, a restarted node agent): the new agent
         reads the ring from its start, as far as it still holds, and registers the rank anew."""
         session = self.session
         clock = self._clock
-        poller = self._poller_factory(session.recorder)
+        # the agent reads Flight Recorder through the worker server; only without one, from here
+        poller = self._poller_factory(session.recorder) if session.worker_server is None else None
         last_status = 0.0
         relink_at = 0.0
         backoff = 0.25

@@ -27,6 +27,10 @@ from hangwatch.client.ringsink import RingSink
 
 log = logging.getLogger("hangwatch.client")
 
+#: The longest an ending rank waits for its agent to have read its last records (one shipper
+#: tick and a Flight Recorder read: tens of milliseconds).
+FAREWELL_TIMEOUT_S = 0.5
+
 #: Settings for the next Session, from ``attach()`` or the environment.
 _settings: dict[str, Any] = {}
 
@@ -117,6 +121,11 @@ class Session:
             r.RankEnd(self.identity.rank, kind, time.time(), detail, call_site, exit_code, self.recorder.step)
         )
         self.sender.flush(flush_timeout)
+        sock = self.link
+        if sock is not None:
+            # the agent reads this rank's last records, and its Flight Recorder one last time,
+            # before the process (and the worker server in it) is gone
+            link.farewell(sock, min(flush_timeout, FAREWELL_TIMEOUT_S))
 
 
 _session: Session | None = None

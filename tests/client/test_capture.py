@@ -28,6 +28,7 @@ import pytest
 from hangwatch import config
 from hangwatch import records as r
 from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
+from hangwatch.flight_entries import entry_call_id
 from tests.conftest import PRELUDE, Job, wait_for
 
 pytestmark = pytest.mark.slow
@@ -527,6 +528,9 @@ def test_ddp_bucket_all_reduces_arrive_through_flight_recorder(ddp: Ran) -> None
         from_fr = [c for c in calls if c.source == "flight_recorder"]
         buckets = [c for c in from_fr if c.op == "all_reduce"]
         assert len(buckets) >= 8, calls  # one bucket per training step (a tiny model is one bucket)
+        # read from outside the rank, by the agent, through the rank's worker server
+        assert ddp.ranks[rank].via == "agent"
+        assert all(c.call_id == entry_call_id(c.group, c.seq) for c in from_fr)
         for c in buckets:
             assert _shapes(c.inputs) == (((161,), F32),)  # 8*16+16 + 16*1+1 parameters
             assert c.call_site.startswith("issued from C++")

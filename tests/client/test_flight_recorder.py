@@ -20,9 +20,10 @@ import pytest
 
 from hangwatch import records as r
 from hangwatch.client.flight_recorder import FlightRecorderPoller
-from hangwatch.client.ops import FR_DTYPES, OPS_BY_NAME
+from hangwatch.client.ops import OPS_BY_NAME
 from hangwatch.client.recorder import Recorder
 from hangwatch.client.ringsink import RingSink
+from hangwatch.flight_entries import FR_DTYPES
 from tests.client.fakes import FakeC10d, recorded
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "flight_recorder"

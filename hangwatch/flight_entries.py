@@ -1,0 +1,184 @@
+"""Flight Recorder entries become hangwatch records, for whoever reads the ring.
+
+torch's Flight Recorder keeps a ring of the collectives each process group issued, numbered by
+the group's own collective sequence id, whether Python or C++ issued them (DDP's gradient
+buckets, FSDP, functional collectives). The hook's own records already cover the collectives
+issued from Python, with richer facts (call site, step, outputs); an entry becomes a record
+only when no Python call covers its (group, seq), so the two sources line up on one sequence
+and nothing is reported twice.
+
+Two readers use this, with the same result: the node agent, which pulls the ring through the
+rank's worker server from outside the process (``hangwatch.agent.flightrecorder``) and knows
+which seqs Python calls covered from the records it reads out of the rank's ring
+(:class:`PythonSeqs`); and, where no agent runs, the rank's own sender thread
+(``hangwatch.client.flight_recorder``), which asks the recorder.
+"""
+
+from __future__ import annotations
+
+import collections
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from hangwatch import records as r
+from hangwatch.catalogue import FR_OP_NAMES
+
+#: Flight Recorder's dtype spellings (c10's ScalarType names) -> torch's.
+FR_DTYPES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Int": "int32",
+    "Long": "int64",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Bool": "bool",
+    "ComplexFloat": "complex64",
+    "ComplexDouble": "complex128",
+}
+
+#: Covered seq ranges kept per group (older ones are below every entry a ring still holds).
+KEEP_RANGES = 4096
+
+
+def entry_call_id(group: str, seq: int) -> int:
+    """The call id of the record made from (group, seq)'s entry, by whoever makes it, however
+    often: far above any id a rank's own counter reaches (bit 62 set), and the same each time,
+    so a record made again (an agent restarted, a ring read anew) is the same record."""
+    return (1 << 62) | (zlib.crc32(group.encode()) << 30) | (seq & ((1 << 30) - 1))
+
+
+class Coverage(Protocol):
+    """Which collective seqs of a group Python calls account for."""
+
+    def covers(self, group: str, seq: int) -> bool: ...
+
+    def newest(self, group: str) -> int:
+        """The highest collective seq a finished Python call issued on ``group`` (0: none)."""
+        ...
+
+
+class PythonSeqs:
+    """Coverage kept from the hook's records: a collective entered at ``seq`` covers every seq
+    from it on until it returns, then the ``issued`` seqs it used (a coalesced call uses many)."""
+
+    def __init__(self, keep: int = KEEP_RANGES) -> None:
+        self._keep = keep
+        self._ranges: dict[str, collections.deque[tuple[int, int]]] = {}
+        self._open: dict[str, int] = {}  # group -> first seq of the Python call under way
+        self._open_calls: dict[int, tuple[str, int]] = {}  # call id -> (group, seq)
+
+    def entered(self, call_id: int, group: str, seq: int) -> None:
+        self._open[group] = seq
+        self._open_calls[call_id] = (group, seq)
+        if len(self._open_calls) > self._keep:  # exits lost (the ring overflowed): forget the oldest
+            del self._open_calls[next(iter(self._open_calls))]
+
+    def exited(self, call_id: int, issued: int) -> None:
+        opened = self._open_calls.pop(call_id, None)
+        if opened is None:
+            return
+        group, seq = opened
+        if self._open.get(group) == seq:
+            del self._open[group]
+        ranges = self._ranges.get(group)
+        if ranges is None:
+            ranges = self._ranges[group] = collections.deque(maxlen=self._keep)
+        ranges.append((seq, seq + max(issued, 1) - 1))
+
+    def covers(self, group: str, seq: int) -> bool:
+        started = self._open.get(group)
+        if started is not None and seq >= started:
+            return True
+        return any(lo <= seq <= hi for lo, hi in reversed(self._ranges.get(group, ())))
+
+    def newest(self, group: str) -> int:
+        ranges = self._ranges.get(group)
+        return ranges[-1][1] if ranges else 0
+
+
+class EntryTracker:
+    """Turns successive reads of one rank's ring(s) into records: a CallRecord for each entry no
+    Python call covers (once), and its CallExit once the entry is retired or a later collective
+    exists on its group (collectives of a group complete in order, and Flight Recorder keeps
+    works alive past completion). ``new_call_id(group, seq)`` numbers the records in the rank's
+    call-id space (default :func:`entry_call_id`). Entries that cannot be read (a newer torch's
+    schema, a corrupt ring) are counted in ``skipped`` and passed over."""
+
+    def __init__(self, rank: int, new_call_id: Callable[[str, int], int] = entry_call_id) -> None:
+        self.rank = rank
+        self._new_call_id = new_call_id
+        self._seen: dict[str, int] = {}  # group -> highest collective seq handled
+        self._open: dict[tuple[str, int], r.CallRecord] = {}  # reported, not yet seen retired
+        self.skipped = 0
+        self.reported = 0
+
+    def update(self, entries: Iterable[Any], coverage: Coverage, step: int, now: float) -> list[r.RankEvent]:
+        out: list[r.RankEvent] = []
+        newest: dict[str, int] = {}
+        for entry in entries:
+            try:
+                self._handle(entry, coverage, step, now, newest, out)
+            except (AttributeError, TypeError, ValueError, IndexError, KeyError):
+                self.skipped += 1  # one malformed entry: skip it, keep the others
+        for key, record in list(self._open.items()):
+            group, seq = key
+            if newest.get(group, 0) > seq or coverage.newest(group) > seq:
+                del self._open[key]
+                out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
+        return out
+
+    def _handle(
+        self,
+        entry: dict[str, Any],
+        coverage: Coverage,
+        step: int,
+        now: float,
+        newest: dict[str, int],
+        out: list[r.RankEvent],
+    ) -> None:
+        seq = int(entry.get("collective_seq_id") or 0)
+        if seq <= 0:
+            return
+        pg = entry.get("process_group") or ["", ""]
+        group = str(pg[0])
+        newest[group] = max(newest.get(group, 0), seq)
+        key = (group, seq)
+        if seq <= self._seen.get(group, 0):
+            record = self._open.get(key)
+            if record is not None and entry.get("retired"):
+                del self._open[key]
+                out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
+            return
+        self._seen[group] = seq
+        if coverage.covers(group, seq):
+            return
+        name = str(entry.get("profiling_name", ""))
+        short = name.split(":", 1)[-1]
+        dtypes = [FR_DTYPES.get(d, str(d).lower()) for d in entry.get("input_dtypes", [])]
+        inputs = tuple(
+            r.TensorMeta(tuple(int(x) for x in shape), dtypes[i] if i < len(dtypes) else "", "")
+            for i, shape in enumerate(entry.get("input_sizes", []))
+        )
+        created = float(entry.get("time_created_ns", 0)) / 1e9 or now
+        record = r.CallRecord(
+            rank=self.rank,
+            call_id=self._new_call_id(group, seq),
+            op=FR_OP_NAMES.get(short, short or "unknown"),
+            group=group,
+            seq=seq,
+            inputs=inputs,  # outputs are flattened by Flight Recorder: not comparable, not sent
+            step=step,
+            call_site=f"issued from C++ ({name})",
+            enter_time=created,
+            source="flight_recorder",
+        )
+        self.reported += 1
+        out.append(record)
+        if entry.get("retired"):
+            out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
+        else:
+            self._open[key] = record

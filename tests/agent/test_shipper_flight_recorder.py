@@ -1,0 +1,203 @@
+"""The agent reads a rank's Flight Recorder from outside and ships what no Python call covered.
+
+Real ring, real link, real shipper and the coordinator's real decoder (``test_shipper.Intake``);
+the seam faked is the fetcher's ``read`` (what the rank's worker server answers), which returns
+a dump saved from real gloo process groups (``tests/fixtures/flight_recorder``, never
+hand-edited). The rank's Python calls are written into its ring as the hook writes them, with
+the sequence numbers the real group reported (``calls.json``): seqs 1, 2 and 7 came from Python,
+3 to 6 from DDP's constructor and its gradient bucket. ``test_capture``'s DDP job proves the
+same end to end, through a real worker server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hangwatch import link
+from hangwatch import records as r
+from hangwatch.agent.flightrecorder import RingFetcher
+from hangwatch.agent.procinfo import PsutilInspector
+from hangwatch.agent.rings import RingServer
+from hangwatch.agent.shipper import Shipper
+from hangwatch.client.ringsink import RingSink
+from hangwatch.flight_entries import entry_call_id
+from hangwatch.testing import wait_for
+from tests.agent.test_shipper import Intake
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "flight_recorder"
+DUMP: dict[str, Any] = json.loads((FIXTURES / "one_rank.json").read_text())
+PYTHON_CALLS: list[dict[str, Any]] = json.loads((FIXTURES / "calls.json").read_text())["one_rank.json"]
+META = (r.TensorMeta((4,), "float32"),)
+
+
+class Reads:
+    """The worker server's answers, counted; ``dump`` may be changed between reads."""
+
+    def __init__(self) -> None:
+        self.dump: dict[str, Any] = DUMP
+        self.asked: list[tuple[str, int]] = []
+
+    def __call__(self, path: str, pid: int, **_: Any) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        self.asked.append((path, pid))
+        return {"cpu": self.dump}, {}
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[tuple[RingServer, Shipper, Intake, Reads, RingSink]]:
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    intake, reads = Intake(), Reads()
+    fetcher = RingFetcher(interval_s=0.02, read=reads)
+    sink = RingSink(256, rank=0)
+    yield server, Shipper(server, intake, "node-1", PsutilInspector(), flight_recorder=fetcher), intake, reads, sink
+    fetcher.stop()
+    server.stop()
+    sink.close()
+
+
+def _hello(worker_socket: str) -> dict[str, Any]:
+    return {"job_id": "j", "rank": 0, "world_size": 1, "session": "s0", "worker_socket": worker_socket}
+
+
+def _python_calls(sink: RingSink, *, last_open: bool = False) -> None:
+    for i, call in enumerate(PYTHON_CALLS, 1):
+        done = not (last_open and i == len(PYTHON_CALLS))
+        record = r.CallRecord(0, i, call["op"], "0", call["after"], META, META, "sum", enter_time=float(i))
+        record.exit_time, record.seq_count = (float(i) + 0.5 if done else None), 1
+        sink.put(record)
+
+
+def _from_flight_recorder(intake: Intake) -> list[r.CallRecord]:
+    return [e for e in intake.events.get(0, []) if isinstance(e, r.CallRecord) and e.source == "flight_recorder"]
+
+
+def _ticks_until(shipper: Shipper, done: Any, what: str) -> None:
+    def tick() -> bool:
+        shipper.tick()
+        return bool(done())
+
+    wait_for(tick, 5, 0.02, what)
+
+
+def test_entries_no_python_call_covered_are_shipped_once(rig: Any) -> None:
+    server, shipper, intake, reads, sink = rig
+    sock = link.connect(server.path, _hello("/run/rank0-worker.sock"), [sink.fd])
+    assert sock is not None
+    try:
+        _python_calls(sink)
+        _ticks_until(shipper, lambda: _from_flight_recorder(intake), "Flight Recorder records")
+        assert reads.asked[0] == ("/run/rank0-worker.sock", os.getpid())  # the kernel's pid, asked of its socket
+        records = _from_flight_recorder(intake)
+        assert [(c.seq, c.op) for c in records] == [
+            (3, "all_gather"),
+            (4, "broadcast"),
+            (5, "broadcast"),
+            (6, "all_reduce"),
+        ]
+        assert [c.call_id for c in records] == [entry_call_id("0", s) for s in (3, 4, 5, 6)]
+        assert records[-1].inputs == (r.TensorMeta((27,), "float32", "cpu"),)
+        assert records[-1].call_site == "issued from C++ (gloo:all_reduce)"
+        done = {e.call_id for e in intake.events[0] if isinstance(e, r.CallExit)}
+        assert {c.call_id for c in records} <= done  # retired in the ring: closed at once
+        python = [e for e in intake.events[0] if isinstance(e, r.CallRecord) and e.source != "flight_recorder"]
+        assert [c.seq for c in python] == [1, 2, 7]
+        before = len(reads.asked)
+        _ticks_until(shipper, lambda: len(reads.asked) > before + 2, "more reads")
+        assert len(_from_flight_recorder(intake)) == 4  # the same ring read again: nothing new
+    finally:
+        sock.close()
+
+
+def test_an_entry_is_not_reported_before_the_ring_that_covers_it_is_read(rig: Any) -> None:
+    """The worker server is read on its own thread; the Python call behind an entry is in the
+    rank's ring from before it was issued, so a read is reconciled only with a ring read past
+    it. Here the ring was last read before the dump was taken (a batch the coordinator refused
+    is sent again first): seq 7's Python call is not read yet and must not look C++-issued."""
+    server, shipper, intake, _, sink = rig
+    fetcher = shipper.fetcher
+    fetcher.interval_s = 3600.0  # this test reads the worker server itself: fetcher.poll_once()
+    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
+    assert sock is not None
+    try:
+        first, second, third = (
+            r.CallRecord(0, i, c["op"], "0", c["after"], META, META, "sum", enter_time=float(i), exit_time=i + 0.5)
+            for i, c in enumerate(PYTHON_CALLS, 1)
+        )
+        sink.put(first)
+        sink.put(second)
+        intake.refuse_next_report = True
+        shipper.tick()  # reads seqs 1 and 2; the coordinator asks for a registration: kept
+        sink.put(third)  # seq 7, from Python
+        fetcher.poll_once()  # the dump: seqs 1 to 7
+        shipper.tick()  # registers, sends the kept batch; the ring is not read past the dump yet
+        assert _from_flight_recorder(intake) == []
+        shipper.tick()
+        assert [c.seq for c in _from_flight_recorder(intake)] == [3, 4, 5, 6]
+    finally:
+        sock.close()
+
+
+def test_without_a_worker_socket_nothing_is_read(rig: Any) -> None:
+    server, shipper, intake, reads, sink = rig
+    sock = link.connect(server.path, _hello(""), [sink.fd])
+    assert sock is not None
+    try:
+        _python_calls(sink)
+        _ticks_until(
+            shipper, lambda: len([e for e in intake.events.get(0, []) if isinstance(e, r.CallRecord)]) == 3, "calls"
+        )
+        assert reads.asked == [] and _from_flight_recorder(intake) == []
+    finally:
+        sock.close()
+
+
+def test_an_ending_rank_is_read_one_last_time_before_it_goes(rig: Any) -> None:
+    """DDP's last buckets before a rank exits: the periodic read may not have seen them. The rank
+    says it is ending and waits; the agent reads the ring and Flight Recorder, ships, answers."""
+    server, shipper, intake, reads, sink = rig
+    reads.dump = {"entries": []}  # the periodic reads see nothing yet
+    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
+    assert sock is not None
+    stop = threading.Event()
+
+    def ticking() -> None:
+        while not stop.wait(0.05):
+            shipper.tick()
+
+    thread = threading.Thread(target=ticking)
+    thread.start()
+    try:
+        wait_for(lambda: intake.identities, 5, 0.02, "registered")
+        shipper.fetcher.interval_s = 60.0  # from now on only the last read can see the entries
+        reads.dump = DUMP
+        _python_calls(sink)
+        sink.put(r.RankEnd(0, r.EndKind.CLEAN_EXIT, 9.0, "interpreter exit", exit_code=0))
+        assert link.farewell(sock, 2.0)  # answered once everything below had arrived
+        assert [c.seq for c in _from_flight_recorder(intake)] == [3, 4, 5, 6]
+        assert any(isinstance(e, r.RankEnd) for e in intake.events[0])
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close()
+
+
+def test_a_farewell_without_an_agent_answer_returns_within_its_timeout(tmp_path: Path) -> None:
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    sink = RingSink(16, rank=0)
+    try:
+        sock = link.connect(server.path, _hello(""), [sink.fd])
+        assert sock is not None
+        assert link.farewell(sock, 0.2) is False  # nobody ships for this server
+        sock.close()
+        assert link.farewell(sock, 0.2) is False  # a closed socket: no exception either
+    finally:
+        server.stop()
+        sink.close()
