@@ -177,8 +177,8 @@ class EntryTracker:
             source="flight_recorder",
         )
         self.reported += 1
-        out.append(record)
         if entry.get("retired"):
-            out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
+            record.exit_time = now  # one record, complete (not a record and a separate exit)
         else:
             self._open[key] = record
+        out.append(record)
