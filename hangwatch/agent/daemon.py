@@ -151,11 +151,13 @@ def run_agent(
     poll_wait_s: float = 2.0,
     core: NodeAgentCore | None = None,
     rank_socket: str | None = None,
+    rank_socket_mode: int = 0o600,
 ) -> None:
     """Serve the coordinator at ``host:port`` until ``stop`` is set (within about ``poll_wait_s``).
 
-    With ``rank_socket``, this node's ranks link to the agent there and it ships their rings
-    (:mod:`hangwatch.agent.shipper`) over the same channel."""
+    With ``rank_socket``, this node's ranks link to the agent there (a socket of mode
+    ``rank_socket_mode``) and it ships their rings (:mod:`hangwatch.agent.shipper`) over the
+    same channel."""
     agent = _Agent(core or NodeAgentCore(), token or "")
     backoff_ms = int(BACKOFF_MAX_S * 1000)
     options = [
@@ -165,7 +167,7 @@ def run_agent(
     ]
     channel = tls.channel(coordinator, options)
     stub = CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-    rings = _start_rank_links(rank_socket, stub, agent, stop) if rank_socket else None
+    rings = _start_rank_links(rank_socket, stub, agent, stop, rank_socket_mode) if rank_socket else None
     agent_id = ""
     full = True
     delay = BACKOFF_INITIAL_S
@@ -204,12 +206,14 @@ def run_agent(
         channel.close()
 
 
-def _start_rank_links(path: str, stub: CoordinatorStub, agent: _Agent, stop: threading.Event) -> RingServer | None:
+def _start_rank_links(
+    path: str, stub: CoordinatorStub, agent: _Agent, stop: threading.Event, mode: int = 0o600
+) -> RingServer | None:
     """This node's ranks link to the agent on ``path``; a thread ships their rings."""
     from hangwatch.agent.shipper import TICK_S, Shipper
 
     try:
-        server = RingServer(path)
+        server = RingServer(path, mode=mode)
         server.start()
     except OSError as e:
         log.warning("no rank links on %s (%s): ranks will ship their own records", path, e)
@@ -219,6 +223,7 @@ def _start_rank_links(path: str, stub: CoordinatorStub, agent: _Agent, stop: thr
     def loop() -> None:
         while not stop.wait(TICK_S):
             shipper.tick()
+        shipper.close()
 
     threading.Thread(target=loop, name="hangwatch-rings", daemon=True).start()
     log.info("rank links on %s", path)

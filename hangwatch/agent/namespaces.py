@@ -1,9 +1,10 @@
-"""Finding a rank's process when the rank lives in another pid namespace (a container).
+"""Finding a rank's process, and its files, when the rank lives in a container.
 
 A rank reports ``os.getpid()`` as seen inside its own pid namespace, plus that namespace's id
 (``readlink /proc/self/ns/pid``). An agent that sees the node's processes (Kubernetes
 ``hostPID: true``) finds the same process by scanning ``/proc`` for that namespace and reading
-the innermost pid of each candidate's ``NSpid`` line.
+the innermost pid of each candidate's ``NSpid`` line. A path the rank names (its worker server's
+socket) is its own mount namespace's: the agent reaches it through ``/proc/<pid>/root``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,19 @@ def own_namespace(proc: str = "/proc") -> str:
         return os.readlink(f"{proc}/self/ns/pid")
     except OSError:
         return ""
+
+
+def path_of(pid: int, path: str, proc: str = "/proc") -> str:
+    """``path`` as process ``pid`` names it, reachable from this agent: the path itself where
+    both share a mount namespace (or where that cannot be told), else the same path under
+    ``/proc/<pid>/root`` (the agent of a Kubernetes node, ``hostPID: true``, reading a socket in
+    a training container's ``/tmp``)."""
+    try:
+        if os.readlink(f"{proc}/self/ns/mnt") == os.readlink(f"{proc}/{pid}/ns/mnt"):
+            return path
+    except OSError:
+        return path
+    return f"{proc}/{pid}/root/{path.lstrip('/')}"
 
 
 class NotVisible(LookupError):

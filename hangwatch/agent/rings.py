@@ -82,8 +82,12 @@ class RingServer:
         on_link: Callable[[RankLink], None] | None = None,
         on_close: Callable[[RankLink], None] | None = None,
         clock: Callable[[], float] = time.time,
+        mode: int = 0o600,
     ) -> None:
+        if mode & ~0o666:
+            raise ValueError(f"socket mode {mode:o}: only read/write bits (at most 0666)")
         self.path = path
+        self.mode = mode
         self._on_link = on_link
         self._on_close = on_close
         self._clock = clock
@@ -114,7 +118,11 @@ class RingServer:
             listener.bind(self.path)
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
+        # 0600: ranks of the agent's own user (or root) only. A wider mode lets other users'
+        # ranks link (an agent run by root for every user of a node); each link still proves
+        # its pid and uid through the kernel, and the agent reads nothing but what it was handed
+        # and the worker server that pid serves.
+        os.chmod(self.path, self.mode)
         listener.listen(128)
         listener.setblocking(False)
         self._listener = listener

@@ -34,6 +34,7 @@ from typing import Protocol
 from hangwatch import records as r
 from hangwatch import wire
 from hangwatch.agent.flightrecorder import Fetched, RingFetcher
+from hangwatch.agent.namespaces import path_of
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
 from hangwatch.flight_entries import EntryTracker
@@ -160,7 +161,7 @@ class Shipper:
         path = link.hello.get("worker_socket")
         if isinstance(path, str) and path and link.alive:
             state.flight = EntryTracker(state.identity.rank)
-            self.fetcher.watch(id(link), path, link.peer.pid)
+            self.fetcher.watch(id(link), path_of(link.peer.pid, path), link.peer.pid)
         return state
 
     def _ship(self, state: _Rank) -> None:

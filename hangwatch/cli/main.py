@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         "in this user's private directory, <port> being the relay's or the coordinator's)",
     )
     p.add_argument(
+        "--rank-socket-mode",
+        type=_socket_mode,
+        default=0o600,
+        help="permissions of the rank socket, octal (default 0600: ranks of this user only; 0666 lets every "
+        "user's ranks link to an agent run as root, each link's pid and uid still proven by the kernel)",
+    )
+    p.add_argument(
         "--coordinator",
         "--addr",
         dest="coordinator",
@@ -343,6 +350,16 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _socket_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 0600") from None
+    if mode & ~0o666:
+        raise argparse.ArgumentTypeError(f"{text}: a socket mode has read/write bits only (at most 0666)")
+    return mode
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     from hangwatch.agent.core import NodeAgentCore
     from hangwatch.agent.daemon import run_agent
@@ -363,7 +380,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         sys.stdout.write(f"relaying this node's ranks: export {config.ENV_ADDR}={relay.addr}\n")
     sys.stdout.flush()
     try:
-        run_agent(addr, token=args.token, stop=stop, core=core, rank_socket=rank_socket)
+        run_agent(
+            addr,
+            token=args.token,
+            stop=stop,
+            core=core,
+            rank_socket=rank_socket,
+            rank_socket_mode=args.rank_socket_mode,
+        )
     except KeyboardInterrupt:
         stop.set()
     finally:

@@ -64,6 +64,16 @@ def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
         f"job {job.get('id') or '?'}: {job.get('registered', 0)}/{job.get('world_size', 0)} ranks registered, "
         f"stuck threshold {job.get('stuck_after', '?')} s\n"
     )
+    paths: dict[str, list[int]] = {}
+    for rank in data["ranks"]:
+        paths.setdefault(str(rank.get("via") or "direct"), []).append(rank["rank"])
+    if paths:
+        told = {"agent": "read by their node agent", "direct": "shipped by the rank itself (no agent linked)"}
+        out.write(
+            "records: "
+            + "; ".join(f"{ranks_label(sorted(r))} {told.get(v, v)}" for v, r in sorted(paths.items()))
+            + "\n"
+        )
     groups: dict[str, list[int]] = {}
     for rank in data["ranks"]:
         groups.setdefault(_rank_line(rank, now), []).append(rank["rank"])

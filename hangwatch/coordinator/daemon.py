@@ -230,6 +230,7 @@ class Coordinator:
         def loop() -> None:
             while not self._stop.wait(TICK_S):
                 shipper.tick()
+            shipper.close()
 
         self._spawn(loop, "hangwatch-rings")
         log.info("rank links on %s", path)

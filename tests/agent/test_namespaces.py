@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
 from hangwatch.agent.core import NodeAgentCore
-from hangwatch.agent.namespaces import NotVisible, local_pid, own_namespace
+from hangwatch.agent.namespaces import NotVisible, local_pid, own_namespace, path_of
 from hangwatch.records import ProcState, Target
 
 pytestmark = pytest.mark.skipif(
@@ -52,5 +54,44 @@ def test_rank_in_another_pid_namespace() -> None:
     finally:
         for child in psutil.Process(proc.pid).children(recursive=True):
             child.kill()
+        proc.kill()
+        proc.wait(10)
+
+
+SOCKET_IN_CONTAINER = """
+import os, socket, sys
+path = os.path.join(sys.argv[1], "worker.sock")
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(path)
+server.listen(1)
+print(os.getpid(), path, flush=True)
+conn, _ = server.accept()
+conn.sendall(b"from inside")
+conn.close()
+"""
+
+
+def test_a_socket_in_another_mount_namespace_is_reached_through_proc_root(tmp_path: Path) -> None:
+    """A training container's worker-server socket lives in the container's own /tmp: the same
+    path names nothing in the agent's mount namespace, and ``path_of`` finds it all the same."""
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    script = f"mount -t tmpfs none {shared} && exec {sys.executable} -c '{SOCKET_IN_CONTAINER}' {shared}"
+    proc = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        pid, path = proc.stdout.readline().split()
+        assert int(pid) == proc.pid and not os.path.exists(path)  # invisible from here as named
+        reachable = path_of(int(pid), path)
+        assert reachable == f"/proc/{pid}/root{path}"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(reachable)
+            assert s.recv(64) == b"from inside"
+        assert path_of(os.getpid(), "/tmp/x.sock") == "/tmp/x.sock"  # one namespace: as named
+        assert path_of(2**22 + 7, "/tmp/x.sock") == "/tmp/x.sock"  # no such process: as named
+    finally:
         proc.kill()
         proc.wait(10)

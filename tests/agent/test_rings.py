@@ -18,6 +18,7 @@ import pytest
 
 from hangwatch import link
 from hangwatch.agent.rings import RingServer
+from hangwatch.cli.main import build_parser
 from hangwatch.ring import Kind, RingWriter
 
 _RANK = textwrap.dedent(
@@ -127,6 +128,22 @@ def test_bad_hellos_are_refused_and_the_server_keeps_serving(agent: Agent) -> No
 
 def test_the_socket_is_private_to_the_agents_user(agent: Agent) -> None:
     assert os.stat(agent.server.path).st_mode & 0o777 == 0o600
+
+
+def test_a_root_agent_may_open_its_socket_to_every_users_ranks(tmp_path: Path) -> None:
+    server = RingServer(str(tmp_path / "shared.sock"), mode=0o666)
+    server.start()
+    try:
+        assert os.stat(server.path).st_mode & 0o777 == 0o666
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="at most 0666"):
+        RingServer(str(tmp_path / "x.sock"), mode=0o4777)
+    parser = build_parser()
+    assert parser.parse_args(["agent", "--rank-socket-mode", "0666"]).rank_socket_mode == 0o666
+    assert parser.parse_args(["agent"]).rank_socket_mode == 0o600
+    with pytest.raises(SystemExit):
+        parser.parse_args(["agent", "--rank-socket-mode", "rw-rw-rw-"])
 
 
 def test_a_live_agents_socket_is_not_taken_over_and_a_stale_one_is(agent: Agent, tmp_path: Path) -> None:

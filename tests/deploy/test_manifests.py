@@ -548,6 +548,43 @@ def test_training_example_attaches_ranks_to_the_coordinator() -> None:
         assert "torchrun" in " ".join(_argv(container)), "the training example should run torchrun"
 
 
+def _host_dir_of(pod: dict[str, Any], container: dict[str, Any], path: str) -> str | None:
+    """The node directory (hostPath) that ``path`` in ``container`` lies in, if any."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        inside = mount["mountPath"].rstrip("/") + "/"
+        host = volumes.get(mount["name"], {}).get("hostPath", {}).get("path")
+        if host and path.startswith(inside):
+            return host.rstrip("/") + "/" + path[len(inside) :]
+    return None
+
+
+def test_ranks_link_to_their_nodes_agent_through_a_shared_host_directory() -> None:
+    """A rank's records outlive it only if it hands its ring to the node's agent: the agent's
+    --rank-socket and every training container's HANGWATCH_AGENT_SOCKET must be one file on
+    the node, through hostPath mounts of the same directory, and the agent must see the ranks'
+    processes (hostPID) to prove who linked and to reach their worker servers."""
+    daemonset = _find("DaemonSet")
+    agent_pod, agent = _pod_spec(daemonset), _only_container(daemonset)
+    socket_in_agent = _flag(_argv(agent), "--rank-socket")
+    assert socket_in_agent, "the agent DaemonSet does not serve rank links (--rank-socket)"
+    on_node = _host_dir_of(agent_pod, agent, socket_in_agent)
+    assert on_node, f"agent --rank-socket {socket_in_agent} is not in a hostPath mount: no rank can reach it"
+    assert agent_pod.get("hostPID") is True
+    mode = _flag(_argv(agent), "--rank-socket-mode")
+    assert mode is None or int(mode, 8) & ~0o666 == 0
+    docs = [doc for path, doc in _k8s_docs() if path.name == "training-pod-example.yaml"]
+    pods = [pod for doc in docs for pod in _pod_specs(doc)]
+    assert len(pods) >= 2  # the master and the workers
+    for pod in pods:
+        for container in pod["containers"]:
+            socket_in_rank = _env(container).get(config.ENV_AGENT_SOCKET, {}).get("value")
+            assert socket_in_rank, f"training container {container['name']} sets no {config.ENV_AGENT_SOCKET}"
+            assert _host_dir_of(pod, container, socket_in_rank) == on_node, (
+                f"ranks link to {socket_in_rank}, which is not the agent's {on_node} on the node"
+            )
+
+
 def test_secret_references_match_the_example_secret() -> None:
     secret = _find("Secret", TOKEN_SECRET)
     keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))

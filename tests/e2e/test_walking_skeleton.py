@@ -82,6 +82,7 @@ def test_stuck_all_reduce_diagnosed_end_to_end(
     assert human.returncode == 0
     assert "waiting in all_reduce" in human.stdout
     assert "stuck_collective" in human.stdout
+    assert "records: ranks 0, 1 read by their node agent" in human.stdout  # the coordinator's embedded one
 
     report = cli("report", incident["id"], "--addr", addr)
     assert report.returncode == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from hangwatch.cli import render
@@ -100,3 +102,17 @@ def test_every_incident_kind_has_a_title() -> None:
     from hangwatch.coordinator.incidents import IncidentKind
 
     assert {k.value for k in IncidentKind} <= set(KIND_TITLES)
+
+
+def test_status_says_which_path_each_ranks_records_take() -> None:
+    out = io.StringIO()
+    ranks = [
+        {"rank": 0, "state": "running", "via": "agent"},
+        {"rank": 1, "state": "running", "via": "agent"},
+        {"rank": 2, "state": "running", "via": "direct"},
+    ]
+    render.render_status({"job": {"id": "j", "registered": 3, "world_size": 3, "time": 1.0}, "ranks": ranks}, out)
+    lines = out.getvalue().splitlines()
+    assert lines[1] == (
+        "records: ranks 0, 1 read by their node agent; rank 2 shipped by the rank itself (no agent linked)"
+    )
