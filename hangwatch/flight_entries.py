@@ -44,11 +44,15 @@ FR_DTYPES = {
 KEEP_RANGES = 4096
 
 
+#: Call ids from :func:`entry_call_id` have this bit set; a rank's own counter never reaches it.
+ENTRY_CALL_IDS = 1 << 62
+
+
 def entry_call_id(group: str, seq: int) -> int:
     """The call id of the record made from (group, seq)'s entry, by whoever makes it, however
     often: far above any id a rank's own counter reaches (bit 62 set), and the same each time,
     so a record made again (an agent restarted, a ring read anew) is the same record."""
-    return (1 << 62) | (zlib.crc32(group.encode()) << 30) | (seq & ((1 << 30) - 1))
+    return ENTRY_CALL_IDS | (zlib.crc32(group.encode()) << 30) | (seq & ((1 << 30) - 1))
 
 
 class Coverage(Protocol):

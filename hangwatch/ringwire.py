@@ -84,6 +84,9 @@ class RingEncoder:
         #: the collective seqs the rank's Python calls covered (Flight Recorder's reader asks)
         self.python = PythonSeqs()
         self.last_step = 0
+        #: calls up to this id are the coordinator's already (a ring taken over from another
+        #: agent is read from its start): only their coverage and exits are read
+        self.skip_through = 0
         self._ids: collections.OrderedDict[int, int] = collections.OrderedDict()  # blob -> wire id
         self._free: list[int] = []
         self._next = 1
@@ -124,6 +127,20 @@ class RingEncoder:
         self._ids[blob_id] = sid
         self._learn(blob_id, sig.call)
         return sid
+
+    def _known(self, blob_id: int) -> None:
+        """Learn a signature's group and peer without sending it."""
+        if blob_id in self._lanes:
+            return
+        blob = self.blobs.get(blob_id)
+        if blob is None or not blob.startswith(TAG_CALL):
+            return
+        call = pb.Call()
+        try:
+            call.MergeFromString(blob[1:])
+        except Exception:
+            return
+        self._learn(blob_id, call)
 
     def _learn(self, blob_id: int, call: pb.Call) -> None:
         if blob_id not in self._lanes:
@@ -169,6 +186,10 @@ class RingEncoder:
             if kind == Kind.ENTER:
                 call_id = self._last_call = _extend(s.call_id, self._last_call)
                 step = self._last_step = _extend(s.step, self._last_step)
+                if call_id <= self.skip_through:
+                    self._known(s.ref)
+                    self._entered(s.ref, call_id, self._seq(s.ref, s.seq))
+                    continue
                 sid = self._signature(s.ref, used, batch)
                 if sid is None:
                     seq = self._seq(s.ref, s.seq)

@@ -171,7 +171,7 @@ class Shipper:
             state.fetched = self.fetcher.take(id(link)) or state.fetched
         if not state.registered:
             try:
-                self.intake.accept_registration(state.identity, via="agent")
+                registration = self.intake.accept_registration(state.identity, via="agent")
             except ValueError as e:
                 self.refused += 1
                 log.warning("rank link from pid %d refused by the coordinator: %s", link.peer.pid, e)
@@ -180,6 +180,8 @@ class Shipper:
                 return
             state.registered = True
             state.encoder.reset()
+            # what the coordinator holds already (this ring shipped by an agent before this one)
+            state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
         while True:
             if state.pending is None or not (state.pending.slots or state.pending.blobs):
                 # an empty batch kept back (nothing to send before the next heartbeat) is no

@@ -250,13 +250,16 @@ class Coordinator:
 
     # ---- ingest (called by the servicer) --------------------------------------------------
 
-    def register_rank(self, identity: r.RankIdentity, via: str = "direct") -> None:
+    def register_rank(self, identity: r.RankIdentity, via: str = "direct") -> int:
+        """Register (or re-register) a rank; returns the highest call id already held for its
+        session (0 for a new one)."""
         with self.lock:
             previous = self.job.ranks.get(identity.rank)
             if previous is not None and previous.identity.session != identity.session:
                 self.decoders.pop(previous.identity.session, None)
-            self.job.register(identity, time.time(), via)
+            state = self.job.register(identity, time.time(), via)
             self.decoders[identity.session] = CallDecoder()  # the rank's table starts empty too
+            last_call_id = state.last_call_id
         log.info(
             "rank %d registered (pid %d on %s, job %s, via %s)",
             identity.rank,
@@ -265,6 +268,7 @@ class Coordinator:
             identity.job_id,
             via,
         )
+        return last_call_id
 
     def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> pb.RegisterReply:
         """Register a rank (from a ``Register`` RPC, or from the node agent that read its link).
@@ -274,9 +278,12 @@ class Coordinator:
             raise IntakeError(f"invalid rank {identity.rank} for world size {identity.world_size}")
         if not identity.session:
             raise IntakeError("registration without a session id")
-        self.register_rank(identity, via)
+        last_call_id = self.register_rank(identity, via)
         return pb.RegisterReply(
-            coordinator_id=self.coordinator_id, server_time=time.time(), report_interval_s=self.report_interval()
+            coordinator_id=self.coordinator_id,
+            server_time=time.time(),
+            report_interval_s=self.report_interval(),
+            last_call_id=last_call_id,
         )
 
     def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hangwatch import records as r
+from hangwatch.flight_entries import ENTRY_CALL_IDS
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
@@ -57,6 +58,11 @@ class RankState:
     queued: int = 0
     dropped: int = 0
     markers: collections.deque[r.MarkerEvent] = field(default_factory=lambda: collections.deque(maxlen=16))
+    #: the highest call id of the rank's own numbering received (an agent taking over its ring
+    #: resumes after it), and per group the highest seq of records an agent made from Flight
+    #: Recorder entries (made again by a new agent, they are the same records: dropped)
+    last_call_id: int = 0
+    entry_seqs: dict[str, int] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -168,6 +174,7 @@ class JobState:
         self.p2p_open: dict[tuple[int, int], r.CallRecord] = {}  # (rank, call_id) -> open p2p call
         self.wait_durations: collections.deque[float] = collections.deque(maxlen=DURATIONS_KEPT)
         self.records_received = 0
+        self.duplicates = 0  # records received again (see RankState.entry_seqs)
         self.started = time.time()
         # the change feed, drained by the engine once per tick (take_changes)
         self.changed_slots: set[tuple[str, int]] = set()
@@ -326,6 +333,15 @@ class JobState:
         if hist is None and slots is None and len(state.history) >= MAX_GROUPS:
             self.dropped_calls += 1
             return
+        call_id = call.call_id
+        if call_id < ENTRY_CALL_IDS:
+            if call_id > state.last_call_id:
+                state.last_call_id = call_id
+        elif seq <= state.entry_seqs.get(group, 0):
+            self.duplicates += 1  # made again from the same entry (an agent took over the ring)
+            return
+        else:
+            state.entry_seqs[group] = seq
         self.records_received += 1
         offset = state.clock_offset
         enter = call.enter_time = call.enter_time + offset

@@ -220,14 +220,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., via: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("coordinator_id", "server_time", "report_interval_s")
+    __slots__ = ("coordinator_id", "server_time", "report_interval_s", "last_call_id")
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     coordinator_id: str
     server_time: float
     report_interval_s: float
-    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
+    last_call_id: int
+    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ..., last_call_id: _Optional[int] = ...) -> None: ...
 
 class ReportBatch(_message.Message):
     __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls", "urgent", "relay_held_s", "alive_time")

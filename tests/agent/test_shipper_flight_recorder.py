@@ -202,3 +202,59 @@ def test_a_farewell_without_an_agent_answer_returns_within_its_timeout(tmp_path:
     finally:
         server.stop()
         sink.close()
+
+
+def test_an_agent_taking_over_a_ring_sends_nothing_twice(tmp_path: Path) -> None:
+    """A node agent restarts (a DaemonSet rolling update) while its ranks run: each rank links
+    to the new one, which reads the ring from its start. The coordinator (real, not started:
+    its intake is called as the embedded agent calls it) says what it holds already; the new
+    agent skips those calls, and the records it makes again from Flight Recorder are the same
+    records, dropped. Every seq is held once, and the calls after the takeover arrive."""
+    from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
+
+    coordinator = Coordinator(CoordinatorOptions(port=0, data_dir=str(tmp_path / "data"), embedded_agent=False))
+    sink = RingSink(256, rank=0)
+    hello = _hello("/run/w.sock")
+    first, second, third = (
+        r.CallRecord(0, i, c["op"], "0", c["after"], META, META, "sum", enter_time=float(i), exit_time=i + 0.5)
+        for i, c in enumerate(PYTHON_CALLS, 1)
+    )
+    hello["world_size"] = 1
+
+    def agent(name: str) -> tuple[RingServer, Shipper, RingFetcher]:
+        server = RingServer(str(tmp_path / f"{name}.sock"))
+        server.start()
+        fetcher = RingFetcher(interval_s=3600.0, read=Reads())
+        return server, Shipper(server, coordinator, "node-1", PsutilInspector(), flight_recorder=fetcher), fetcher
+
+    try:
+        old_server, old, old_fetcher = agent("old")
+        sock = link.connect(old_server.path, hello, [sink.fd])
+        assert sock is not None
+        sink.put(first)
+        sink.put(second)
+        sink.put(third)
+        wait_for(lambda: old_server.links(), 5, 0.02, "the link")
+        old.tick()  # registers the rank and watches its worker server
+        old_fetcher.poll_once()
+        for _ in range(2):
+            old.tick()
+        old_server.stop()  # the old agent is gone; the rank links to the new one
+        sock.close()
+        new_server, new, new_fetcher = agent("new")
+        sock = link.connect(new_server.path, hello, [sink.fd])
+        assert sock is not None
+        sink.put(r.CallRecord(0, 4, "all_reduce", "0", 8, META, META, "sum", enter_time=4.0, exit_time=4.5))
+        wait_for(lambda: new_server.links(), 5, 0.02, "the new link")
+        new.tick()
+        new_fetcher.poll_once()
+        for _ in range(2):
+            new.tick()
+        held = list(coordinator.job.ranks[0].history["0"])
+        assert sorted(c.seq for c in held) == [1, 2, 3, 4, 5, 6, 7, 8]  # each once, seq 8 from after
+        assert coordinator.job.duplicates == 4  # the four C++-issued ones, made again and dropped
+        assert coordinator.job.ranks[0].via == "agent"
+        sock.close()
+        new_server.stop()
+    finally:
+        sink.close()
