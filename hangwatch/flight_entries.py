@@ -106,8 +106,8 @@ class PythonSeqs:
 
 class EntryTracker:
     """Turns successive reads of one rank's ring(s) into records: a CallRecord for each entry no
-    Python call covers (once), and its CallExit once the entry is retired or a later collective
-    exists on its group (collectives of a group complete in order, and Flight Recorder keeps
+    Python call covers (once), and its CallExit once the entry is retired or completed, or a
+    later collective exists on its group (collectives of a group complete in order, and Flight Recorder keeps
     works alive past completion). ``new_call_id(group, seq)`` numbers the records in the rank's
     call-id space (default :func:`entry_call_id`). Entries that cannot be read (a newer torch's
     schema, a corrupt ring) are counted in ``skipped`` and passed over."""
@@ -123,16 +123,21 @@ class EntryTracker:
     def update(self, entries: Iterable[Any], coverage: Coverage, step: int, now: float) -> list[r.RankEvent]:
         out: list[r.RankEvent] = []
         newest: dict[str, int] = {}
-        for entry in entries:
+        for entry in entries:  # a record made and closed in one read travels complete: the
+            # coordinator applies a batch's exits before its calls
             try:
                 self._handle(entry, coverage, step, now, newest, out)
             except (AttributeError, TypeError, ValueError, IndexError, KeyError):
                 self.skipped += 1  # one malformed entry: skip it, keep the others
+        made = {id(e) for e in out if isinstance(e, r.CallRecord)}
         for key, record in list(self._open.items()):
             group, seq = key
             if newest.get(group, 0) > seq or coverage.newest(group) > seq:
                 del self._open[key]
-                out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
+                if id(record) in made:
+                    record.exit_time = now  # made in this read: it travels complete
+                else:
+                    out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
         return out
 
     def _handle(
@@ -151,9 +156,10 @@ class EntryTracker:
         group = str(pg[0])
         newest[group] = max(newest.get(group, 0), seq)
         key = (group, seq)
+        done = bool(entry.get("retired")) or entry.get("state") == "completed"
         if seq <= self._seen.get(group, 0):
             record = self._open.get(key)
-            if record is not None and entry.get("retired"):
+            if record is not None and done:
                 del self._open[key]
                 out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
             return
@@ -181,7 +187,7 @@ class EntryTracker:
             source="flight_recorder",
         )
         self.reported += 1
-        if entry.get("retired"):
+        if done:  # retired (CPU ring), or completed on its stream (NCCL ring)
             record.exit_time = now  # one record, complete (not a record and a separate exit)
         else:
             self._open[key] = record

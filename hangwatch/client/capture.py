@@ -57,15 +57,19 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
             params = dict(zip(names, args, strict=False))
             if kwargs:
                 params.update(kwargs)
-            entered = session.recorder.enter(spec, params)
-            # The backend may kill the process inside a mismatched call: ship a new kind of call's
-            # record before issuing it. A slow coordinator turns this off rather than slow the job.
+            recorder = session.recorder
+            entered = recorder.enter(spec, params)
+            # Where the rank ships its own records (no agent reads its ring), the backend may kill
+            # the process inside a mismatched call before the next batch: ship a new kind of
+            # call's record before issuing it. A slow coordinator turns this off rather than slow
+            # the job. Linked ranks skip all of it (``flush_novel`` is off).
             if (
-                session.sender.registered
-                and session.recorder.is_novel(entered[0])
+                recorder.flush_novel
+                and session.sender.registered
+                and recorder.is_novel(entered[0])
                 and not session.sender.flush(NOVEL_FLUSH_TIMEOUT_S)
             ):
-                session.recorder.flush_novel = False
+                recorder.flush_novel = False
         except Exception as exc:
             session.fail("recording a call", exc)
             return original(*args, **kwargs)

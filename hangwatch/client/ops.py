@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from hangwatch import catalogue
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # one per op: hashed by identity (the hot path keys on it)
 class OpSpec:
     name: str  # the torch.distributed function
     op: str  # its catalogue row

@@ -103,7 +103,10 @@ class Recorder:
         self._ids = itertools.count(1)
         self._pairs: dict[tuple[str, int, int], int] = {}
         self._sites: dict[tuple[CodeType, int], str] = {}
-        # collective seqs covered by Python calls, so Flight Recorder does not report them twice
+        # collective seqs covered by Python calls, so Flight Recorder read from inside the rank
+        # does not report them twice; kept only while ``covers`` (an agent that reads Flight
+        # Recorder from outside learns the same from the ring)
+        self.covers = True
         self.python_seqs: dict[str, collections.deque[tuple[int, int]]] = {}
         self.in_progress: dict[str, int] = {}  # group -> first seq of the Python call under way
         # async works not yet complete (call id, collectives issued, works): appended by the
@@ -183,7 +186,8 @@ class Recorder:
             self._pairs[pair] = seq
         else:
             seq = ops_before - self.groups.p2p_ops.get(name, 0) + 1
-            self.in_progress[name] = seq
+            if self.covers:
+                self.in_progress[name] = seq
             if spec.root is not None:
                 root = self._root(spec, params, pg)
         reduce_raw = params.get(spec.reduce, _SUM) if spec.reduce is not None else None
@@ -234,7 +238,7 @@ class Recorder:
         group = raw[2]
         if spec.p2p:
             self.groups.p2p_ops[group] = self.groups.p2p_ops.get(group, 0) + issued
-        else:
+        elif self.covers:
             self.in_progress.pop(group, None)
             seqs = self.python_seqs.get(group)
             if seqs is None:

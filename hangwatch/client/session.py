@@ -57,11 +57,15 @@ class Session:
         self.recorder = Recorder(identity.rank, self.sink, c10d)
         self.worker_server: workerserver.WorkerServer | None = None
         self.agent_socket = agent_socket
-        self.worker_socket = workerserver.planned_path() if agent_socket else ""
+        # the agent reads Flight Recorder through it; HANGWATCH_FLIGHT_RECORDER=0: none to read
+        reads_fr = config.env_flag(config.ENV_FLIGHT_RECORDER, True)
+        self.worker_socket = workerserver.planned_path() if agent_socket and reads_fr else ""
         self.link = link.connect(agent_socket, self.hello(self.worker_socket), [self.sink.fd]) if agent_socket else None
         if self.link is not None:
             self.recorder.flush_novel = False  # every record is outside the rank already
-            self.worker_server = workerserver.start(self.worker_socket)
+            self.worker_server = workerserver.start(self.worker_socket) if self.worker_socket else None
+            # Flight Recorder is read from outside, coverage taken from the ring: none to keep here
+            self.recorder.covers = self.worker_server is None
         self.sender = Sender(self, addr, token, **sender_seams)
         self.ended = False
         self._failures: set[str] = set()

@@ -258,3 +258,27 @@ def test_an_agent_taking_over_a_ring_sends_nothing_twice(tmp_path: Path) -> None
         new_server.stop()
     finally:
         sink.close()
+
+
+def test_entries_closed_in_the_read_that_made_them_arrive_complete(rig: Any) -> None:
+    """NCCL keeps completed entries unretired: an entry is then closed by a later collective on
+    its group, often one in the same read. A record made and closed in one read must travel
+    complete, or the coordinator (which applies a batch's exits first) keeps it open, and the
+    rank looks stuck in DDP's constructor (seen on an H100). The last one closes once a later
+    Python call exists, or when its stream completes it (``state``)."""
+    server, shipper, intake, reads, sink = rig
+    entries = [dict(e, retired=False) for e in DUMP["entries"]]
+    reads.dump = dict(DUMP, entries=entries)
+    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
+    assert sock is not None
+    try:
+        _python_calls(sink)
+        _ticks_until(shipper, lambda: len(_from_flight_recorder(intake)) == 4, "Flight Recorder records")
+        records = _from_flight_recorder(intake)
+        assert [c.seq for c in records] == [3, 4, 5, 6]
+        assert all(c.exit_time is not None for c in records)  # each complete, none left open
+        assert not [
+            e for e in intake.events[0] if isinstance(e, r.CallExit) and e.call_id in {c.call_id for c in records}
+        ]
+    finally:
+        sock.close()
