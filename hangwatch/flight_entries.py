@@ -103,6 +103,23 @@ class PythonSeqs:
         ranges = self._ranges.get(group)
         return ranges[-1][1] if ranges else 0
 
+    def covers_all(self, group: str, lo: int, hi: int) -> bool:
+        """Whether Python calls account for every seq from ``lo`` to ``hi`` on ``group`` (False
+        when that cannot be told: the answer only ever saves a read)."""
+        if hi < lo:
+            return True
+        need = hi
+        started = self._open.get(group)
+        if started is not None and started <= need:
+            need = started - 1  # a call under way covers everything from its first seq on
+        for a, b in reversed(tuple(self._ranges.get(group, ()))):
+            if need < lo:
+                return True
+            if b < need:
+                return False  # a seq no Python call issued: C++ did
+            need = min(need, a - 1)
+        return need < lo
+
 
 class EntryTracker:
     """Turns successive reads of one rank's ring(s) into records: a CallRecord for each entry no

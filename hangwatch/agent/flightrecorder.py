@@ -85,13 +85,27 @@ def query(
 
 
 def read_rings(
-    path: str, pid: int, *, only_active: bool = False, timeout_s: float = 2.0
+    path: str,
+    pid: int,
+    *,
+    only_active: bool = False,
+    collectives: bool = True,
+    names: tuple[str, ...] = tuple(RING_HANDLERS),
+    timeout_s: float = 2.0,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Both rings as parsed JSON (absent where the build has none), and why any could not be read."""
+    """The rings ``names`` (default both) as parsed JSON (absent where the build has none), and
+    why any could not be read. ``collectives=False``: no entries, only each group's
+    ``pg_status`` (cheap: nothing serialised per entry). The NCCL handler honours both flags; the
+    CPU ring's (torch 2.13) ignores them and always sends every entry."""
     rings: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
-    params = {"onlyactive": "true" if only_active else "false"}
+    params = {
+        "onlyactive": "true" if only_active else "false",
+        "includecollectives": "true" if collectives else "false",
+    }
     for name, handler in RING_HANDLERS.items():
+        if name not in names:
+            continue
         try:
             data = json.loads(query(path, handler, params, expect_pid=pid, timeout_s=timeout_s))
         except WorkerServerError as e:
@@ -119,6 +133,28 @@ def entries_of(rings: dict[str, dict[str, Any]]) -> list[Any]:
     return out
 
 
+def enqueued(rings: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """The last collective seq each group enqueued, from both rings' ``pg_status`` (values are
+    strings in JSON; a group in neither ring is absent)."""
+    out: dict[str, int] = {}
+    for ring in rings.values():
+        status = ring.get("pg_status")
+        if not isinstance(status, dict):
+            continue
+        for group, values in status.items():
+            try:
+                seq = int(values["last_enqueued_collective"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            out[str(group)] = max(out.get(str(group), -1), seq)
+    return out
+
+
+#: Asked with the seqs (first, last) each group enqueued since the last whole read: does a whole
+#: read have anything to find? (the shipper answers from the Python calls it read out of the ring)
+Needed = Callable[[dict[str, tuple[int, int]]], bool]
+
+
 @dataclass(frozen=True)
 class Fetched:
     """One read of a rank's rings: when it was asked for, and its entries."""
@@ -131,8 +167,12 @@ class Fetched:
 class _Watched:
     path: str
     pid: int
+    needed: Needed | None = None
     latest: Fetched | None = None
     failing: str = ""
+    #: each group's last enqueued seq at the last whole read: a probe that finds the same, or
+    #: only seqs Python calls covered, spares the rank serialising its whole ring again
+    read_to: dict[str, int] | None = None
 
 
 class RingFetcher:
@@ -160,10 +200,14 @@ class RingFetcher:
         self._thread: threading.Thread | None = None
         self.reads = 0
         self.failures = 0
+        self.spared = 0  # NCCL ring reads a probe showed to have nothing to find
 
-    def watch(self, key: int, path: str, pid: int) -> None:
+    def watch(self, key: int, path: str, pid: int, needed: Needed | None = None) -> None:
+        """Read ``key``'s rings; with ``needed``, probe ``pg_status`` first and read the whole
+        rings only when a group enqueued collectives since the last whole read that ``needed``
+        says no Python call accounts for."""
         with self._lock:
-            self._watched[key] = _Watched(path, pid)
+            self._watched[key] = _Watched(path, pid, needed)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hangwatch-flightrecorder", daemon=True)
                 self._thread.start()
@@ -185,15 +229,40 @@ class RingFetcher:
         """Read ``key``'s rings now, on the caller's thread (a rank that is ending waits for it)."""
         with self._lock:
             watched = self._watched.get(key)
-        return None if watched is None else self._fetch(watched, timeout_s)
+        return None if watched is None else self._fetch(watched, timeout_s, probe=False)
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _fetch(self, watched: _Watched, timeout_s: float) -> Fetched | None:
+    def _spare(self, watched: _Watched, timeout_s: float) -> bool:
+        """True when a cheap probe of the NCCL ring's ``pg_status`` shows that reading its
+        entries would find nothing new. (The CPU ring has no cheap probe: its handler sends every
+        entry whatever it is asked, so it is read whole each time.)"""
+        if watched.needed is None or watched.read_to is None:
+            return False
+        try:
+            rings, _ = self._read(
+                watched.path, watched.pid, only_active=True, collectives=False, names=("nccl",), timeout_s=timeout_s
+            )
+            status = enqueued(rings)
+            if not status:
+                return False
+            since = {g: (watched.read_to.get(g, 0) + 1, s) for g, s in status.items() if s > watched.read_to.get(g, 0)}
+            if since and watched.needed(since):
+                return False
+            watched.read_to = {**watched.read_to, **status}  # all of it accounted for by Python calls
+            return True
+        except Exception:
+            return False  # when in doubt, read
+
+    def _fetch(self, watched: _Watched, timeout_s: float, probe: bool = True) -> Fetched | None:
+        names = tuple(RING_HANDLERS)
+        if probe and self._spare(watched, timeout_s):
+            self.spared += 1
+            names = tuple(n for n in names if n != "nccl")
         asked = self._clock()
         try:
-            rings, errors = self._read(watched.path, watched.pid, timeout_s=timeout_s)
+            rings, errors = self._read(watched.path, watched.pid, names=names, timeout_s=timeout_s)
         except Exception as e:  # never the caller's problem
             rings, errors = {}, {"read": f"{type(e).__name__}: {e}"}
         self.reads += 1
@@ -205,6 +274,7 @@ class RingFetcher:
                 watched.failing = text
             return None
         watched.failing = ""
+        watched.read_to = {**(watched.read_to or {}), **enqueued(rings)}
         return Fetched(asked, entries_of(rings))
 
     def poll_once(self) -> None:

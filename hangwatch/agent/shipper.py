@@ -161,7 +161,12 @@ class Shipper:
         path = link.hello.get("worker_socket")
         if isinstance(path, str) and path and link.alive:
             state.flight = EntryTracker(state.identity.rank)
-            self.fetcher.watch(id(link), path_of(link.peer.pid, path), link.peer.pid)
+            python = state.encoder.python
+
+            def needed(since: dict[str, tuple[int, int]]) -> bool:  # on the fetcher's thread
+                return not all(python.covers_all(group, lo, hi) for group, (lo, hi) in since.items())
+
+            self.fetcher.watch(id(link), path_of(link.peer.pid, path), link.peer.pid, needed)
         return state
 
     def _ship(self, state: _Rank) -> None:

@@ -35,6 +35,7 @@ from hangwatch.signatures import CallDecoder
 
 if TYPE_CHECKING:
     from hangwatch.agent.rings import RingServer
+    from hangwatch.agent.shipper import Shipper
 
 log = logging.getLogger("hangwatch.coordinator")
 
@@ -124,6 +125,7 @@ class Coordinator:
             self.engine.listeners.append(self.alerter)
         self.metrics: MetricsServer | None = None
         self.rings: RingServer | None = None
+        self.shipper: Shipper | None = None  # the embedded agent's, once rank links are served
 
     def _next_id(self) -> str:
         ident = f"inc-{self._id_counter:04d}"
@@ -225,7 +227,7 @@ class Coordinator:
             log.warning("no rank links on this node (%s): ranks will ship their own records", e)
             self.rings = None
             return
-        shipper = Shipper(self.rings, self, self.hub.embedded_host, core.inspector)
+        shipper = self.shipper = Shipper(self.rings, self, self.hub.embedded_host, core.inspector)
 
         def loop() -> None:
             while not self._stop.wait(TICK_S):

@@ -27,7 +27,7 @@ from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import Shipper
 from hangwatch.client.ringsink import RingSink
-from hangwatch.flight_entries import entry_call_id
+from hangwatch.flight_entries import PythonSeqs, entry_call_id
 from hangwatch.testing import wait_for
 from tests.agent.test_shipper import Intake
 
@@ -282,3 +282,72 @@ def test_entries_closed_in_the_read_that_made_them_arrive_complete(rig: Any) -> 
         ]
     finally:
         sock.close()
+
+
+class StatusReads:
+    """A CUDA rank's worker server whose NCCL groups enqueued ``last`` collectives (its CPU ring
+    empty); counts the NCCL ring's whole reads and its probes."""
+
+    def __init__(self) -> None:
+        self.last = {"0": 10}
+        self.whole = 0
+        self.probes = 0
+
+    def __call__(self, path: str, pid: int, *, collectives: bool = True, names: Any = ("cpu", "nccl"), **_: Any) -> Any:
+        status = {g: {"last_enqueued_collective": str(s)} for g, s in self.last.items()}
+        rings: dict[str, Any] = {"cpu": {"pg_status": {}, "entries": []}} if "cpu" in names else {}
+        if "nccl" in names:
+            if collectives:
+                self.whole += 1
+                rings["nccl"] = {"pg_status": status, "entries": []}
+            else:
+                self.probes += 1
+                rings["nccl"] = {"pg_status": status}
+        return rings, {}
+
+
+def test_a_probe_spares_the_whole_read_when_python_calls_account_for_every_new_seq() -> None:
+    """Serialising a ring costs the rank ~22 us per entry whether new or not (bench/fr_read.py):
+    the fetcher asks the NCCL ring for ``pg_status`` alone first, and reads its entries only when
+    a group enqueued a seq since the last whole read that no Python call issued."""
+    python = PythonSeqs()
+    reads = StatusReads()
+    fetcher = RingFetcher(interval_s=3600.0, read=reads)
+
+    def needed(since: dict[str, tuple[int, int]]) -> bool:
+        return not all(python.covers_all(g, lo, hi) for g, (lo, hi) in since.items())
+
+    fetcher.watch(1, "/run/w.sock", 4242, needed)
+    fetcher.poll_once()
+    assert (reads.whole, reads.probes) == (1, 0)  # the first read is whole
+    fetcher.poll_once()
+    assert (reads.whole, fetcher.spared) == (1, 1)  # nothing enqueued since
+    for seq in (11, 12, 13):  # Python calls, one seq each
+        python.entered(seq, "0", seq)
+        python.exited(seq, 1)
+    reads.last = {"0": 13}
+    fetcher.poll_once()
+    assert (reads.whole, fetcher.spared) == (1, 2)  # all three were Python's
+    python.entered(15, "0", 15)  # seq 14 went by without a Python call: issued from C++
+    python.exited(15, 1)
+    reads.last = {"0": 15}
+    fetcher.poll_once()
+    assert reads.whole == 2
+    reads.last = {"0": 15, "1": 1}  # a new group, its first collective from C++
+    fetcher.poll_once()
+    assert reads.whole == 3
+    assert fetcher.take(1) is not None
+    fetcher.stop()
+
+
+def test_coverage_of_a_seq_range() -> None:
+    python = PythonSeqs()
+    python.entered(1, "0", 1)
+    python.exited(1, 3)  # a coalesced call: seqs 1-3
+    python.entered(2, "0", 5)
+    python.exited(2, 1)
+    assert python.covers_all("0", 1, 3) and python.covers_all("0", 5, 5) and python.covers_all("0", 2, 1)
+    assert not python.covers_all("0", 1, 5)  # 4 is nobody's
+    assert not python.covers_all("1", 1, 1)
+    python.entered(3, "0", 6)  # under way: covers 6 onwards
+    assert python.covers_all("0", 5, 9)

@@ -153,6 +153,9 @@ def main() -> int:
                 (e.get("collective_seq_id"), e.get("profiling_name"), e.get("state"))
                 for e in full.get("nccl", {}).get("entries", [])
             ]
+        if c.shipper is not None:  # how often the NCCL ring's entries were read, and spared
+            f = c.shipper.fetcher
+            result["fetcher"] = {"reads": f.reads, "spared": f.spared, "failures": f.failures}
         result["released"] = p.stdout.readline().strip()
         p.wait(60)
         time.sleep(1)
@@ -161,7 +164,7 @@ def main() -> int:
     finally:
         c.stop()
         (out / "agent_check.json").write_text(json.dumps(result, indent=1, default=str))
-    shown = ("cost", "ops_seen", "ring_read_ms", "ring_full_read_ms", "nccl_states")
+    shown = ("cost", "ops_seen", "ring_read_ms", "ring_full_read_ms", "fetcher", "ranks_steady")
     print(json.dumps({k: result.get(k) for k in shown}, default=str))
     return 0
 
