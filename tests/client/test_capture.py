@@ -151,6 +151,7 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 dist.all_reduce(torch.ones(4))
 dist.barrier()
 print("FINISHED", dist.get_rank(), flush=True)
+dist.destroy_process_group()  # else gloo sometimes aborts at exit, hook or not (CI, HANGWATCH_DISABLE=1)
 """
 
 ATTACH = """
