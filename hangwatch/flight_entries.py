@@ -137,6 +137,17 @@ class EntryTracker:
         self.skipped = 0
         self.reported = 0
 
+    def skip_existing(self, entries: Iterable[Any]) -> None:
+        """Take every entry of ``entries`` as handled: a reader that starts late (a rank whose
+        agent, which read them, went away) reports only what comes after."""
+        for entry in entries:
+            try:
+                group, seq = str((entry.get("process_group") or [""])[0]), int(entry.get("collective_seq_id") or 0)
+            except (AttributeError, TypeError, ValueError, IndexError):
+                continue
+            if seq > self._seen.get(group, 0):
+                self._seen[group] = seq
+
     def update(self, entries: Iterable[Any], coverage: Coverage, step: int, now: float) -> list[r.RankEvent]:
         out: list[r.RankEvent] = []
         newest: dict[str, int] = {}

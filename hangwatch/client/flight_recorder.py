@@ -79,6 +79,15 @@ class FlightRecorderPoller:
         """Entries that could not be read (a newer torch's schema, a corrupt ring)."""
         return self._tracker.skipped
 
+    def skip_existing(self) -> None:
+        """Report only entries recorded from now on (the rank's agent, gone, read the rest)."""
+        try:
+            entries = json.loads(self._dump(True, False)).get("entries", [])
+        except Exception:
+            return
+        if isinstance(entries, list):
+            self._tracker.skip_existing(entries)
+
     def due(self, now: float) -> bool:
         return self.enabled and now - self._last_poll >= self.interval_s
 

@@ -46,6 +46,11 @@ MAX_BATCH = 2000
 SEND_INTERVAL_S = 0.2
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 5.0  # bounds on the interval a coordinator may ask for
 MAX_BACKOFF_S = 2.0  # a restarted coordinator is found again within a few seconds
+#: A linked rank whose agent went away ships its own records after this long without one (well
+#: inside the coordinator's default 5 s of silence before a rank is called frozen).
+FALLBACK_AFTER_S = 2.0
+#: A rank shipping its own records because its agent went away tries to link again this often.
+RELINK_EVERY_S = 5.0
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -84,6 +89,8 @@ class Poller(Protocol):
     def due(self, now: float) -> bool: ...
 
     def poll(self) -> None: ...
+
+    def skip_existing(self) -> None: ...
 
 
 #: Builds the thread's transport from (addr, token); called on the thread, once.
@@ -138,6 +145,7 @@ class Sender:
         self._main_ident = threading.main_thread().ident
         self.reader: RingReader | None = None  # the ring's reader, where this thread ships it
         self.link_losses = 0  # times the node agent's end of the link closed
+        self.fallbacks = 0  # times this rank went on without its agent (shipping its own records)
         self.batches_sent = 0
         self.send_failures = 0
         self.registered = False
@@ -199,10 +207,21 @@ class Sender:
             log.warning("hangwatch: sender stopped after an internal error: %s", exc)
 
     def _loop(self) -> None:
-        if self.session.link is not None:
-            self._loop_linked()
-        else:
-            self._loop_direct()
+        """Linked while a node agent reads the ring; shipping directly while none does (none on
+        this node, or the agent gone longer than ``FALLBACK_AFTER_S``: a restarting node agent
+        must not leave its ranks silent, or they would look frozen); linked again once an agent
+        answers. Each loop returns True when the thread is to stop."""
+        while True:
+            if self.session.link is not None:
+                if self._loop_linked():
+                    return
+                log.warning(
+                    "hangwatch: no node agent for %.0f s; this rank ships its own records until one answers",
+                    FALLBACK_AFTER_S,
+                )
+                self.fallbacks += 1
+            elif self._loop_direct():
+                return
 
     def _poll(self, poller: Poller | None, now: float, final: bool) -> None:
         """Async completions, and Flight Recorder (also when the rank ends: C++-issued
@@ -214,7 +233,7 @@ class Sender:
         except Exception as exc:
             self.session.fail("polling async works", exc)
 
-    def _loop_linked(self) -> None:
+    def _loop_linked(self) -> bool:
         """The node agent reads the ring from outside: nothing to ship from here. The thread
         only records what it alone can see (async completions; Flight Recorder entries where
         the rank has no worker server for the agent to read them through),
@@ -224,9 +243,12 @@ class Sender:
         session = self.session
         clock = self._clock
         # the agent reads Flight Recorder through the worker server; only without one, from here
+        session.recorder.covers = session.worker_server is None
+        session.recorder.flush_novel = False  # every record is outside the rank already
         poller = self._poller_factory(session.recorder) if session.worker_server is None else None
         last_status = 0.0
         relink_at = 0.0
+        lost_at: float | None = None
         backoff = 0.25
         while True:
             stopping = self._stop.is_set()
@@ -241,6 +263,7 @@ class Sender:
                 session.link.close()
                 session.link = None
                 self.link_losses += 1
+                lost_at = now
                 log.warning("hangwatch: lost the link to the node agent; will link again")
             if session.link is None and now >= relink_at and not stopping:
                 if not session.relink():
@@ -248,24 +271,38 @@ class Sender:
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
                 else:
                     backoff = 0.25
+                    lost_at = None
+            if session.link is None and lost_at is not None and now - lost_at >= FALLBACK_AFTER_S and not stopping:
+                return False
             if flushing:
                 self._flush_requested.clear()
                 self._flushed.set()
             if stopping:
-                return
+                return True
             self._wake.wait(self.interval_s)
             self._wake.clear()
 
-    def _loop_direct(self) -> None:
-        """No agent on this node: read the rank's own ring and ship it to the coordinator."""
+    def _loop_direct(self) -> bool:
+        """No agent reads the ring: read it here and ship it to the coordinator. Where this rank
+        was linked before (its agent went away), the ring is read from its start, the calls the
+        coordinator already holds are skipped (its registration reply says up to which), Flight
+        Recorder is read from here from now on, and the loop hands back to the linked one as
+        soon as an agent answers (returns False); True when the thread is to stop."""
         from hangwatch.ring import RingReader
 
         session = self.session
         recorder = session.recorder
         clock = self._clock
+        resumed = bool(session.agent_socket) and self.link_losses > 0
+        if resumed:
+            recorder.covers = True  # the in-rank Flight Recorder reader needs coverage from now on
+            recorder.flush_novel = True  # records leave the rank in batches again
         transport = self._transport_factory(self.addr, self.token)
         poller = self._poller_factory(recorder)
+        if resumed and poller is not None:
+            poller.skip_existing()  # what is there already was read by the agent, or is Python's
         reader = self.reader = RingReader(session.sink.fd)
+        relink_at = clock() + RELINK_EVERY_S
         backoff = 0.25
         retry_at = 0.0
         last_sent = 0.0
@@ -339,6 +376,14 @@ class Sender:
             if stopping:
                 transport.close()
                 reader.close()
-                return
+                return True
+            if resumed and now >= relink_at and pending is None:
+                relink_at = now + RELINK_EVERY_S
+                if session.relink():  # an agent again: it reads the ring (and skips what we sent)
+                    log.info("hangwatch: linked to a node agent again")
+                    transport.close()
+                    reader.close()
+                    self.registered = False
+                    return False
             self._wake.wait(self.interval_s)  # a flush or stop wakes the thread at once
             self._wake.clear()

@@ -153,6 +153,9 @@ class FakePoller:
         if self.error is not None:
             raise self.error
 
+    def skip_existing(self) -> None:
+        self.skipped_existing = True
+
 
 @dataclass
 class Rig:
