@@ -66,59 +66,81 @@ class Coverage(Protocol):
 
 
 class PythonSeqs:
-    """Coverage kept from the hook's records: a collective entered at ``seq`` covers every seq
-    from it on until it returns, then the ``issued`` seqs it used (a coalesced call uses many)."""
+    """Coverage kept from the hook's records. A finished call covers the ``issued`` seqs it used
+    from its first (a coalesced call uses many). A call under way covers its first seq, and a
+    synchronous one every seq from it on (the thread is inside it; a coalesced call's later seqs
+    appear before it returns); an async call returns at once and completes later, so it covers
+    its first seq only until its completion says how many it used. A synchronous call entered
+    on a group ends the older synchronous ones still open there (their exits were lost)."""
 
     def __init__(self, keep: int = KEEP_RANGES) -> None:
         self._keep = keep
         self._ranges: dict[str, collections.deque[tuple[int, int]]] = {}
-        self._open: dict[str, int] = {}  # group -> first seq of the Python call under way
-        self._open_calls: dict[int, tuple[str, int]] = {}  # call id -> (group, seq)
+        self._open: dict[str, dict[int, tuple[int, bool]]] = {}  # group -> call id -> (seq, async)
+        self._groups: dict[int, str] = {}  # open call id -> its group
 
-    def entered(self, call_id: int, group: str, seq: int) -> None:
-        self._open[group] = seq
-        self._open_calls[call_id] = (group, seq)
-        if len(self._open_calls) > self._keep:  # exits lost (the ring overflowed): forget the oldest
-            del self._open_calls[next(iter(self._open_calls))]
+    def entered(self, call_id: int, group: str, seq: int, async_op: bool = False) -> None:
+        here = self._open.setdefault(group, {})
+        if not async_op:
+            for other in [c for c, (_, was_async) in here.items() if not was_async]:
+                del here[other]
+                self._groups.pop(other, None)
+        here[call_id] = (seq, async_op)
+        self._groups[call_id] = group
+        if len(self._groups) > self._keep:  # exits lost (the ring overflowed): forget the oldest
+            oldest = next(iter(self._groups))
+            self._open.get(self._groups.pop(oldest), {}).pop(oldest, None)
 
     def exited(self, call_id: int, issued: int) -> None:
-        opened = self._open_calls.pop(call_id, None)
+        group = self._groups.pop(call_id, None)
+        if group is None:
+            return
+        opened = self._open.get(group, {}).pop(call_id, None)
         if opened is None:
             return
-        group, seq = opened
-        if self._open.get(group) == seq:
-            del self._open[group]
+        seq = opened[0]
         ranges = self._ranges.get(group)
         if ranges is None:
             ranges = self._ranges[group] = collections.deque(maxlen=self._keep)
         ranges.append((seq, seq + max(issued, 1) - 1))
 
+    def _open_covers(self, group: str, seq: int) -> bool:
+        for start, async_op in tuple(self._open.get(group, {}).values()):
+            if start == seq or (start < seq and not async_op):
+                return True
+        return False
+
     def covers(self, group: str, seq: int) -> bool:
-        started = self._open.get(group)
-        if started is not None and seq >= started:
+        if self._open_covers(group, seq):
             return True
-        return any(lo <= seq <= hi for lo, hi in reversed(self._ranges.get(group, ())))
+        return any(lo <= seq <= hi for lo, hi in reversed(tuple(self._ranges.get(group, ()))))
 
     def newest(self, group: str) -> int:
         ranges = self._ranges.get(group)
         return ranges[-1][1] if ranges else 0
 
     def covers_all(self, group: str, lo: int, hi: int) -> bool:
-        """Whether Python calls account for every seq from ``lo`` to ``hi`` on ``group`` (False
-        when that cannot be told: the answer only ever saves a read)."""
+        """Whether Python calls surely account for every seq from ``lo`` to ``hi`` on ``group``:
+        finished calls' ranges and the first seq of calls under way only (whatever else a call
+        under way may cover is not known yet). False when unsure: the answer only saves a read.
+        Read from another thread than the one that updates it: snapshots, and any error is
+        the caller's "unsure"."""
         if hi < lo:
             return True
+        firsts = {start for start, _ in tuple(self._open.get(group, {}).values())}
         need = hi
-        started = self._open.get(group)
-        if started is not None and started <= need:
-            need = started - 1  # a call under way covers everything from its first seq on
-        for a, b in reversed(tuple(self._ranges.get(group, ()))):
-            if need < lo:
-                return True
-            if b < need:
-                return False  # a seq no Python call issued: C++ did
-            need = min(need, a - 1)
-        return need < lo
+        ranges = list(reversed(tuple(self._ranges.get(group, ()))))
+        i = 0
+        while need >= lo:
+            if need in firsts:
+                need -= 1
+                continue
+            while i < len(ranges) and ranges[i][0] > need:
+                i += 1
+            if i == len(ranges) or ranges[i][1] < need:
+                return False  # a seq no Python call is known to have issued: C++ did, or may have
+            need = ranges[i][0] - 1
+        return True
 
 
 class EntryTracker:
@@ -177,6 +199,8 @@ class EntryTracker:
         newest: dict[str, int],
         out: list[r.RankEvent],
     ) -> None:
+        if entry.get("is_p2p"):
+            return  # NCCL records p2p ops with the last collective's seq: not a collective
         seq = int(entry.get("collective_seq_id") or 0)
         if seq <= 0:
             return

@@ -87,6 +87,7 @@ class RingEncoder:
         #: calls up to this id are the coordinator's already (a ring taken over from another
         #: agent is read from its start): only their coverage and exits are read
         self.skip_through = 0
+        self._past_skip = False
         self._ids: collections.OrderedDict[int, int] = collections.OrderedDict()  # blob -> wire id
         self._free: list[int] = []
         self._next = 1
@@ -188,8 +189,9 @@ class RingEncoder:
                 step = self._last_step = _extend(s.step, self._last_step)
                 if call_id <= self.skip_through:
                     self._known(s.ref)
-                    self._entered(s.ref, call_id, self._seq(s.ref, s.seq))
+                    self._entered(s.ref, call_id, self._seq(s.ref, s.seq), bool(s.flags & 1))
                     continue
+                self._past_skip = True
                 sid = self._signature(s.ref, used, batch)
                 if sid is None:
                     seq = self._seq(s.ref, s.seq)
@@ -197,13 +199,13 @@ class RingEncoder:
                     if whole is None:
                         self.unnamed += 1
                         continue
-                    self._entered(s.ref, call_id, seq)
+                    self._entered(s.ref, call_id, seq, bool(s.flags & 1))
                     wholes[call_id] = whole
                     carried += 1
                     continue
                 used.add(sid)
                 seq = self._seq(s.ref, s.seq)
-                self._entered(s.ref, call_id, seq)
+                self._entered(s.ref, call_id, seq, bool(s.flags & 1))
                 position[call_id] = cols.add(sid, call_id, seq, step, s.time, _NAN, 1)
             elif kind == Kind.EXIT:
                 call_id = _extend(s.call_id, self._last_call)
@@ -227,6 +229,8 @@ class RingEncoder:
                         done.error = "error (its text was lost)"
             elif kind == Kind.STEP:
                 self._last_step = _extend(s.step, self._last_step)
+                if self.skip_through and not self._past_skip:
+                    continue  # a step the coordinator had before this ring changed hands
                 step_msg = batch.events.add().step
                 step_msg.step = self._last_step
                 step_msg.time = s.time
@@ -246,7 +250,7 @@ class RingEncoder:
         self.last_step = self._last_step
         return carried
 
-    def _entered(self, blob_id: int, call_id: int, seq: int) -> None:
+    def _entered(self, blob_id: int, call_id: int, seq: int, async_op: bool) -> None:
         group = self._collective.get(blob_id)
         if group is not None:
-            self.python.entered(call_id, group, seq)
+            self.python.entered(call_id, group, seq, async_op)

@@ -150,6 +150,10 @@ def enqueued(rings: dict[str, dict[str, Any]]) -> dict[str, int]:
     return out
 
 
+#: The NCCL ring is read whole at least this often, whatever the probe says (a safety net: the
+#: probe reasons from counters torch does not document).
+WHOLE_READ_EVERY_S = 10.0
+
 #: Asked with the seqs (first, last) each group enqueued since the last whole read: does a whole
 #: read have anything to find? (the shipper answers from the Python calls it read out of the ring)
 Needed = Callable[[dict[str, tuple[int, int]]], bool]
@@ -173,6 +177,7 @@ class _Watched:
     #: each group's last enqueued seq at the last whole read: a probe that finds the same, or
     #: only seqs Python calls covered, spares the rank serialising its whole ring again
     read_to: dict[str, int] | None = None
+    whole_at: float = 0.0  # when the NCCL ring was last read whole
 
 
 class RingFetcher:
@@ -245,9 +250,16 @@ class RingFetcher:
                 watched.path, watched.pid, only_active=True, collectives=False, names=("nccl",), timeout_s=timeout_s
             )
             status = enqueued(rings)
-            if not status:
+            if not status or self._clock() - watched.whole_at >= WHOLE_READ_EVERY_S:
                 return False
-            since = {g: (watched.read_to.get(g, 0) + 1, s) for g, s in status.items() if s > watched.read_to.get(g, 0)}
+            since: dict[str, tuple[int, int]] = {}
+            for group, seq in status.items():
+                before = watched.read_to.get(group, 0)
+                if seq == before:
+                    continue
+                if seq < before:
+                    return False  # the counter went back (NCCL counts p2p ops there too): read
+                since[group] = (before + 1, seq)
             if since and watched.needed(since):
                 return False
             watched.read_to = {**watched.read_to, **status}  # all of it accounted for by Python calls
@@ -275,6 +287,8 @@ class RingFetcher:
             return None
         watched.failing = ""
         watched.read_to = {**(watched.read_to or {}), **enqueued(rings)}
+        if "nccl" in names:
+            watched.whole_at = asked
         return Fetched(asked, entries_of(rings))
 
     def poll_once(self) -> None:

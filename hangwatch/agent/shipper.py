@@ -173,7 +173,9 @@ class Shipper:
         link = state.link
         closed = link.closed_at is not None
         if state.flight is not None:
-            state.fetched = self.fetcher.take(id(link)) or state.fetched
+            taken = self.fetcher.take(id(link))
+            if taken is not None and (state.fetched is None or taken.time >= state.fetched.time):
+                state.fetched = taken  # never an older read over a newer one (the last read)
         if not state.registered:
             try:
                 registration = self.intake.accept_registration(state.identity, via="agent")
@@ -226,8 +228,8 @@ class Shipper:
         ending = link.ending_at is not None and not state.farewell and link.alive
         if ending:
             state.fetched = self.fetcher.fetch_now(id(link)) or state.fetched
-            if state.pending is None:
-                state.pending = self._read(state)
+            if state.pending is None or not (state.pending.slots or state.pending.blobs):
+                state.pending = self._read(state)  # read the ring past this last read
         fetched = state.fetched
         if fetched is not None and state.pending is not None and (state.pending.slots or state.pending.blobs):
             batch = self._batch(state, state.pending, self.clock())  # records read meanwhile go first

@@ -238,12 +238,13 @@ class Recorder:
         group = raw[2]
         if spec.p2p:
             self.groups.p2p_ops[group] = self.groups.p2p_ops.get(group, 0) + issued
-        elif self.covers:
-            self.in_progress.pop(group, None)
-            seqs = self.python_seqs.get(group)
-            if seqs is None:
-                seqs = self.python_seqs[group] = collections.deque(maxlen=4096)
-            seqs.append((raw[3], raw[3] + issued - 1))
+        else:
+            self.in_progress.pop(group, None)  # always: ``covers`` may have turned off meanwhile
+            if self.covers:
+                seqs = self.python_seqs.get(group)
+                if seqs is None:
+                    seqs = self.python_seqs[group] = collections.deque(maxlen=4096)
+                seqs.append((raw[3], raw[3] + issued - 1))
         if raw[9] and error is None and result is not None:
             # The work object completes later; the sender polls it and records completion.
             works = result if isinstance(result, list) else [result]

@@ -22,12 +22,12 @@ import pytest
 
 from hangwatch import link
 from hangwatch import records as r
-from hangwatch.agent.flightrecorder import RingFetcher
+from hangwatch.agent.flightrecorder import WHOLE_READ_EVERY_S, RingFetcher
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import Shipper
 from hangwatch.client.ringsink import RingSink
-from hangwatch.flight_entries import PythonSeqs, entry_call_id
+from hangwatch.flight_entries import EntryTracker, PythonSeqs, entry_call_id
 from hangwatch.testing import wait_for
 from tests.agent.test_shipper import Intake
 
@@ -349,5 +349,154 @@ def test_coverage_of_a_seq_range() -> None:
     assert python.covers_all("0", 1, 3) and python.covers_all("0", 5, 5) and python.covers_all("0", 2, 1)
     assert not python.covers_all("0", 1, 5)  # 4 is nobody's
     assert not python.covers_all("1", 1, 1)
-    python.entered(3, "0", 6)  # under way: covers 6 onwards
-    assert python.covers_all("0", 5, 9)
+    python.entered(3, "0", 6)  # under way: surely its first seq; what else, not known yet
+    assert python.covers_all("0", 5, 6) and not python.covers_all("0", 5, 9)
+    assert python.covers("0", 9)  # for an entry the ring shows: a synchronous call covers what follows
+    python.entered(4, "1", 3, async_op=True)  # an async call returns at once: its own seq only
+    assert python.covers("1", 3) and not python.covers("1", 4)
+
+
+# ---- found by an attacking review: async calls, the probe's counters, p2p entries ------------
+
+
+def test_cxx_collectives_issued_while_an_async_python_call_is_pending_are_shipped(rig: Any) -> None:
+    """An async call's exit comes when its work completes (the sender polls it): until then it
+    covers its own seq, not every seq after it, so DDP's buckets issued meanwhile are shipped."""
+    server, shipper, intake, reads, sink = rig
+    reads.dump = dict(DUMP, entries=DUMP["entries"][:6])  # C++ issued 3-6 after the async call at 2
+    shipper.fetcher.interval_s = 3600.0
+    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
+    assert sock is not None
+    try:
+        sink.put(r.CallRecord(0, 1, "all_reduce", "0", 1, META, META, "sum", enter_time=1.0, exit_time=1.5))
+        sink.put(r.CallRecord(0, 2, "all_reduce", "0", 2, META, META, "sum", enter_time=2.0, async_op=True))
+        shipper.tick()
+        shipper.fetcher.poll_once()  # read while the async work is not complete yet
+        shipper.tick()
+        assert [c.seq for c in _from_flight_recorder(intake)] == [3, 4, 5, 6]
+    finally:
+        sock.close()
+
+
+def test_an_async_python_call_is_not_reported_again_from_flight_recorder(rig: Any) -> None:
+    server, shipper, intake, _, sink = rig
+    shipper.fetcher.interval_s = 3600.0
+    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
+    assert sock is not None
+    try:  # Python: 1, 2 (async, completes late), 7; C++: 3-6
+        sink.put(r.CallRecord(0, 1, "all_reduce", "0", 1, META, META, "sum", enter_time=1.0, exit_time=1.5))
+        sink.put(r.CallRecord(0, 2, "all_reduce", "0", 2, META, META, "sum", enter_time=2.0, async_op=True))
+        sink.put(r.CallRecord(0, 3, "all_gather", "0", 7, META, META, None, enter_time=7.0, exit_time=7.5))
+        shipper.tick()
+        shipper.fetcher.poll_once()
+        shipper.tick()
+        sink.put(r.CallExit(0, 2, 8.0, None, 1))
+        shipper.tick()
+        held = sorted(c.seq for c in intake.events[0] if isinstance(c, r.CallRecord))
+        assert held == [1, 2, 3, 4, 5, 6, 7]
+    finally:
+        sock.close()
+
+
+class NcclRank:
+    """A CUDA rank's worker server, its NCCL ring's entries and ``pg_status``. ProcessGroupNCCL
+    enqueues p2p works with their p2p counter, so ``last_enqueued_collective`` can hold one."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self.last: dict[str, int] = {}
+        self.whole = 0
+
+    def collective(self, group: str, seq: int) -> None:
+        self.entries.append({"process_group": [group, ""], "collective_seq_id": seq, "is_p2p": False,
+                             "profiling_name": "nccl:all_reduce", "state": "started", "retired": False})  # fmt: skip
+        self.last[group] = seq
+
+    def p2p(self, group: str, coll_seq: int, p2p_seq: int) -> None:
+        self.entries.append({"process_group": [group, ""], "collective_seq_id": coll_seq, "p2p_seq_id": p2p_seq,
+                             "is_p2p": True, "profiling_name": "nccl:send 0->1", "state": "completed",
+                             "retired": True})  # fmt: skip
+        self.last[group] = p2p_seq
+
+    def __call__(self, path: str, pid: int, *, collectives: bool = True, names: Any = ("cpu", "nccl"), **_: Any) -> Any:
+        status = {g: {"last_enqueued_collective": str(s)} for g, s in self.last.items()}
+        if "nccl" not in names:
+            return {}, {}
+        if collectives:
+            self.whole += 1
+            return {"nccl": {"pg_status": status, "entries": list(self.entries)}}, {}
+        return {"nccl": {"pg_status": status}}, {}
+
+
+def _probing(rank: NcclRank, python: PythonSeqs) -> RingFetcher:
+    fetcher = RingFetcher(interval_s=3600.0, read=rank)
+    fetcher.watch(
+        1, "/run/w.sock", 4242, lambda since: not all(python.covers_all(g, a, b) for g, (a, b) in since.items())
+    )
+    return fetcher
+
+
+def test_a_cxx_collective_after_p2p_traffic_is_read() -> None:
+    rank, python = NcclRank(), PythonSeqs()
+    fetcher = _probing(rank, python)
+    python.entered(1, "pp", 1)
+    python.exited(1, 1)
+    rank.collective("pp", 1)
+    for i in range(1, 41):  # pipeline sends: the counter shows p2p seqs up to 40
+        rank.p2p("pp", 1, i)
+    fetcher.poll_once()
+    rank.collective("pp", 2)  # C++-issued, and the rank hangs in it: 2 < 40
+    whole = rank.whole
+    fetcher.poll_once()
+    assert rank.whole == whole + 1
+
+
+def test_a_probe_while_a_python_call_is_open_does_not_spare_the_seqs_after_it() -> None:
+    rank, python = NcclRank(), PythonSeqs()
+    fetcher = _probing(rank, python)
+    rank.collective("0", 1)
+    python.entered(1, "0", 1)
+    python.exited(1, 1)
+    fetcher.poll_once()
+    python.entered(2, "0", 2)  # the shipper read its ENTER, not yet its EXIT
+    for seq in (2, 3, 4):  # 3 and 4: DDP's buckets, from C++
+        rank.collective("0", seq)
+    whole = rank.whole
+    fetcher.poll_once()
+    assert rank.whole == whole + 1
+
+
+def test_the_nccl_ring_is_read_whole_now_and_then_whatever_the_probe_says() -> None:
+    rank = NcclRank()
+    clock = [100.0]
+    fetcher = RingFetcher(interval_s=3600.0, read=rank, clock=lambda: clock[0])
+    fetcher.watch(1, "/run/w.sock", 4242, lambda since: False)  # the probe would spare every read
+    rank.collective("0", 1)
+    fetcher.poll_once()
+    rank.collective("0", 2)
+    fetcher.poll_once()
+    assert rank.whole == 1
+    clock[0] += WHOLE_READ_EVERY_S
+    fetcher.poll_once()
+    assert rank.whole == 2
+
+
+def test_nccl_p2p_entries_are_not_collectives() -> None:
+    """NCCL records a p2p op with the group's last collective seq and ``is_p2p``: a completed send
+    must not close the collective still running before it, nor stand in for one evicted."""
+
+    def coll(seq: int, done: bool) -> dict[str, Any]:
+        return {"process_group": ["0", ""], "collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
+                "profiling_name": "nccl:all_reduce", "state": "completed" if done else "started",
+                "retired": done, "input_sizes": [[4]], "input_dtypes": ["Float"]}  # fmt: skip
+
+    def send(coll_seq: int, p2p_seq: int) -> dict[str, Any]:
+        return {"process_group": ["0", ""], "collective_seq_id": coll_seq, "p2p_seq_id": p2p_seq, "is_p2p": True,
+                "profiling_name": "nccl:send 0->1", "state": "completed", "retired": True,
+                "input_sizes": [[8]], "input_dtypes": ["Float"]}  # fmt: skip
+
+    tracker, python = EntryTracker(0), PythonSeqs()
+    (running,) = tracker.update([coll(1, False)], python, 0, 1.0)
+    assert isinstance(running, r.CallRecord) and running.exit_time is None
+    assert tracker.update([coll(1, False), send(1, 1)], python, 0, 2.0) == []
+    assert EntryTracker(0).update([send(5, p) for p in range(1, 4)], python, 0, 1.0) == []

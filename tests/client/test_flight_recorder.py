@@ -268,3 +268,30 @@ def test_a_malformed_entry_is_skipped_and_the_rest_still_read(bad: Any) -> None:
     recorded = [e for e in _drain(rec) if isinstance(e, r.CallRecord)]
     assert [(c.op, c.seq) for c in recorded] == ([] if bad is None else [("all_reduce", 2)])
     assert poller.skipped == (0 if bad is None else 1)
+
+
+def test_a_call_under_way_when_coverage_turns_off_leaves_nothing_behind() -> None:
+    """The sender thread turns coverage off (a rank linked to an agent again) while the main
+    thread may be inside a call: its exit must still clear it, or on the next fallback the
+    in-rank reader would take every later seq of the group for Python's (found by review)."""
+    rec = _recorder()
+    pg = rec.default_pg
+    entry = json.loads(_dump("one_rank.json"))["entries"][0]
+
+    def dump(*seqs: int) -> bytes:
+        return json.dumps({"entries": [dict(copy.deepcopy(entry), collective_seq_id=s) for s in seqs]}).encode()
+
+    rec.covers = True
+    pg.seq = 0
+    raw, group, before = rec.enter(OPS_BY_NAME["all_reduce"], {"tensor": None})
+    rec.covers = False  # linked again, on the sender thread, while the call runs
+    pg.seq = 1
+    rec.exit(raw, group, before, None)
+    _drain(rec)
+    rec.covers = True  # the agent went away again
+    current = dump(1)
+    poller = FlightRecorderPoller(rec, dump=lambda *_: current)
+    poller.skip_existing()
+    current = dump(1, 2, 3)  # DDP's buckets, from C++
+    poller.poll()
+    assert [e.seq for e in _drain(rec) if isinstance(e, r.CallRecord)] == [2, 3]
