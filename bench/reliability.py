@@ -33,7 +33,11 @@ model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(32, 256)
 out, start = [], time.time()
-while time.time() - start < float(os.environ["SECONDS_TO_RUN"]):
+while True:
+    done = torch.tensor([float(time.time() - start >= float(os.environ["SECONDS_TO_RUN"]))])
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)  # the ranks stop together, not one step apart
+    if done.item():
+        break
     t0 = time.perf_counter()
     opt.zero_grad(); model(x).sum().backward(); opt.step()
     dist.all_reduce(torch.ones(4))
@@ -49,7 +53,12 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 from hangwatch.client import session
 t, me, samples, start = torch.ones(256), psutil.Process(), [], time.time()
 calls = 0
-while time.time() - start < 20:
+while True:
+    if calls % 1000 == 0:  # the ranks stop together (the same call count on every rank)
+        done = torch.tensor([float(time.time() - start >= 20)])
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item():
+            break
     dist.all_reduce(t); calls += 1
     if calls % 2000 == 0:
         s = session.current()
