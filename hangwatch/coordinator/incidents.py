@@ -66,6 +66,7 @@ class IncidentKey:
     rank: int | None = None
     ranks: tuple[int, ...] = ()
     direction: str = ""  # p2p: "send" or "recv" (the blocked call the finding starts from)
+    since: int | None = None  # frozen: when the silence began (whole seconds): one freeze, one key
 
     def __str__(self) -> str:
         parts = [self.family.value]
@@ -81,6 +82,8 @@ class IncidentKey:
             parts.append(",".join(map(str, self.ranks)))
         if self.direction:
             parts.append(self.direction)
+        if self.since is not None:
+            parts.append(str(self.since))
         return ":".join(parts)
 
 
@@ -93,9 +96,10 @@ def incident_key(
     rank: int | None = None,
     ranks: tuple[int, ...] = (),
     direction: str = "",
+    since: int | None = None,
 ) -> str:
     """The key of one root cause, as stored (see ``IncidentKey``)."""
-    return str(IncidentKey(family, group, seq, session, rank, ranks, direction))
+    return str(IncidentKey(family, group, seq, session, rank, ranks, direction, since))
 
 
 def key_family(key: str) -> str:

@@ -63,7 +63,9 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         findings.append(
             Finding(
                 kind=IncidentKind.RANK_FROZEN,
-                key=incident_key(KeyFamily.FROZEN, session=st.identity.session),
+                # one freeze, one incident: a rank that freezes again after it came back (its
+                # last heartbeat then moved on) is a new one, not the first one seen again
+                key=incident_key(KeyFamily.FROZEN, session=st.identity.session, since=int(st.last_seen)),
                 culprit_ranks=[st.rank],
                 waiting_ranks=waiting,
                 summary=summary,

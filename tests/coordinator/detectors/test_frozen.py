@@ -61,6 +61,28 @@ def test_frozen_resolved_when_heartbeats_resume() -> None:
     assert inc.resolved_time == T0 + 11
 
 
+def test_a_rank_that_freezes_again_after_it_came_back_is_reported_again() -> None:
+    """A first freeze resolves when the rank's heartbeats resume; the same rank freezing later
+    (the same session) is a new incident, not the first one's key seen again and ignored."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.beat(T0 + 2)
+    sim.proc(1, ProcState.STOPPED, T0 + 8)
+    engine = sim.engine()
+    sim.beat(T0 + 9, ranks=[0])
+    (first,) = engine.tick(T0 + 9)
+    sim.beat(T0 + 10, ranks=[0])
+    assert engine.tick(T0 + 10) == []  # the same freeze, one tick later: the same incident
+    sim.proc(1, ProcState.RUNNING, T0 + 11)
+    sim.beat(T0 + 11)
+    assert engine.tick(T0 + 11) == [] and first.status == "resolved"
+    sim.beat(T0 + 20, ranks=[0])
+    sim.proc(1, ProcState.STOPPED, T0 + 20)
+    (second,) = engine.tick(T0 + 20)
+    assert (second.kind, second.culprit_ranks, second.status) == ("rank_frozen", [1], "open")
+    assert second.id != first.id and second.onset_time == T0 + 11
+
+
 def test_most_of_the_job_silent_at_once_is_not_a_freeze() -> None:
     # an overloaded coordinator or a network cut silences everyone: not rank_frozen x N
     sim = SimJob(8)
