@@ -377,7 +377,8 @@ class JobState:
         if not done:
             open_calls[call.call_id] = call
             if len(open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
-                oldest = open_calls.pop(min(open_calls))
+                # by time, not id: ids made from Flight Recorder entries (bit 62) are not newer
+                oldest = open_calls.pop(min(open_calls, key=lambda k: open_calls[k].enter_time))
                 self._unslot(oldest)
                 self._drop_open(state, oldest)
         if kind is r.OpKind.P2P:

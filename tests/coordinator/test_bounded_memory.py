@@ -34,6 +34,7 @@ from hangwatch.coordinator import engine as engine_mod
 from hangwatch.coordinator import state as state_mod
 from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.state import JobState, RankState
+from hangwatch.flight_entries import entry_call_id
 from tests.factories import call, identity
 from tests.flood import SMALL, T0, Flood
 
@@ -380,6 +381,20 @@ def test_p2p_calls_whose_exits_are_lost_do_not_accumulate() -> None:
         if i in (cap + cap // 2, 3 * cap):
             seen.append(len(job.p2p_open))
     assert seen[0] == seen[1] <= cap, f"p2p_open grew {seen[0]} -> {seen[1]} (cap {cap} open calls per rank)"
+
+
+def test_open_calls_beyond_the_cap_evict_the_oldest_by_time_not_by_id() -> None:
+    """Records an agent made from Flight Recorder entries carry ids with bit 62 set: eviction by
+    the smallest id kept an old one forever and dropped the newest Python calls instead."""
+    job, states = _two_ranks()
+    cap = state_mod.MAX_OPEN_CALLS
+    old = call(0, 1, "all_reduce", call_id=entry_call_id("0", 1), inputs=SMALL, enter_time=T0, group="9")
+    job.apply(states[0], old, T0)
+    for i in range(1, cap + 1):  # Python calls whose exits were lost (one seq: none closes another)
+        t = T0 + i * 0.001
+        job.apply(states[0], call(0, 1, "all_reduce", call_id=i, inputs=SMALL, enter_time=t, group="8"), t)
+    assert len(states[0].open_calls) == cap
+    assert old.call_id not in states[0].open_calls and cap in states[0].open_calls
 
 
 def test_reregistered_rank_leaves_no_open_p2p_calls() -> None:
