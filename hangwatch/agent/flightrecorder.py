@@ -245,12 +245,14 @@ class RingFetcher:
         entry whatever it is asked, so it is read whole each time.)"""
         if watched.needed is None or watched.read_to is None:
             return False
+        if self._clock() - watched.whole_at >= WHOLE_READ_EVERY_S:
+            return False  # due for a whole read anyway: no probe
         try:
             rings, _ = self._read(
                 watched.path, watched.pid, only_active=True, collectives=False, names=("nccl",), timeout_s=timeout_s
             )
             status = enqueued(rings)
-            if not status or self._clock() - watched.whole_at >= WHOLE_READ_EVERY_S:
+            if not status:
                 return False
             since: dict[str, tuple[int, int]] = {}
             for group, seq in status.items():

@@ -82,6 +82,11 @@ class _Rank:
     unsent: list[r.RankEvent] = field(default_factory=list)
 
 
+def _has_records(batch: Batch | None) -> bool:
+    """A read that found something to send (slots, or blobs alone)."""
+    return batch is not None and bool(batch.slots or batch.blobs)
+
+
 def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
     """The rank's identity: pid from the kernel, the rest from its hello (checked for type)."""
     hello = link.hello
@@ -190,14 +195,14 @@ class Shipper:
             # what the coordinator holds already (this ring shipped by an agent before this one)
             state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
         while True:
-            if state.pending is None or not (state.pending.slots or state.pending.blobs):
-                # an empty batch kept back (nothing to send before the next heartbeat) is no
-                # reason not to look again: the rank may have written since, or just died
-                state.pending = self._read(state)
+            # an empty batch kept back (nothing to send before the next heartbeat) is no reason
+            # not to look again: the rank may have written since, or just died
+            pending = state.pending if state.pending is not None and _has_records(state.pending) else self._read(state)
+            state.pending = pending
             now = self.clock()
-            if not state.pending.slots and not state.pending.blobs and not self._heartbeat_due(state, now):
+            if not _has_records(pending) and not self._heartbeat_due(state, now):
                 break
-            batch = self._batch(state, state.pending, now)
+            batch = self._batch(state, pending, now)
             reply = self.intake.accept_report(batch)
             if reply.reregister:
                 state.registered = False
@@ -228,10 +233,10 @@ class Shipper:
         ending = link.ending_at is not None and not state.farewell and link.alive
         if ending:
             state.fetched = self.fetcher.fetch_now(id(link)) or state.fetched
-            if state.pending is None or not (state.pending.slots or state.pending.blobs):
+            if not _has_records(state.pending):
                 state.pending = self._read(state)  # read the ring past this last read
         fetched = state.fetched
-        if fetched is not None and state.pending is not None and (state.pending.slots or state.pending.blobs):
+        if fetched is not None and state.pending is not None and _has_records(state.pending):
             batch = self._batch(state, state.pending, self.clock())  # records read meanwhile go first
             if self.intake.accept_report(batch).reregister:
                 state.registered = False

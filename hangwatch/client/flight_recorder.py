@@ -48,8 +48,8 @@ class _RecorderCoverage:
         started = self.recorder.in_progress.get(group)
         if started is not None and seq >= started:
             return True
-        seqs = self.recorder.python_seqs.get(group)
-        return bool(seqs) and any(lo <= seq <= hi for lo, hi in reversed(tuple(seqs or ())))
+        seqs = self.recorder.python_seqs.get(group, ())
+        return any(lo <= seq <= hi for lo, hi in reversed(tuple(seqs)))
 
     def newest(self, group: str) -> int:
         seqs = self.recorder.python_seqs.get(group)

@@ -139,6 +139,11 @@ class FakeTransport:
             return [kind for kind, _ in self.log]
 
 
+#: How long these tests wait for the sender thread: generous, since two test workers share two
+#: cores (1 s once timed out in CI); a wait ends as soon as its condition holds.
+WAIT_S = 10.0
+
+
 class FakePoller:
     def __init__(self, due: bool = False, error: Exception | None = None) -> None:
         self.is_due = due
@@ -173,7 +178,7 @@ class Rig:
         """Wait until the loop reads the clock twice more: whatever the last RPC led to (a back-off
         deadline, ``retry_at = clock() + backoff``) is decided, so moving the clock is safe."""
         n = self.clock.reads
-        wait_for(lambda: self.clock.reads >= n + 2, 1.0, 0.001, "the sender loop to come round")
+        wait_for(lambda: self.clock.reads >= n + 2, WAIT_S, 0.001, "the sender loop to come round")
 
     def put_steps(self, n: int) -> list[r.StepEvent]:
         events = [r.StepEvent(0, i, float(i)) for i in range(n)]
@@ -220,7 +225,7 @@ def test_registers_then_ships_queued_events_in_order(rig: Callable[..., Rig]) ->
     raw, pg, before = t.session.recorder.enter(OPS_BY_NAME["barrier"], {})
     t.session.recorder.exit(raw, pg, before, None)
     t.start()
-    (report,) = wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    (report,) = wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     assert t.transport.made_with == ("coord:1", "tok")
     assert t.transport.kinds()[:2] == ["register", "report"]
     assert t.sender.registered and t.sender.coordinator_id == "c1"
@@ -237,7 +242,7 @@ def test_each_batch_says_where_the_main_thread_is(rig: Callable[..., Rig]) -> No
     t = rig()
     t.transport.register_plan.append(Unavailable())  # so that the first report waits for the clock
     t.start()
-    wait_for(t.transport.registers, 1.0, 0.002, "the first attempt")
+    wait_for(t.transport.registers, WAIT_S, 0.002, "the first attempt")
     t.settle()
 
     def spin_until_reported() -> None:  # pure Python frames only, so the sample lands in this file
@@ -260,7 +265,7 @@ def test_the_coordinator_sets_the_report_interval_within_bounds(
     t.sender.interval_s = SEND_INTERVAL_S
     t.transport.register_plan.append(pb.RegisterReply(coordinator_id="c1", report_interval_s=asked))
     t.start()
-    wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     assert t.sender.interval_s == used
 
 
@@ -268,10 +273,10 @@ def test_events_queued_during_a_send_go_out_together_in_the_next_batch(rig: Call
     t = rig()
     t.transport.gate.clear()  # the first report (a heartbeat) blocks on the wire
     t.start()
-    wait_for(lambda: t.sender.registered, 1.0, 0.002, "registration")
+    wait_for(lambda: t.sender.registered, WAIT_S, 0.002, "registration")
     steps = t.put_steps(5)
     t.transport.gate.set()
-    reports = wait_for(lambda: t.transport.reports()[1:], 1.0, 0.002, "the second report")
+    reports = wait_for(lambda: t.transport.reports()[1:], WAIT_S, 0.002, "the second report")
     assert t.transport.reports()[0].events == []
     assert reports[0].events == steps and reports[0].batch_seq == 2
 
@@ -280,7 +285,7 @@ def test_a_backlog_is_sent_back_to_back_in_batches_of_max_batch(rig: Callable[..
     t = rig(interval_s=30.0)  # only the backlog rule can send twice in a row
     t.put_steps(2 * MAX_BATCH + 500)
     t.start()
-    reports = wait_for(lambda: t.transport.reports()[1:] and t.transport.reports(), 1.0, 0.002, "two reports")
+    reports = wait_for(lambda: t.transport.reports()[1:] and t.transport.reports(), WAIT_S, 0.002, "two reports")
     assert [(len(x.events), x.queued) for x in reports] == [(MAX_BATCH, MAX_BATCH + 500), (MAX_BATCH, 500)]
     time.sleep(0.05)
     assert len(t.transport.reports()) == 2  # the last 500 wait for the next interval (or a flush)
@@ -292,13 +297,13 @@ def test_an_idle_rank_heartbeats_every_heartbeat_s_with_its_ring_counts(rig: Cal
     t = rig(heartbeat_s=10.0, ring=2)
     steps = t.put_steps(5)  # a ring of 2 slots keeps the newest 2; 3 overwritten before anyone read them
     t.start()
-    (first,) = wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    (first,) = wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     assert first.events == steps[3:] and (first.queued, first.dropped) == (0, 3)
     t.clock.now = START + 9.99
     time.sleep(0.03)  # ~15 turns of the loop
     assert len(t.transport.reports()) == 1
     t.clock.now = START + 10.0
-    _, beat = wait_for(lambda: t.transport.reports()[1:] and t.transport.reports(), 1.0, 0.002, "a heartbeat")
+    _, beat = wait_for(lambda: t.transport.reports()[1:] and t.transport.reports(), WAIT_S, 0.002, "a heartbeat")
     assert (beat.events, beat.queued, beat.dropped, beat.batch_seq, beat.urgent) == ([], 0, 3, 2, False)
     assert beat.at == START + 10.0
 
@@ -312,14 +317,14 @@ def test_backoff_doubles_while_the_coordinator_is_unreachable_then_resets(
     t.start()
     expected = [0.25, 0.5, 1.0, 2.0, MAX_BACKOFF_S, MAX_BACKOFF_S]
     for attempt, backoff in enumerate(expected, start=1):
-        wait_for(lambda n=attempt: len(t.transport.registers()) >= n, 1.0, 0.002, f"attempt {attempt}")  # type: ignore[misc]
+        wait_for(lambda n=attempt: len(t.transport.registers()) >= n, WAIT_S, 0.002, f"attempt {attempt}")  # type: ignore[misc]
         failed_at = t.transport.registers()[-1]
         t.settle()
         t.clock.now = failed_at + backoff - 0.001
         time.sleep(0.01)
         assert len(t.transport.registers()) == attempt, f"retried before {backoff} s"
         t.clock.now = failed_at + backoff
-    wait_for(t.transport.reports, 1.0, 0.002, "a report once the coordinator answers")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "a report once the coordinator answers")
     gaps = [b - a for a, b in zip(t.transport.registers(), t.transport.registers()[1:], strict=False)]
     assert gaps == expected
     assert t.sender.send_failures == 6 and t.transport.closed == 6
@@ -329,23 +334,23 @@ def test_backoff_doubles_while_the_coordinator_is_unreachable_then_resets(
     t.transport.report_plan.append(Unavailable())
     t.put_steps(1)
     t.clock.now += 100  # past the heartbeat of nothing, so only the new event is sent
-    wait_for(lambda: t.sender.send_failures == 7, 1.0, 0.002, "the failed report")
+    wait_for(lambda: t.sender.send_failures == 7, WAIT_S, 0.002, "the failed report")
     t.settle()
     failed_at = t.clock.now
     t.clock.now = failed_at + 0.249
     time.sleep(0.01)
     assert len(t.transport.registers()) == 7
     t.clock.now = failed_at + 0.25
-    wait_for(lambda: len(t.transport.registers()) == 8, 1.0, 0.002, "the re-registration")
+    wait_for(lambda: len(t.transport.registers()) == 8, WAIT_S, 0.002, "the re-registration")
 
 
 def test_reregister_when_the_coordinator_asks_and_resend_the_same_batch(rig: Callable[..., Rig]) -> None:
     t = rig()
     t.transport.report_plan.extend([pb.ReportReply(), pb.ReportReply(reregister=True)])
     t.start()
-    wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     steps = t.put_steps(2)
-    wait_for(lambda: len(t.transport.reports()) == 3, 1.0, 0.002, "the batch resent")
+    wait_for(lambda: len(t.transport.reports()) == 3, WAIT_S, 0.002, "the batch resent")
     assert t.transport.kinds() == ["register", "report", "report", "register", "report"]
     first, again = t.transport.reports()[1:]
     assert first.events == again.events == steps
@@ -367,16 +372,16 @@ def test_a_restarted_coordinator_is_told_the_groups_again(rig: Callable[..., Rig
         ]
     )
     t.start()
-    wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     for expected_groups in ([], ["0", "1"]):
         t.transport.report_plan.append(Unavailable())
         n = len(t.transport.reports())  # before the clock moves: the sender may send at once
         step = t.put_steps(1)
         t.clock.now += 100
-        wait_for(lambda n=n: len(t.transport.reports()) == n + 1, 1.0, 0.002, "the failing report")  # type: ignore[misc]
+        wait_for(lambda n=n: len(t.transport.reports()) == n + 1, WAIT_S, 0.002, "the failing report")  # type: ignore[misc]
         t.settle()
         t.clock.now += 100  # past the back-off
-        resent = wait_for(lambda n=n: t.transport.reports()[n + 1 :], 1.0, 0.002, "the re-sent report")[0]  # type: ignore[misc]
+        resent = wait_for(lambda n=n: t.transport.reports()[n + 1 :], WAIT_S, 0.002, "the re-sent report")[0]  # type: ignore[misc]
         groups = [e for e in resent.events if isinstance(e, r.GroupEvent)]
         assert [g.group.name for g in groups] == expected_groups
         assert all(g.kind == r.GroupEventKind.CREATED for g in groups)
@@ -387,7 +392,7 @@ def test_a_restarted_coordinator_is_told_the_groups_again(rig: Callable[..., Rig
 def test_flush_sends_at_once_marked_urgent_and_reads_flight_recorder_first(rig: Callable[..., Rig]) -> None:
     t = rig(interval_s=30.0, poller=FakePoller(due=False))
     t.start()
-    wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     assert t.poller.polls == 0
     steps = t.put_steps(1)
     began = time.monotonic()
@@ -401,13 +406,13 @@ def test_flush_sends_at_once_marked_urgent_and_reads_flight_recorder_first(rig: 
 def test_a_due_poller_is_read_on_the_thread(rig: Callable[..., Rig]) -> None:
     t = rig(poller=FakePoller(due=True))
     t.start()
-    wait_for(lambda: t.poller.polls >= 3, 1.0, 0.002, "polls")
+    wait_for(lambda: t.poller.polls >= 3, WAIT_S, 0.002, "polls")
 
 
 def test_flush_waits_at_most_its_timeout(rig: Callable[..., Rig]) -> None:
     t = rig(interval_s=30.0)
     t.start()
-    wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     t.transport.gate.clear()  # the coordinator stops answering
     began = time.monotonic()
     assert t.sender.flush(0.05) is False
@@ -434,7 +439,7 @@ def _wrapped_all_reduce(seen: list[int]) -> Callable[..., Any]:
 def test_a_call_of_a_new_kind_reaches_the_coordinator_before_the_backend_sees_it(rig: Callable[..., Rig]) -> None:
     t = rig(interval_s=30.0)
     t.start()
-    wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     shipped_before_issue: list[bool] = []
 
     def original(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
@@ -457,7 +462,7 @@ def test_a_flush_that_times_out_turns_novel_flushing_off(
     monkeypatch.setattr(capture, "NOVEL_FLUSH_TIMEOUT_S", 0.05)
     t = rig(interval_s=30.0)
     t.start()
-    wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     t.transport.gate.clear()  # a coordinator that stopped answering (SIGSTOPped)
     seen: list[int] = []
     wrapped = _wrapped_all_reduce(seen)
@@ -480,7 +485,7 @@ def test_async_works_completed_are_reported_by_the_thread(rig: Callable[..., Rig
     raw, pg, before = rec.enter(OPS_BY_NAME["all_reduce"], {"tensor": torch.ones(1), "async_op": True})
     rec.exit(raw, pg, before, None, work)
     t.start()
-    wait_for(t.transport.reports, 1.0, 0.002, "the first report")
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     time.sleep(0.01)
     exits = [e for rep in t.transport.reports() for e in rep.events if isinstance(e, r.CallExit)]
     assert exits == []
@@ -498,10 +503,10 @@ def test_a_failing_poller_disables_capture_but_the_thread_keeps_sending(rig: Cal
     t = rig(poller=FakePoller(due=True, error=ValueError("bad entry")))
     capture.set_session(t.session)
     t.start()
-    wait_for(lambda: capture.active_session() is None, 1.0, 0.002, "capture disabled")
+    wait_for(lambda: capture.active_session() is None, WAIT_S, 0.002, "capture disabled")
     n = len(t.transport.reports())
     t.clock.now += 1e7
-    wait_for(lambda: len(t.transport.reports()) > n, 1.0, 0.002, "a heartbeat after the failure")
+    wait_for(lambda: len(t.transport.reports()) > n, WAIT_S, 0.002, "a heartbeat after the failure")
 
 
 def test_an_internal_error_ends_only_the_thread(rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture) -> None:
