@@ -38,6 +38,9 @@ from hangwatch.flight_entries import entry_call_id
 from tests.factories import call, identity
 from tests.flood import SMALL, T0, Flood
 
+#: Hundreds of examples or thousands of batches per test: left out of ``make unit``, run by ``make test``.
+pytestmark = pytest.mark.soak
+
 #: How much the traced memory may move between two plateau points (dict resizes, free lists).
 TRACED_SLACK = 32 * 1024
 

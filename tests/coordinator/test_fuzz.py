@@ -23,6 +23,9 @@ from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 from hangwatch.coordinator.state import MAX_GROUPS
 from hangwatch.protos import hangwatch_pb2 as pb
 
+#: Hundreds of examples or thousands of batches per test: left out of ``make unit``, run by ``make test``.
+pytestmark = pytest.mark.soak
+
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 METHODS = (
     "Register",
