@@ -89,6 +89,11 @@ DEFAULT_FR_BUFFER_SIZE = 256
 #: How often a rank reads its Flight Recorder ring (C++-issued collectives reach the coordinator
 #: up to this much later than the batches around them).
 FR_POLL_INTERVAL_S = 1.0
+#: A NCCL collective enqueued by every member whose start on the GPU is unknown (CUDA start
+#: events off: ``TORCH_NCCL_ENABLE_TIMING`` unset) may still be waiting for compute queued before
+#: it on the stream; it is called a transport stall only after this long (and 4x the stuck
+#: threshold), where a started one is called so after the stuck threshold.
+STALL_UNSTARTED_S = 120.0
 DEFAULT_JOB_ID = "default"
 
 

@@ -77,6 +77,9 @@ class CallRecord:
     error: str | None = None
     seq_count: int = 1  # collectives this call issued (object collectives issue several)
     extra: dict[str, str] = field(default_factory=dict)  # op-specific args (split sizes, ...)
+    #: coordinator only: when the host thread returned from a call whose work is still under way
+    #: on the device (NCCL: enqueued, not completed); the call stays open until it completes
+    returned_time: float | None = None
 
     @property
     def kind(self) -> OpKind:
@@ -188,7 +191,26 @@ class Heartbeat:
     dropped: int = 0  # events dropped so far because the queue was full
 
 
-RankEvent = CallRecord | CallExit | GroupEvent | StepEvent | MarkerEvent | RankEnd | Heartbeat
+@dataclass(frozen=True, slots=True)
+class GroupProgress:
+    """Where a process group's collectives stand on the device (NCCL): the last seq enqueued,
+    started (-1: unknown, CUDA start events off) and completed, read from the rank's NCCL Flight
+    Recorder ring at ``time`` (rank clock). ``completed_time``/``started_time``: when torch's
+    watchdog discovered those seqs completed/started (0: unknown). ``timeout_ms``: torch's own
+    timeout for the group's collectives (0: unknown)."""
+
+    rank: int
+    group: str
+    enqueued: int
+    started: int
+    completed: int
+    time: float
+    completed_time: float = 0.0
+    timeout_ms: int = 0
+    started_time: float = 0.0
+
+
+RankEvent = CallRecord | CallExit | GroupEvent | StepEvent | MarkerEvent | RankEnd | Heartbeat | GroupProgress
 
 
 class ProcState(str, enum.Enum):

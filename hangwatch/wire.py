@@ -6,6 +6,8 @@ detectors consume records, and protobuf stays at the edges.
 
 from __future__ import annotations
 
+import math
+
 from hangwatch import records as r
 from hangwatch.protos import hangwatch_pb2 as pb
 
@@ -87,6 +89,16 @@ def event_to_pb(ev: r.RankEvent, msg: pb.Event) -> bool:
         msg.end.step = ev.step
         if ev.exit_code is not None:
             msg.end.exit_code = ev.exit_code
+    elif isinstance(ev, r.GroupProgress):
+        p = msg.progress
+        p.group = ev.group
+        p.enqueued = ev.enqueued
+        p.started = ev.started
+        p.completed = ev.completed
+        p.time = ev.time
+        p.completed_time = ev.completed_time
+        p.timeout_ms = ev.timeout_ms
+        p.started_time = ev.started_time
     else:
         return False
     return True
@@ -226,6 +238,16 @@ def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
             e.call_site,
             e.exit_code if e.HasField("exit_code") else None,
             e.step,
+        )
+    if which == "progress":
+        p = msg.progress
+        times = (p.time, p.completed_time, p.started_time)
+        if not all(math.isfinite(t) for t in times):
+            raise WireError("progress with a time that is not a finite number")
+        if not p.group:
+            raise WireError("progress without a group")
+        return r.GroupProgress(
+            rank, p.group, p.enqueued, p.started, p.completed, p.time, p.completed_time, p.timeout_ms, p.started_time
         )
     raise WireError("empty event")
 

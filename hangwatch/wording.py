@@ -187,6 +187,15 @@ def p2p_doing(p: CallRecord, me: CallRecord) -> str:
     return text
 
 
+def on_device(where: str, where_user: str) -> str:
+    """A collective the host returned from and the device has not completed (NCCL), and where
+    the host thread is meanwhile: usually blocked at the next CUDA synchronisation."""
+    host = where_user or where
+    if where and where_user and where != where_user:
+        host = f"{where_user} (innermost: {where})"
+    return "enqueued on the GPU and not completed; its host thread returned" + (f" and is in {host}" if host else "")
+
+
 def doing(end: RankEnd | None, blocked: CallRecord | None, where: str, where_user: str, now: float) -> str:
     """What a rank is doing right now, in one clause, as well as can be told without py-spy:
     how it ended, the oldest call it waits in, or the user frame its main thread is in."""
@@ -200,10 +209,13 @@ def doing(end: RankEnd | None, blocked: CallRecord | None, where: str, where_use
         }.get(end.kind.value, "has ended")
     if blocked is not None:
         waited = now - blocked.enter_time
-        return (
+        text = (
             f"is waiting in {blocked.op} (group {blocked.group}, seq {blocked.seq}) at "
             f"{blocked.call_site or '?'} for {waited:.0f} s"
         )
+        if blocked.returned_time is not None:
+            text += f" ({on_device(where, where_user)})"
+        return text
     if where_user:
         if where and where != where_user:
             return f"is busy in {where_user} (innermost: {where})"

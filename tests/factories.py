@@ -186,6 +186,21 @@ class SimJob:
         for rk in ranks if ranks is not None else list(self.states):
             self.exit(self.call(rk, t, seq=seq), t + duration)
 
+    def progress(
+        self,
+        rank: int,
+        t: float,
+        *,
+        enqueued: int,
+        completed: int,
+        started: int = -1,
+        group: str = "0",
+        completed_time: float = 0.0,
+        timeout_ms: int = 0,
+    ) -> None:
+        """What the node agent read of ``rank``'s NCCL ring at ``t``: where ``group`` stands on the GPU."""
+        self.apply(r.GroupProgress(rank, group, enqueued, started, completed, t, completed_time, timeout_ms), t)
+
     def end(self, rank: int, kind: r.EndKind, t: float, detail: str = "", site: str = "") -> None:
         self.apply(r.RankEnd(rank, kind, t, detail=detail, call_site=site), t)
 

@@ -16,6 +16,7 @@ active entries often and the whole ring only when a diagnosis needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import logging
@@ -23,10 +24,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
+from hangwatch import records as r
 from hangwatch.link import peer_of
 
 log = logging.getLogger("hangwatch.agent")
@@ -150,6 +152,61 @@ def enqueued(rings: dict[str, dict[str, Any]]) -> dict[str, int]:
     return out
 
 
+def _count(values: Any, key: str) -> int:
+    try:
+        return int(values[key])
+    except (KeyError, TypeError, ValueError):
+        return -1
+
+
+def progress_of(ring: dict[str, Any], timeouts: dict[str, int] | None = None) -> list[r.GroupProgress]:
+    """Where each group's collectives stand on the device, from one read of the NCCL ring: its
+    ``pg_status`` counters and, where its entries were read, when the last completed and last
+    started seqs were discovered so and the group's ``timeout_ms``. ``timeouts`` (group ->
+    ms) carries what earlier reads found; entries found here update it. ``rank`` is left -1 for
+    the caller to fill."""
+    status = ring.get("pg_status")
+    if not isinstance(status, dict):
+        return []
+    timeouts = {} if timeouts is None else timeouts
+    found: dict[tuple[str, int], tuple[float, float]] = {}  # (group, seq) -> (started, completed) s
+    entries = ring.get("entries")
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            if entry.get("is_p2p"):
+                continue
+            group = str(entry["process_group"][0])
+            seq = int(entry["collective_seq_id"])
+            found[(group, seq)] = (
+                float(entry.get("time_discovered_started_ns") or 0) / 1e9,
+                float(entry.get("time_discovered_completed_ns") or 0) / 1e9,
+            )
+            timeout = int(entry.get("timeout_ms") or 0)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+            continue
+        if timeout > 0:
+            timeouts[group] = timeout
+    out = []
+    for group, values in status.items():
+        group = str(group)
+        completed = _count(values, "last_completed_collective")
+        started = _count(values, "last_started_collective")
+        out.append(
+            r.GroupProgress(
+                rank=-1,
+                group=group,
+                enqueued=_count(values, "last_enqueued_collective"),
+                started=started,
+                completed=completed,
+                time=0.0,
+                completed_time=found.get((group, completed), (0.0, 0.0))[1],
+                timeout_ms=timeouts.get(group, 0),
+                started_time=found.get((group, started), (0.0, 0.0))[0],
+            )
+        )
+    return out
+
+
 #: The NCCL ring is read whole at least this often, whatever the probe says (a safety net: the
 #: probe reasons from counters torch does not document).
 WHOLE_READ_EVERY_S = 10.0
@@ -161,10 +218,12 @@ Needed = Callable[[dict[str, tuple[int, int]]], bool]
 
 @dataclass(frozen=True)
 class Fetched:
-    """One read of a rank's rings: when it was asked for, and its entries."""
+    """One read of a rank's rings: when it was asked for, its entries, and where the NCCL
+    ring's groups stand on the device (empty without a NCCL ring; ``time`` set, ``rank`` -1)."""
 
     time: float
     entries: list[Any]
+    progress: list[r.GroupProgress] = field(default_factory=list)
 
 
 @dataclass
@@ -178,6 +237,8 @@ class _Watched:
     #: only seqs Python calls covered, spares the rank serialising its whole ring again
     read_to: dict[str, int] | None = None
     whole_at: float = 0.0  # when the NCCL ring was last read whole
+    probed: dict[str, Any] | None = None  # the NCCL ring's pg_status as the last probe found it
+    timeouts: dict[str, int] = field(default_factory=dict)  # group -> timeout_ms seen in entries
 
 
 class RingFetcher:
@@ -243,6 +304,7 @@ class RingFetcher:
         """True when a cheap probe of the NCCL ring's ``pg_status`` shows that reading its
         entries would find nothing new. (The CPU ring has no cheap probe: its handler sends every
         entry whatever it is asked, so it is read whole each time.)"""
+        watched.probed = None
         if watched.needed is None or watched.read_to is None:
             return False
         if self._clock() - watched.whole_at >= WHOLE_READ_EVERY_S:
@@ -251,6 +313,7 @@ class RingFetcher:
             rings, _ = self._read(
                 watched.path, watched.pid, only_active=True, collectives=False, names=("nccl",), timeout_s=timeout_s
             )
+            watched.probed = rings.get("nccl")
             status = enqueued(rings)
             if not status:
                 return False
@@ -291,7 +354,9 @@ class RingFetcher:
         watched.read_to = {**(watched.read_to or {}), **enqueued(rings)}
         if "nccl" in names:
             watched.whole_at = asked
-        return Fetched(asked, entries_of(rings))
+        nccl = rings.get("nccl") if "nccl" in names else watched.probed
+        progress = [] if nccl is None else progress_of(nccl, watched.timeouts)
+        return Fetched(asked, entries_of(rings), [dataclasses.replace(p, time=asked) for p in progress])
 
     def poll_once(self) -> None:
         """Read every watched rank once (what the thread does every ``interval_s``)."""

@@ -14,6 +14,9 @@ For every rank linked to this node's agent (:mod:`hangwatch.agent.rings`), each 
   collectives no Python call covered (DDP's buckets, anything issued from C++) as records
   (:mod:`hangwatch.flight_entries`); a rank that says it is ending gets one last read before it
   is let go, so its last C++-issued collectives are not lost with it;
+- ships, with every read of a NCCL ring, where each group's collectives stand on the device
+  (enqueued, started, completed): on NCCL a call returns when it is enqueued, and the
+  coordinator keeps it open until the device completes it;
 - once the link has closed (the process is gone, however it went) and the ring is read to the
   end, reports the process gone, at the moment its link closed, with how it ended where
   ``/proc`` still says so (a zombie's exit status), and forgets the link.
@@ -25,6 +28,7 @@ wait for the agent.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -181,6 +185,10 @@ class Shipper:
             taken = self.fetcher.take(id(link))
             if taken is not None and (state.fetched is None or taken.time >= state.fetched.time):
                 state.fetched = taken  # never an older read over a newer one (the last read)
+                # where the rank's NCCL groups stand on the device goes at once: it needs no
+                # Python call to be seen first (the coordinator orders it by seq and time)
+                rank = state.identity.rank
+                state.unsent += [dataclasses.replace(p, rank=rank) for p in taken.progress]
         if not state.registered:
             try:
                 registration = self.intake.accept_registration(state.identity, via="agent")

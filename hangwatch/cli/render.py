@@ -10,7 +10,7 @@ import time
 from typing import Any, TextIO
 
 from hangwatch import wording
-from hangwatch.wording import KIND_TITLES, ranks_label
+from hangwatch.wording import KIND_TITLES, on_device, ranks_label
 
 
 def use_colour(stream: TextIO) -> bool:
@@ -41,7 +41,10 @@ def _rank_line(rank: dict[str, Any], now: float) -> str:
     state = str(rank["state"])
     since = _ago(rank.get("since"), now)
     if state == "waiting":
-        return f"waiting in {rank['last_op']} (group {rank['group']}, seq {rank['seq']}) for {since}"
+        text = f"waiting in {rank['last_op']} (group {rank['group']}, seq {rank['seq']}) for {since}"
+        if rank.get("host_returned"):
+            text += f" ({on_device(str(rank.get('where') or ''), '')})"
+        return text
     if state == "running":
         where = rank.get("where") or ""
         last = f"last {rank['last_op']} seq {rank['seq']}" if rank.get("last_op") else "no collective yet"

@@ -85,6 +85,7 @@ class Engine:
         opened: list[Incident] = []
         stack_jobs: list[tuple[Incident, list[int], bool]] = []
         with self.lock:
+            self.job.lapse_progress(now)
             claimed = {(inc.group, inc.seq) for inc in self.incidents.values() if inc.status == "open" and inc.group}
             mismatched = {
                 (inc.group, inc.seq)

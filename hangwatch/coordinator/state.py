@@ -12,6 +12,7 @@ slots are pruned once every member has left them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import statistics
 import time
@@ -31,6 +32,11 @@ DURATIONS_KEPT = 512
 ARRIVALS_KEPT = 32
 OFFSET_SAMPLES = 32  # clock-offset samples per rank (batches: 6-64 s of them)
 CLOCK_STEP_S = 30.0  # a sample this far from the estimate means the rank's clock was stepped
+#: A rank's device progress (NCCL) is believed while it keeps coming (the agent sends it on every
+#: read of the ring, about once a second). Older than this, completion is no longer watched: the
+#: calls it held open are taken as complete when they returned, as on a backend without it, so
+#: a lost agent can never keep a healthy rank "in" calls it finished long ago.
+PROGRESS_FRESH_S = 5.0
 
 
 @dataclass
@@ -63,6 +69,12 @@ class RankState:
     #: Recorder entries (made again by a new agent, they are the same records: dropped)
     last_call_id: int = 0
     entry_seqs: dict[str, int] = field(default_factory=dict)
+    #: per group: where its collectives stand on the device (NCCL), read by the node agent from
+    #: the rank's Flight Recorder ring (times on the coordinator's clock), and when the latest
+    #: arrived (coordinator time). While it is fresh, a collective on the group is open from its
+    #: enqueue to its completion, not to the host thread's return (``JobState.awaits_completion``)
+    progress: dict[str, r.GroupProgress] = field(default_factory=dict)
+    progress_seen: float = 0.0
 
     @property
     def rank(self) -> int:
@@ -299,6 +311,8 @@ class JobState:
         elif isinstance(event, r.MarkerEvent):
             state.markers.append(event)
             state.last_progress = now
+        elif isinstance(event, r.GroupProgress):
+            self._progress(state, event, now)
 
     def _group_event(self, state: RankState, event: r.GroupEvent) -> None:
         self.groups_changed = True
@@ -348,6 +362,12 @@ class JobState:
         done = call.exit_time is not None
         if done:
             call.exit_time += offset  # type: ignore[operator]
+            if (
+                state.progress
+                and call.error is None
+                and self.awaits_completion(state, call, call.seq_count, call.exit_time, now)
+            ):
+                call.returned_time, call.exit_time, done = call.exit_time, None, False
         last = state.last_call
         if last is None or enter >= last.enter_time:
             state.last_call = call  # Flight Recorder records may arrive after later Python calls
@@ -367,8 +387,9 @@ class JobState:
         if kind is r.OpKind.COLLECTIVE:
             open_here = state.open_collectives.get(group)
             if open_here:
-                # Collectives on one group complete in order on a rank: older open ones are done.
-                for other in [c for c in open_here.values() if c.seq < seq]:
+                # Collectives on one group complete in order on a rank: older open ones are done
+                # (those the host returned from and the device has not completed are not).
+                for other in [c for c in open_here.values() if c.seq < seq and c.returned_time is None]:
                     self._close(state, other, enter, None)
             if not done:
                 if open_here is None:
@@ -418,8 +439,71 @@ class JobState:
         state.last_progress = now
         if call is None:
             return
-        self._close(state, call, state.to_local(done.exit_time), done.error)
         call.seq_count = done.seq_count
+        when = state.to_local(done.exit_time)
+        if state.progress and done.error is None and self.awaits_completion(state, call, done.seq_count, when, now):
+            call.returned_time = when  # enqueued: open until the device completes it
+            return
+        self._close(state, call, when, done.error)
+
+    # ---- device progress (NCCL) -------------------------------------------------------------
+
+    def awaits_completion(
+        self, state: RankState, call: r.CallRecord, seq_count: int, returned: float, now: float
+    ) -> bool:
+        """Whether a collective ``call`` the host returned from is still under way on the device:
+        its group's progress is watched (fresh) and has not completed its last seq. A progress
+        read after the return that shows everything enqueued completed settles it whatever the
+        numbering (so a seq that torch counts differently never holds a call open)."""
+        progress = state.progress.get(call.group)
+        if progress is None or call.kind is not r.OpKind.COLLECTIVE or call.source != "python":
+            return False  # (records made from Flight Recorder entries carry their own completion)
+        if now - state.progress_seen > PROGRESS_FRESH_S:
+            return False
+        if call.seq + max(1, seq_count) - 1 <= progress.completed:
+            return False
+        return not (progress.enqueued == progress.completed and progress.time >= returned)
+
+    def _progress(self, state: RankState, event: r.GroupProgress, now: float) -> None:
+        group = event.group
+        if group not in state.progress and len(state.progress) >= MAX_GROUPS:
+            self.dropped_calls += 1
+            return
+        local = dataclasses.replace(
+            event,
+            time=state.to_local(event.time),
+            completed_time=state.to_local(event.completed_time) if event.completed_time else 0.0,
+            started_time=state.to_local(event.started_time) if event.started_time else 0.0,
+        )
+        state.progress[group] = local
+        state.progress_seen = now
+        open_here = state.open_collectives.get(group)
+        if not open_here:
+            return
+        for call in list(open_here.values()):
+            returned = call.returned_time
+            if returned is None:
+                continue  # the host thread is still inside it
+            last = call.seq + max(1, call.seq_count) - 1
+            settled = local.enqueued == local.completed and local.time >= returned
+            if last > local.completed and not settled:
+                continue
+            when = local.completed_time if local.completed_time and last == local.completed else local.time
+            self._close(state, call, max(returned, min(when, local.time)), None)
+            state.last_progress = now
+            self.changed_slots.add((group, call.seq))
+
+    def lapse_progress(self, now: float) -> None:
+        """Ranks whose device progress stopped coming (their agent is gone, their worker server no
+        longer answers): completion is no longer watched, so the calls it held open are taken
+        as complete when their host thread returned (the engine calls this every tick)."""
+        for state in self.ranks.values():
+            if not state.progress or now - state.progress_seen <= PROGRESS_FRESH_S:
+                continue
+            state.progress.clear()
+            for call in list(state.open_calls.values()):
+                if call.returned_time is not None:
+                    self._close(state, call, call.returned_time, None)
 
     def _close(self, state: RankState, call: r.CallRecord, when: float, error: str | None) -> None:
         if call.exit_time is None and call.kind is r.OpKind.COLLECTIVE:

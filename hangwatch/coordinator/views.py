@@ -30,7 +30,8 @@ def rank_state(st: RankState, now: float, silence_after: float) -> tuple[str, fl
 
 def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]:
     state, since = rank_state(st, now, silence_after)
-    call = st.oldest_open() or st.last_call
+    blocked = st.oldest_open()
+    call = blocked or st.last_call
     return {
         "rank": st.rank,
         "host": st.identity.host,
@@ -53,7 +54,22 @@ def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]
         "end": (
             {"kind": st.end.kind.value, "detail": st.end.detail, "call_site": st.end.call_site} if st.end else None
         ),
+        # completion as seen on the device (NCCL, from Flight Recorder) or at the host's return
+        "completion": "device" if st.progress else "host",
+        "host_returned": blocked.returned_time if blocked is not None else None,
+        "timeout_at": _timeout_at(st, blocked),
     }
+
+
+def _timeout_at(st: RankState, call: r.CallRecord | None) -> float | None:
+    """When torch's own watchdog gives up on the call the rank waits in (where Flight Recorder
+    told the group's timeout)."""
+    if call is None:
+        return None
+    progress = st.progress.get(call.group)
+    if progress is None or progress.timeout_ms <= 0:
+        return None
+    return call.enter_time + progress.timeout_ms / 1000
 
 
 def status_json(

@@ -139,21 +139,43 @@ class End(_message.Message):
     step: int
     def __init__(self, kind: _Optional[str] = ..., time: _Optional[float] = ..., detail: _Optional[str] = ..., call_site: _Optional[str] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
+class Progress(_message.Message):
+    __slots__ = ("group", "enqueued", "started", "completed", "time", "completed_time", "timeout_ms", "started_time")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_TIME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_TIME_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    enqueued: int
+    started: int
+    completed: int
+    time: float
+    completed_time: float
+    timeout_ms: int
+    started_time: float
+    def __init__(self, group: _Optional[str] = ..., enqueued: _Optional[int] = ..., started: _Optional[int] = ..., completed: _Optional[int] = ..., time: _Optional[float] = ..., completed_time: _Optional[float] = ..., timeout_ms: _Optional[int] = ..., started_time: _Optional[float] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("call", "done", "group", "step", "marker", "end")
+    __slots__ = ("call", "done", "group", "step", "marker", "end", "progress")
     CALL_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MARKER_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     call: Call
     done: CallDone
     group: GroupChange
     step: Step
     marker: Marker
     end: End
-    def __init__(self, call: _Optional[_Union[Call, _Mapping]] = ..., done: _Optional[_Union[CallDone, _Mapping]] = ..., group: _Optional[_Union[GroupChange, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., marker: _Optional[_Union[Marker, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, call: _Optional[_Union[Call, _Mapping]] = ..., done: _Optional[_Union[CallDone, _Mapping]] = ..., group: _Optional[_Union[GroupChange, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., marker: _Optional[_Union[Marker, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class Signature(_message.Message):
     __slots__ = ("id", "call")

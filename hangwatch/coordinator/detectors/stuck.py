@@ -5,11 +5,20 @@
   doing instead (heartbeat frame, open calls elsewhere).
 - ``early_exit``: the absent ranks have left the loop: they ended cleanly, destroyed the group,
   or wait in a barrier of their own.
-- ``transport_stall``: every member entered the same call and none returned.
+- ``transport_stall``: every member entered the same call and none returned; on NCCL, where a
+  call returns when it is enqueued: every member has it started on the GPU (or, start events
+  off, enqueued with nothing before it left for ``config.STALL_UNSTARTED_S``) and none completed.
 Dead and frozen absentees are left to their own detectors.
+
+On NCCL a rank "waits" in a collective from its enqueue to its completion on the GPU, whatever its
+host thread does meanwhile (``CallRecord.returned_time``; see ``JobState.awaits_completion``):
+the report says where that host thread is (usually the next CUDA synchronisation, ``.item()``)
+and when torch's own watchdog will give up.
 """
 
 from __future__ import annotations
+
+import time
 
 from hangwatch import catalogue, config
 from hangwatch import records as r
@@ -75,6 +84,66 @@ def _left_the_loop(state: RankState, op: str) -> bool:
     return blocked is not None and blocked.op in BARRIERS and op not in BARRIERS
 
 
+def _device_clause(
+    job: JobState, slot: Slot, waiting: list[int], now: float
+) -> tuple[str, dict[int, str], float] | None:
+    """For waiting ranks whose host returned from the call while the GPU has not completed it
+    (NCCL): a clause saying so and where each host thread is, those places by rank, and when
+    torch's own watchdog gives up (0: unknown). None when no waiting rank is in that state."""
+    hosts: dict[int, str] = {}
+    timeout_at = 0.0
+    for rk in waiting:
+        call = slot.calls[rk]
+        st = job.ranks.get(rk)
+        if call.returned_time is None or st is None:
+            continue
+        hosts[rk] = st.where_user or st.where or "?"
+        progress = st.progress.get(slot.group)
+        if progress is not None and progress.timeout_ms > 0:
+            due = call.enter_time + progress.timeout_ms / 1000
+            timeout_at = due if not timeout_at else min(timeout_at, due)
+    if not hosts:
+        return None
+    places = "; ".join(f"rank {rk} in {where}" for rk, where in sorted(hosts.items()))
+    text = (
+        f"rank{'s' if len(hosts) > 1 else ''} {format_ranks(sorted(hosts))} enqueued it on the GPU, where it has "
+        f"not completed; {'their' if len(hosts) > 1 else 'its'} host thread{'s' if len(hosts) > 1 else ''} "
+        f"returned and {'wait' if len(hosts) > 1 else 'waits'} at the next synchronisation ({places})"
+    )
+    if timeout_at:
+        fires = time.strftime("%H:%M:%S", time.localtime(timeout_at))
+        text += f"; torch's own timeout fires at {fires}, in {max(0.0, timeout_at - now):.0f} s"
+    return text, hosts, timeout_at
+
+
+def _started_everywhere(job: JobState, slot: Slot, ctx: Context) -> str | None:
+    """Whether a slot every member is in can be called a transport stall. Calls the host thread
+    is still inside: yes (gloo, or NCCL blocking in the call). Calls on the GPU: when every
+    member's progress shows it started there; with start events off, when nothing before it is
+    left (every member completed its previous seq) and it has waited ``config.STALL_UNSTARTED_S``
+    and 4x the stuck threshold. Returns how it was told ("" for host calls), None for no."""
+    on_device = [rk for rk, c in slot.calls.items() if c.returned_time is not None]
+    if not on_device:
+        return ""
+    unknown = False
+    for rk in on_device:
+        st = job.ranks.get(rk)
+        progress = None if st is None else st.progress.get(slot.group)
+        if progress is None:
+            return None
+        if progress.started >= slot.seq:
+            continue
+        if progress.started >= 0 or progress.completed < slot.seq - 1:
+            return None  # start events on and not started, or something before it is left
+        unknown = True
+    if not unknown:
+        return "started on every rank"
+    waited = ctx.now - slot.last_enter
+    if waited < max(config.STALL_UNSTARTED_S, 4 * ctx.stuck_after):
+        return None
+    return "nothing queued before it; whether it started is unknown without TORCH_NCCL_ENABLE_TIMING=1"
+
+
 def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...], waiting: list[int]) -> Finding | None:
     absent = [m for m in members if m not in slot.calls]
     waiting = sorted(waiting)
@@ -112,6 +181,12 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             native=native,
         )
 
+    device = _device_clause(job, slot, waiting, ctx.now)
+    if device:
+        details["host"] = {str(rk): text for rk, text in device[1].items()}
+    if device and device[2]:
+        details["timeout_at"] = device[2]
+
     if not absent:
         if not members:
             return None  # membership unknown: "every member entered" cannot be told
@@ -119,11 +194,16 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             return None  # completion of C++-issued calls is not observable precisely enough
         if any(c.exit_time is not None for c in slot.calls.values()):
             return None  # someone returned: the others are being delivered, not stalled
+        started = _started_everywhere(job, slot, ctx)
+        if started is None:
+            return None  # queued behind the GPU's other work, as far as can be told
+        how = "returned" if not device else f"completed on the GPU ({started})"
         return finding(
             IncidentKind.TRANSPORT_STALL,
             [],
             f"all {len(members)} ranks of group {slot.group} entered {op} (seq {slot.seq}) with matching "
-            f"arguments and none has returned after {waited:.0f} s: the transport is stalled",
+            f"arguments and none has {how} after {waited:.0f} s: the transport is stalled"
+            + (f"; {device[0]}" if device else ""),
             "The ranks agree, so the backend is stuck: check the network (NCCL_DEBUG=INFO, "
             "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), a failed NIC or switch, or a GPU that stopped "
             "responding; the native stacks show where each rank waits.",
@@ -178,7 +258,8 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         IncidentKind.STUCK_COLLECTIVE,
         absent,
         f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
-        f"{where} at {sample.call_site or '?'} for {waited:.0f} s; {absent_text}",
+        f"{where} at {sample.call_site or '?'} for {waited:.0f} s; {absent_text}"
+        + (f"; {device[0]}" if device else ""),
         f"Rank{'s' if plural else ''} {who} never reached this {op}. Look at {'their' if plural else 'its'} stack "
         "below: work that only some ranks do (a checkpoint save or evaluation on rank 0, a data loader that "
         "stalls, a conditional branch) must either be done by every rank or finish before the others' next "
