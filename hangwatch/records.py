@@ -226,6 +226,22 @@ class ProcState(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class GpuStatus:
+    """One GPU a rank runs on, as NVML saw it (the agent's ``gpu`` extra). -1: unknown."""
+
+    index: int
+    uuid: str = ""
+    name: str = ""
+    utilization: int = -1  # percent of NVML's last sample period a kernel was running
+    memory_used: int = 0  # bytes, the whole device
+    memory_total: int = 0
+    process_memory: int = 0  # bytes this rank holds on it
+    ecc_uncorrected: int = -1  # volatile uncorrected ECC errors since the driver loaded
+    xid: int = 0  # the last Xid error NVML reported on it since the agent started (0: none)
+    xid_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessStatus:
     """One rank's process as seen from outside by the agent on its node."""
 
@@ -239,6 +255,7 @@ class ProcessStatus:
     exit_code: int | None = None  # where it can be known (a zombie's exit status)
     signal: int | None = None
     oom_killed: bool = False  # its cgroup's oom_kill counter went up as it died (cgroup v2)
+    gpus: tuple[GpuStatus, ...] = ()  # the GPUs it runs on (NVML; empty on CPU nodes)
 
 
 @dataclass(frozen=True, slots=True)

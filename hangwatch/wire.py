@@ -132,6 +132,11 @@ def process_status_to_pb(s: r.ProcessStatus, msg: pb.ProcStatus) -> None:
     if s.signal is not None:
         msg.signal = s.signal
     msg.oom_killed = s.oom_killed
+    for g in s.gpus:
+        gpb = msg.gpus.add()
+        gpb.index, gpb.uuid, gpb.name, gpb.utilization = g.index, g.uuid, g.name, g.utilization
+        gpb.memory_used, gpb.memory_total, gpb.process_memory = g.memory_used, g.memory_total, g.process_memory
+        gpb.ecc_uncorrected, gpb.xid, gpb.xid_time = g.ecc_uncorrected, g.xid, g.xid_time
 
 
 def stack_dump_to_pb(d: r.StackDump, rank: int, msg: pb.StackDumpMsg) -> None:
@@ -165,6 +170,7 @@ class WireError(ValueError):
 
 MAX_DIMS = 16
 MAX_TENSORS = 4096
+MAX_GPUS = 64  # per process status: more than any node has
 
 
 def tensor_from_pb(msg: pb.TensorMeta) -> r.TensorMeta:
@@ -285,6 +291,21 @@ def process_status_from_pb(msg: pb.ProcStatus) -> r.ProcessStatus:
         exit_code=msg.exit_code if msg.HasField("exit_code") else None,
         signal=msg.signal if msg.HasField("signal") else None,
         oom_killed=msg.oom_killed,
+        gpus=tuple(
+            r.GpuStatus(
+                g.index,
+                g.uuid[:128],
+                g.name[:128],
+                g.utilization,
+                g.memory_used,
+                g.memory_total,
+                g.process_memory,
+                g.ecc_uncorrected,
+                g.xid,
+                g.xid_time if math.isfinite(g.xid_time) else 0.0,
+            )
+            for g in msg.gpus[:MAX_GPUS]
+        ),
     )
 
 

@@ -10,10 +10,11 @@ samples with it): change wording on purpose, never as a side effect.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from hangwatch import catalogue
-from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord, RankEnd, TensorMeta
+from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord, ProcessStatus, RankEnd, TensorMeta
 
 #: How many tensors :func:`describe_call` shows before "… (+N)".
 SHOW_TENSORS = 3
@@ -185,6 +186,36 @@ def p2p_doing(p: CallRecord, me: CallRecord) -> str:
     if p.group != me.group:
         text += f" in group {p.group}"
     return text
+
+
+def gpu_faults(proc: ProcessStatus | None) -> str:
+    """ "; its GPU 3 (NVIDIA H100) reported Xid 79 at 12:01:02": what NVML saw go wrong on a
+    rank's GPUs (Xid errors, uncorrected ECC errors); "" when nothing (or no NVML)."""
+    if proc is None:
+        return ""
+    out = []
+    for g in proc.gpus:
+        name = f"GPU {g.index}" + (f" ({g.name})" if g.name else "")
+        if g.xid:
+            when = time.strftime("%H:%M:%S", time.localtime(g.xid_time)) if g.xid_time else "?"
+            out.append(f"its {name} reported Xid {g.xid} at {when}")
+        if g.ecc_uncorrected > 0:
+            out.append(f"its {name} has {g.ecc_uncorrected} uncorrected ECC error(s)")
+    return "".join(f"; {text}" for text in out)
+
+
+def gpu_load(procs: Mapping[int, ProcessStatus | None]) -> str:
+    """ "rank 0's GPU 0 at 100 %, rank 2's GPU 2 at 100 %": the utilisation NVML saw on each
+    rank's GPUs ("" without NVML). A rank hung in a NCCL collective typically shows 100 %: the
+    NCCL kernel spins while it waits for its peers."""
+    parts = [
+        f"rank {rk}'s GPU {g.index} at {g.utilization} %"
+        for rk, proc in sorted(procs.items())
+        if proc is not None
+        for g in proc.gpus
+        if g.utilization >= 0
+    ]
+    return ", ".join(parts)
 
 
 def on_device(where: str, where_user: str) -> str:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from hangwatch.agent import abort as _abort
+from hangwatch.agent.gpu import GpuInspector
 from hangwatch.agent.identity import START_TIME_TOLERANCE_S
 from hangwatch.agent.namespaces import PidMapper
 from hangwatch.agent.procinfo import ProcessInspector, PsutilInspector
@@ -21,17 +22,23 @@ from hangwatch.records import ProcessStatus, ProcState, StackDump, Target
 REFRESH_S = 5.0
 
 
-def _key(s: ProcessStatus) -> tuple[ProcState, int | None, int | None]:
-    return s.state, s.exit_code, s.signal
+def _key(s: ProcessStatus) -> tuple[ProcState, int | None, int | None, tuple[int, ...]]:
+    """What, when it changes, is reported at once: state, how it ended, a new Xid on its GPUs."""
+    return s.state, s.exit_code, s.signal, tuple(g.xid for g in s.gpus)
 
 
 class NodeAgentCore:
     """Watches a node's rank processes; dumps their stacks and aborts them on request. Thread-safe."""
 
     def __init__(
-        self, inspector: ProcessInspector | None = None, dumper: Dumper | None = None, host: str | None = None
+        self,
+        inspector: ProcessInspector | None = None,
+        dumper: Dumper | None = None,
+        host: str | None = None,
+        gpus: GpuInspector | None = None,
     ) -> None:
         self.inspector: ProcessInspector = inspector or PsutilInspector()
+        self.gpus = gpus or GpuInspector()
         self._dumper: Dumper = dumper or dump_stacks
         self.host = host or socket.gethostname()
         self._lock = threading.Lock()
@@ -66,8 +73,14 @@ class NodeAgentCore:
         now = time.monotonic()
         out: list[ProcessStatus] = []
         with self._lock:
-            for target in self._targets:
-                s = self._status(target)
+            statuses = {target: self._status(target) for target in self._targets}
+            gone = (ProcState.DEAD, ProcState.ZOMBIE)
+            local = {t: self._pids.localise(t).pid for t, s in statuses.items() if s.state not in gone}
+            gpus = self.gpus.of(local.values())
+            for target, s in statuses.items():
+                held = gpus.get(local.get(target, -1))
+                if held:
+                    s = dataclasses.replace(s, gpus=held)
                 last = self._reported.get(target)
                 due = last is None or _key(last[0]) != _key(s)
                 if last is not None and not due and s.state is not ProcState.DEAD:

@@ -30,6 +30,8 @@ MAX_INCIDENTS_IN_MEMORY = 10_000
 
 #: Hang kinds keyed by a slot, closed once every waiting rank has left that slot.
 SLOT_KINDS = (IncidentKind.STUCK_COLLECTIVE, IncidentKind.EARLY_EXIT, IncidentKind.TRANSPORT_STALL)
+#: Incidents whose ranks' later deaths are their aftermath (torch's watchdog aborts hung ranks).
+HANG_FAMILIES = (KeyFamily.STUCK.value, KeyFamily.EARLY.value, KeyFamily.STALL.value)
 
 StackRequester = Callable[[list[r.Target], bool, Callable[[dict[int, r.StackDump]], None]], None]
 IncidentListener = Callable[[Incident], None]
@@ -92,12 +94,19 @@ class Engine:
                 for inc in self.incidents.values()
                 if key_family(inc.key) == KeyFamily.MISMATCH.value
             }
+            hangs = {
+                rank: inc.key
+                for inc in self.incidents.values()
+                if inc.status == "open" and key_family(inc.key) in HANG_FAMILIES
+                for rank in inc.culprit_ranks + inc.waiting_ranks
+            }
             ctx = Context(
                 now=now,
                 stuck_after=self.stuck_threshold(),
                 silence_after=self.silence_after,
                 claimed=claimed,
                 mismatched=mismatched,
+                hangs=hangs,
                 changes=self.job.take_changes(),
                 cache=self.cache,
             )

@@ -456,8 +456,10 @@ class JobState:
         read after the return that shows everything enqueued completed settles it whatever the
         numbering (so a seq that torch counts differently never holds a call open)."""
         progress = state.progress.get(call.group)
-        if progress is None or call.kind is not r.OpKind.COLLECTIVE or call.source != "python":
-            return False  # (records made from Flight Recorder entries carry their own completion)
+        if progress is None or call.kind is not r.OpKind.COLLECTIVE or call.source != "python" or call.async_op:
+            # records made from Flight Recorder entries carry their own completion, and an async
+            # call's exit is its work's completion (the hook polls it), not its return
+            return False
         if now - state.progress_seen > PROGRESS_FRESH_S:
             return False
         if call.seq + max(1, seq_count) - 1 <= progress.completed:

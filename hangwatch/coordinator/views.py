@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from hangwatch import records as r
@@ -58,6 +59,8 @@ def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]
         "completion": "device" if st.progress else "host",
         "host_returned": blocked.returned_time if blocked is not None else None,
         "timeout_at": _timeout_at(st, blocked),
+        # its GPUs as the node agent's NVML saw them (empty on CPU nodes or without the gpu extra)
+        "gpus": [dataclasses.asdict(g) for g in st.proc.gpus] if st.proc is not None else [],
     }
 
 

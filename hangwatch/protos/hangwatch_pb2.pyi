@@ -362,7 +362,7 @@ class Target(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., start_time: _Optional[float] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class ProcStatus(_message.Message):
-    __slots__ = ("pid", "state", "time", "start_time", "cpu_percent", "rss_bytes", "num_threads", "exit_code", "signal", "oom_killed")
+    __slots__ = ("pid", "state", "time", "start_time", "cpu_percent", "rss_bytes", "num_threads", "exit_code", "signal", "oom_killed", "gpus")
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class ProcStatus(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
     pid: int
     state: str
     time: float
@@ -383,7 +384,32 @@ class ProcStatus(_message.Message):
     exit_code: int
     signal: int
     oom_killed: bool
-    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., time: _Optional[float] = ..., start_time: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., num_threads: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., oom_killed: _Optional[bool] = ...) -> None: ...
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuStatus]
+    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., time: _Optional[float] = ..., start_time: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., num_threads: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., oom_killed: _Optional[bool] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ...) -> None: ...
+
+class GpuStatus(_message.Message):
+    __slots__ = ("index", "uuid", "name", "utilization", "memory_used", "memory_total", "process_memory", "ecc_uncorrected", "xid", "xid_time")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ECC_UNCORRECTED_FIELD_NUMBER: _ClassVar[int]
+    XID_FIELD_NUMBER: _ClassVar[int]
+    XID_TIME_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    utilization: int
+    memory_used: int
+    memory_total: int
+    process_memory: int
+    ecc_uncorrected: int
+    xid: int
+    xid_time: float
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., utilization: _Optional[int] = ..., memory_used: _Optional[int] = ..., memory_total: _Optional[int] = ..., process_memory: _Optional[int] = ..., ecc_uncorrected: _Optional[int] = ..., xid: _Optional[int] = ..., xid_time: _Optional[float] = ...) -> None: ...
 
 class FrameMsg(_message.Message):
     __slots__ = ("function", "filename", "line", "native")

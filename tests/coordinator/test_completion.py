@@ -115,6 +115,14 @@ def test_records_made_from_flight_recorder_keep_their_own_completion() -> None:
     assert rec.exit_time == T0 + 1.4
 
 
+def test_an_async_call_s_exit_is_its_completion() -> None:
+    """``async_op=True``: the hook reports the exit when ``work.is_completed()``, on the GPU."""
+    sim = _nccl_job()
+    rec = sim.call(0, T0 + 1, seq=1, async_op=True)
+    sim.exit(rec, T0 + 1.3)
+    assert rec.exit_time == T0 + 1.3
+
+
 def test_failed_and_p2p_calls_are_not_held() -> None:
     sim = _nccl_job()
     failed = sim.call(0, T0 + 1, seq=1)

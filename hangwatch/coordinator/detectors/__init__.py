@@ -58,6 +58,9 @@ class Context:
     silence_after: float  # seconds without a heartbeat before a live rank is frozen
     claimed: set[SlotId] = field(default_factory=set)  # slots already explained by an incident
     mismatched: set[SlotId] = field(default_factory=set)  # slots where ranks called different things
+    #: ranks in an open hang incident (stuck, early exit, transport stall) -> its key: a death of
+    #: one of them afterwards (NCCL's watchdog aborting at its timeout) is that hang's aftermath
+    hangs: dict[int, str] = field(default_factory=dict)
     changes: Changes = field(default_factory=Changes)  # what changed since the last tick
     cache: DetectorCache = field(default_factory=new_cache)  # the engine's; fresh: recompute all
 

@@ -20,7 +20,7 @@ from hangwatch.coordinator.detectors import Context, SlotId
 from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.state import JobState, RankState
-from hangwatch.wording import describe_call, format_ranks
+from hangwatch.wording import describe_call, format_ranks, gpu_faults
 
 CLEAN = (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
 #: Signals a launcher or scheduler sends to stop a whole job.
@@ -117,12 +117,12 @@ def _death_text(state: RankState) -> str:
             how = f"its process was killed by {_signal_name(proc.signal)} (signal {proc.signal})"
         elif proc is not None and proc.exit_code is not None:
             how = f"its process exited with code {proc.exit_code}"
-        return how
+        return how + gpu_faults(proc)
     where = f" at {end.call_site}" if end.call_site else ""
     if end.kind is r.EndKind.EXCEPTION:
-        return f"it raised {end.detail}{where}"
+        return f"it raised {end.detail}{where}{gpu_faults(state.proc)}"
     if end.kind is r.EndKind.SIGNAL:
-        return f"it received {end.detail}{where}"
+        return f"it received {end.detail}{where}{gpu_faults(state.proc)}"
     return f"it ended ({end.kind.value}){where}"
 
 
@@ -163,7 +163,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     affected = sorted(st.rank for _, st in ended[1:]) + sorted(st.rank for st in running)
     last = first.last_call
     in_call = f" inside {describe_call(last)}" if last is not None and last.exit_time is None else ""
-    exit_details = {
+    exit_details: dict[str, object] = {
         "kind": first.end.kind.value if first.end else "vanished",
         "detail": first.end.detail if first.end else "",
         "call_site": first.end.call_site if first.end else "",
@@ -195,6 +195,28 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 step=first.step,
                 details=details,
                 aftermath_of=incident_key(KeyFamily.MISMATCH, group=behind[0], seq=behind[1]),
+            )
+        ]
+    hang = ctx.hangs.get(first.rank)
+    if hang is not None:
+        # The rank was part of a hang already diagnosed (waiting in it, or its culprit): its death
+        # now (NCCL's watchdog aborting at torch's timeout, the launcher giving up, a NCCL error
+        # the hang surfaced) is that hang's aftermath, told in its incident, not a new root cause.
+        return [
+            Finding(
+                kind=IncidentKind.RANK_DIED,
+                key=incident_key(KeyFamily.DIED, session=first.identity.session),
+                culprit_ranks=[first.rank],
+                waiting_ranks=affected,
+                summary=f"rank {first.rank} then died: {_death_text(first)}{in_call}",
+                hint="",
+                onset_time=first_time,
+                op=last.op if last else "",
+                group=last.group if last else "",
+                seq=last.seq if last else 0,
+                step=first.step,
+                details=details,
+                aftermath_of=hang,
             )
         ]
     summary = f"rank {first.rank} died: {_death_text(first)}{in_call}"

@@ -25,7 +25,7 @@ from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.state import JobState, RankState, Slot
-from hangwatch.wording import describe_call, doing, format_ranks
+from hangwatch.wording import describe_call, doing, format_ranks, gpu_load
 
 EARLY_EXIT_HINT = (
     "Stop every rank at the same step: make the stop decision collectively (all_reduce the stop "
@@ -186,6 +186,10 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         details["host"] = {str(rk): text for rk, text in device[1].items()}
     if device and device[2]:
         details["timeout_at"] = device[2]
+    load = gpu_load({rk: st.proc for rk in members or waiting if (st := job.ranks.get(rk)) is not None})
+    if load:
+        details["gpus"] = load
+        device = (f"{device[0]}; GPUs: {load}", device[1], device[2]) if device else (f"GPUs: {load}", {}, 0.0)
 
     if not absent:
         if not members:

@@ -6,11 +6,10 @@ from the former test_detectors.py, one file per detector module.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hangwatch.coordinator.detectors import ends, frozen, mismatch, stuck
-from hangwatch.records import (
-    EndKind,
-    ProcState,
-)
+from hangwatch.records import EndKind, GpuStatus, ProcState
 from tests.factories import T0, SimJob, only, open_incidents
 
 
@@ -288,3 +287,44 @@ def test_job_stopped_while_every_rank_is_inside_a_collective_is_not_a_stall() ->
     for now in (T0 + 10.6, T0 + 14, T0 + 30):
         assert stuck.detect(sim.job, sim.ctx(now, stuck_after=3.0)) == []
         assert engine.tick(now) == []
+
+
+def _hung(n: int = 3) -> tuple[SimJob, Any]:
+    """Ranks 0 and 2 wait in all_reduce seq 2; rank 1 never comes (busy saving): one stuck incident."""
+    sim = SimJob(n)
+    sim.collective(1, T0 + 1)
+    for rk in (0, 2):
+        sim.call(rk, T0 + 2, seq=2)
+    engine = sim.engine()
+    sim.beat(T0 + 20, where_user="train.py:90 in save_checkpoint")
+    (inc,) = engine.tick(T0 + 20)
+    assert inc.kind == "stuck_collective" and inc.culprit_ranks == [1]
+    return sim, (engine, inc)
+
+
+def test_the_watchdog_aborting_hung_ranks_is_the_hang_s_aftermath() -> None:
+    """torch's NCCL watchdog times the waiting ranks out (10 min) and aborts them (SIGABRT): that
+    ends the story hangwatch told minutes earlier; it is not a new root cause."""
+    sim, (engine, inc) = _hung()
+    gpu = GpuStatus(0, name="NVIDIA H100", utilization=100, xid=79, xid_time=T0 + 600)
+    _gone(sim, 0, T0 + 602, signal=SIGABRT, gpus=(gpu,))
+    sim.end(2, EndKind.EXCEPTION, T0 + 602.1, "DistBackendError: [Rank 2] Watchdog caught collective operation timeout")
+    for now in (T0 + 603, T0 + 606, T0 + 640):
+        sim.beat(now, ranks=[1])
+        assert engine.tick(now) == []
+    assert [i.kind for i in engine.incidents.values()] == ["stuck_collective"]
+    aftermath = inc.details["aftermath"]
+    assert aftermath["ranks"] == [0] and aftermath["exit"]["signal"] == SIGABRT
+    assert "rank 0 then died: its process was killed by SIGABRT (signal 6)" in inc.summary
+    assert "its GPU 0 (NVIDIA H100) reported Xid 79 at" in inc.summary
+
+
+def test_a_rank_aborted_with_no_hang_diagnosed_is_its_own_incident() -> None:
+    """The look-alike: the same abort, no hang open (a NCCL error out of the blue)."""
+    sim = SimJob(3)
+    sim.collective(1, T0 + 1)
+    engine = sim.engine()
+    _gone(sim, 0, T0 + 5, signal=SIGABRT)
+    sim.beat(T0 + 8, ranks=[1, 2])
+    (inc,) = engine.tick(T0 + 8)
+    assert inc.kind == "rank_died" and inc.culprit_ranks == [0]
