@@ -33,9 +33,9 @@ typecheck: setup
 protos: setup
 	$(BIN)/python scripts/generate_protos.py
 
-# The edit loop: tests that start no job and run no flood or fuzz campaign (about 20 s).
+# The edit loop: tests that start no job and run no flood or fuzz campaign (about 25 s on 2 cores).
 unit: setup
-	$(BIN)/pytest -q -m "not slow and not soak"
+	$(BIN)/pytest -q -n 2 -m "not slow and not soak"
 
 # Two workers, one test file each at a time (a file's jobs share its module fixtures): the jobs
 # mostly wait (on detection thresholds, on gloo), so two at once fit 2 cores (8 min vs 12 serial).

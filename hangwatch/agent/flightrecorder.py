@@ -239,6 +239,7 @@ class _Watched:
     whole_at: float = 0.0  # when the NCCL ring was last read whole
     probed: dict[str, Any] | None = None  # the NCCL ring's pg_status as the last probe found it
     timeouts: dict[str, int] = field(default_factory=dict)  # group -> timeout_ms seen in entries
+    described: set[str] = field(default_factory=set)  # groups a whole read saw with collectives
 
 
 class RingFetcher:
@@ -317,6 +318,8 @@ class RingFetcher:
             status = enqueued(rings)
             if not status:
                 return False
+            if any(seq > 0 and group not in watched.described for group, seq in status.items()):
+                return False  # a group no whole read saw with collectives yet: its entries tell its timeout
             since: dict[str, tuple[int, int]] = {}
             for group, seq in status.items():
                 before = watched.read_to.get(group, 0)
@@ -354,6 +357,8 @@ class RingFetcher:
         watched.read_to = {**(watched.read_to or {}), **enqueued(rings)}
         if "nccl" in names:
             watched.whole_at = asked
+            nccl_seqs = enqueued({"nccl": rings.get("nccl", {})})
+            watched.described.update(group for group, seq in nccl_seqs.items() if seq > 0)
         nccl = rings.get("nccl") if "nccl" in names else watched.probed
         progress = [] if nccl is None else progress_of(nccl, watched.timeouts)
         return Fetched(asked, entries_of(rings), [dataclasses.replace(p, time=asked) for p in progress])
