@@ -8,8 +8,10 @@ coordinator with its embedded node agent; one-rank NCCL jobs attach to it, as a 
 2. the agent path: the rank links to the agent (``via`` agent), its records arrive, and a DDP
    step's bucket all-reduces are (or are not) seen;
 3. a collective held back on its stream (``torch.cuda._sleep``) while the host thread blocks in
-   ``.item()``: what ``status`` says meanwhile, and the NCCL Flight Recorder ring read by the
-   agent through the rank's worker server (the socket's pid checked), with its entries' states.
+   ``.item()``: what ``status`` says meanwhile (expected: ``waiting`` in the all_reduce, with
+   ``completion`` "device", ``host_returned`` set and torch's ``timeout_at``: the call stays
+   open from its enqueue to its completion on the GPU), and the NCCL Flight Recorder ring read by
+   the agent through the rank's worker server (the socket's pid checked), with its entries' states.
 
 Everything it sees goes to ``OUTDIR/agent_check.json`` (and the job logs beside it).
 """
@@ -164,7 +166,15 @@ def main() -> int:
     finally:
         c.stop()
         (out / "agent_check.json").write_text(json.dumps(result, indent=1, default=str))
-    shown = ("cost", "ops_seen", "ring_read_ms", "ring_full_read_ms", "fetcher", "ranks_steady")
+    blocked = (result.get("ranks_blocked") or [{}])[0]
+    result["checks"] = {
+        "held_on_the_gpu": blocked.get("state") == "waiting" and blocked.get("completion") == "device",
+        "host_returned_known": bool(blocked.get("host_returned")),
+        "timeout_known": bool(blocked.get("timeout_at")),
+        "no_incident": not result.get("incidents"),
+    }
+    (out / "agent_check.json").write_text(json.dumps(result, indent=1, default=str))
+    shown = ("cost", "ops_seen", "ring_read_ms", "ring_full_read_ms", "fetcher", "ranks_steady", "checks")
     print(json.dumps({k: result.get(k) for k in shown}, default=str))
     return 0
 
