@@ -33,11 +33,31 @@ class Checked:
     size: int = 0
 
 
+#: Distinct mismatches remembered for their repeats (a loop repeating one mismatch is one incident).
+FIRSTS_KEPT = 1024
+
+
+@dataclass
+class First:
+    """The first slot where a mismatch was seen, and how often it came back at later slots."""
+
+    key: str
+    seq: int
+    summary: str
+    culprits: list[int]
+    waiting: list[int]
+    repeats: int = 0
+    last_seq: int = 0
+    last_step: int = 0
+
+
 @dataclass
 class MismatchCache:
     """What ``detect`` remembers between ticks (engine-owned; see detectors/__init__.py)."""
 
     membership: list[Finding] | None = None  # group membership findings; None: compare again
+    #: each distinct mismatch (kind, group, the calls as described) -> where it was first seen
+    firsts: collections.OrderedDict[tuple[object, ...], First] = field(default_factory=collections.OrderedDict)
     #: per group, per seq: the last check of each slot still in the job state (slots pruned
     #: from the state are let go at the next tick that touches their group)
     checked: dict[str, collections.OrderedDict[int, Checked]] = field(default_factory=dict)
@@ -118,10 +138,27 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                     f"a final barrier while rank{'s' if len(others) > 1 else ''} {format_ranks(agreeing)} "
                     f"entered {other_op} (group {group}, seq {seq}) at step {step}: {mismatch.summary}"
                 )
+        key = incident_key(KeyFamily.MISMATCH, group=group, seq=seq)
+        signature = (kind, group, frozenset(mismatch.details.values()))
+        first = cache.firsts.get(signature)
+        if first is not None and first.seq != seq:
+            # The same mismatch again at a later slot (a loop repeating it: gloo carries on after
+            # a reduce-op mismatch): one root cause, one incident, which counts the repeats.
+            if seq > first.last_seq:
+                first.repeats += 1
+                first.last_seq, first.last_step = seq, step
+            findings.append(_repeat(first, kind, group, slot.calls[culprit[0]].op, step))
+            continue
+        if first is None:
+            cache.firsts[signature] = First(key, seq, summary, culprit, agreeing)
+            while len(cache.firsts) > FIRSTS_KEPT:
+                cache.firsts.popitem(last=False)
+        else:  # the first slot again, with more ranks in it
+            first.summary, first.culprits, first.waiting = summary, culprit, agreeing
         findings.append(
             Finding(
                 kind=kind,
-                key=incident_key(KeyFamily.MISMATCH, group=group, seq=seq),
+                key=key,
                 culprit_ranks=culprit,
                 waiting_ranks=agreeing,
                 summary=summary,
@@ -138,6 +175,25 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     if changed:
         cache.forget_pruned(job, {group for group, _ in changed})
     return findings
+
+
+def _repeat(first: First, kind: IncidentKind, group: str, op: str, step: int) -> Finding:
+    times = "time" if first.repeats == 1 else "times"
+    return Finding(
+        kind=kind,
+        key=first.key,
+        culprit_ranks=first.culprits,
+        waiting_ranks=first.waiting,
+        summary=f"{first.summary}; the same mismatch came back {first.repeats} {times} since, the latest at seq "
+        f"{first.last_seq} (step {first.last_step})",
+        hint="",
+        onset_time=0.0,
+        op=op,
+        group=group,
+        seq=first.seq,
+        step=step,
+        details={"repeats": {"count": first.repeats, "last_seq": first.last_seq, "last_step": first.last_step}},
+    )
 
 
 def _group_membership(job: JobState) -> list[Finding]:

@@ -113,3 +113,38 @@ def test_group_membership_mismatch() -> None:
     engine.tick(T0 + 2)
     engine.tick(T0 + 3)
     assert [inc.kind for inc in engine.incidents.values()] == ["arg_mismatch"]
+
+
+def test_a_mismatch_repeated_every_step_is_one_incident_that_counts_its_repeats() -> None:
+    """Rank 1 reduces its metric with MAX where the others SUM, every step; gloo carries on (the
+    results are silently wrong). One root cause: one incident, which says how often it came back."""
+    sim = SimJob(3)
+    engine = sim.engine()
+    opened = []
+    for step in range(1, 9):
+        t = T0 + step
+        for rk in range(3):
+            record = sim.call(rk, t, seq=step, reduce_op="max" if rk == 1 else "sum", step=step)
+            sim.exit(record, t + 0.01)
+        opened += engine.tick(t + 0.5)
+    assert [i.kind for i in opened] == ["arg_mismatch"]
+    (inc,) = engine.incidents.values()
+    assert inc.culprit_ranks == [1] and inc.seq == 1
+    assert inc.details["repeats"] == {"count": 7, "last_seq": 8, "last_step": 8}
+    assert "the same mismatch came back 7 times since, the latest at seq 8 (step 8)" in inc.summary
+
+
+def test_a_different_mismatch_later_is_its_own_incident() -> None:
+    """The look-alike: a reduce-op mismatch, then later a shape mismatch on another rank."""
+    sim = SimJob(3)
+    engine = sim.engine()
+    for rk in range(3):
+        sim.exit(sim.call(rk, T0 + 1, seq=1, reduce_op="max" if rk == 1 else "sum"), T0 + 1.01)
+    engine.tick(T0 + 1.5)
+    for rk in range(3):
+        sim.exit(sim.call(rk, T0 + 2, seq=2, reduce_op="sum", shape=(5,) if rk == 2 else (4,)), T0 + 2.01)
+    engine.tick(T0 + 2.5)
+    assert sorted((i.kind, tuple(i.culprit_ranks)) for i in engine.incidents.values()) == [
+        ("arg_mismatch", (1,)),
+        ("shape_mismatch", (2,)),
+    ]
