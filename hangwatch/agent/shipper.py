@@ -132,12 +132,14 @@ class Shipper:
         clock: Callable[[], float] = time.time,
         heartbeat_s: float = 1.0,
         flight_recorder: RingFetcher | None = None,
+        mono: Callable[[], float] = time.monotonic,
     ) -> None:
         self.server = server
         self.intake = intake
         self.host = host
         self.inspector = inspector
         self.clock = clock
+        self.mono = mono
         self.heartbeat_s = heartbeat_s
         self.fetcher = flight_recorder if flight_recorder is not None else RingFetcher(clock=clock)
         self._ranks: dict[int, _Rank] = {}  # by id(link)
@@ -288,6 +290,7 @@ class Shipper:
             session=ident.session,
             batch_seq=state.batch_seq,
             sent_time=now,  # read now, on the coordinator's clock's host: no transit to net out
+            mono_time=self.mono(),  # a step of this host's wall clock shows in sent_time - mono_time
             dropped=state.link.reader.lost,
         )
         status = state.link.reader.status()

@@ -104,6 +104,7 @@ class Transport:
             session=identity.session,
             batch_seq=batch_seq,
             sent_time=time.time(),
+            mono_time=time.monotonic(),
             queued=queued,
             dropped=dropped,
             where=where,

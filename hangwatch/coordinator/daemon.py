@@ -320,6 +320,7 @@ class Coordinator:
                 events,
                 now=now,
                 sent_time=batch.sent_time,
+                mono_time=batch.mono_time,
                 alive_time=batch.alive_time,
                 held_s=batch.relay_held_s,
                 relay=relay,

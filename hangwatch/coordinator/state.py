@@ -32,6 +32,9 @@ DURATIONS_KEPT = 512
 ARRIVALS_KEPT = 32
 OFFSET_SAMPLES = 32  # clock-offset samples per rank (batches: 6-64 s of them)
 CLOCK_STEP_S = 30.0  # a sample this far from the estimate means the rank's clock was stepped
+#: A change of (wall - monotonic) between two batches of a rank larger than this is a step of its
+#: wall clock (NTP stepping it, a VM resumed): slewing moves it by under a millisecond a second.
+CLOCK_JUMP_S = 0.25
 #: A rank's device progress (NCCL) is believed while it keeps coming (the agent sends it on every
 #: read of the ring, about once a second). Older than this, completion is no longer watched: the
 #: calls it held open are taken as complete when they returned, as on a backend without it, so
@@ -45,6 +48,8 @@ class RankState:
     registered_at: float
     last_seen: float
     clock_offset: float = 0.0  # coordinator time minus rank time (see observe_clock)
+    wall_skew: float | None = None  # the rank's wall minus monotonic clock at its latest batch
+    clock_steps: int = 0  # steps of the rank's wall clock seen
     offset_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
     step: int = 0
     step_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=64))
@@ -80,17 +85,34 @@ class RankState:
     def rank(self) -> int:
         return self.identity.rank
 
-    def observe_clock(self, arrival: float, sent_time: float, held_s: float = 0.0) -> None:
+    def observe_clock(self, arrival: float, sent_time: float, held_s: float = 0.0, mono_time: float = 0.0) -> float:
         """Estimate the rank's clock offset from a batch sent at ``sent_time`` (rank clock) that
         arrived at ``arrival`` (coordinator clock) after ``held_s`` in a relay. Each sample is the
         true offset plus the batch's transit and queueing delay, so the estimate is the smallest
         recent sample: a batch that waited in a busy coordinator's queue does not shift the
-        rank's times (which would make it look like a straggler)."""
+        rank's times (which would make it look like a straggler).
+
+        A step of the rank's wall clock is seen exactly where the batch carries the sender's
+        monotonic clock (``mono_time``): ``sent_time - mono_time`` moves by the step, and the
+        estimate starts afresh. Without it, only a sample ``CLOCK_STEP_S`` from the estimate is
+        taken for a step. Returns the offset to map this batch's events with: the larger of the
+        old and new estimates across a step, since its events may have been stamped on either
+        side of it, and a time mapped too late only delays a judgement where one mapped too
+        early makes a wait look longer than it is."""
         sample = arrival - sent_time - max(0.0, held_s)
-        if self.offset_samples and abs(sample - self.clock_offset) > CLOCK_STEP_S:
+        before = self.clock_offset
+        stepped = bool(self.offset_samples) and abs(sample - before) > CLOCK_STEP_S
+        if mono_time:
+            skew = sent_time - mono_time
+            if self.wall_skew is not None and abs(skew - self.wall_skew) > CLOCK_JUMP_S:
+                stepped = bool(self.offset_samples)
+            self.wall_skew = skew
+        if stepped:
             self.offset_samples.clear()  # the rank's clock was stepped (or set): start afresh
+            self.clock_steps += 1
         self.offset_samples.append(sample)
         self.clock_offset = min(self.offset_samples)
+        return max(before, self.clock_offset) if stepped else self.clock_offset
 
     def to_local(self, rank_time: float) -> float:
         return rank_time + self.clock_offset
@@ -240,6 +262,7 @@ class JobState:
         sent_time: float = 0.0,
         alive_time: float = 0.0,
         held_s: float = 0.0,
+        mono_time: float = 0.0,
         relay: str = "",
         queued: int = 0,
         dropped: int = 0,
@@ -261,12 +284,16 @@ class JobState:
             return None
         state.last_seen = now
         state.relay = relay
+        settled_offset = None
         if sent_time:
-            state.observe_clock(now, sent_time, held_s)
+            batch_offset = state.observe_clock(now, sent_time, held_s, mono_time)
             # what the batch proves the rank had not done yet holds up to when the rank itself was
             # last seen alive: a node agent reads a frozen rank's ring as well as a live one's
+            # (stamped as it left: on the rank's clock as it is now, whatever it was before)
             proven = min(sent_time, alive_time) if alive_time else sent_time
             state.last_sent = max(state.last_sent, proven + state.clock_offset)
+            if batch_offset != state.clock_offset:
+                settled_offset, state.clock_offset = state.clock_offset, batch_offset  # for this batch
         state.queued = queued
         state.dropped = dropped
         state.where = where
@@ -282,6 +309,8 @@ class JobState:
                 result.failed += 1
                 if result.error is None:
                     result.error = exc
+        if settled_offset is not None:
+            state.clock_offset = settled_offset
         return result
 
     def take_changes(self) -> Changes:
