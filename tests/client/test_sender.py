@@ -350,11 +350,18 @@ def test_reregister_when_the_coordinator_asks_and_resend_the_same_batch(rig: Cal
     t.start()
     wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
     steps = t.put_steps(2)
-    wait_for(lambda: len(t.transport.reports()) == 3, WAIT_S, 0.002, "the batch resent")
-    assert t.transport.kinds() == ["register", "report", "report", "register", "report"]
-    first, again = t.transport.reports()[1:]
-    assert first.events == again.events == steps
+    # (a busy machine may let the sender read the ring between the two puts: a later batch then
+    # carries the second step)
+    wait_for(lambda: len(t.transport.reports()) >= 3, WAIT_S, 0.002, "the batch resent")
+    assert t.transport.kinds()[:5] == ["register", "report", "report", "register", "report"]
+    first, again = t.transport.reports()[1:3]
+    assert first.events == again.events == steps[: len(first.events)] and first.events
     assert (first.batch_seq, again.batch_seq) == (2, 3)
+
+    def delivered() -> list[r.RankEvent]:
+        return [e for rep in t.transport.reports()[2:] for e in rep.events]
+
+    wait_for(lambda: delivered() == steps, WAIT_S, 0.002, "every step delivered once")
     assert t.sender.send_failures == 0  # asked, not failed: no back-off either
     assert len(t.transport.registers()) == 2 and t.transport.registers()[1] == START
 

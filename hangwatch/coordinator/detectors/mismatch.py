@@ -139,7 +139,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                     f"entered {other_op} (group {group}, seq {seq}) at step {step}: {mismatch.summary}"
                 )
         key = incident_key(KeyFamily.MISMATCH, group=group, seq=seq)
-        signature = (kind, group, frozenset(mismatch.details.values()))
+        # the same calls disagreeing the same way, in the same processes (a rerun is news)
+        members = job.members(group) or tuple(slot.calls)
+        sessions = frozenset(st.identity.session for rk in members if (st := job.ranks.get(rk)) is not None)
+        signature = (kind, group, frozenset(mismatch.details.values()), sessions)
         first = cache.firsts.get(signature)
         if first is not None and first.seq != seq:
             # The same mismatch again at a later slot (a loop repeating it: gloo carries on after
