@@ -22,7 +22,12 @@ A row says:
   (None for p2p rows, matched send against recv, and markers);
 - ``check``: the name of the single-call ("intrinsic") check in
   ``hangwatch.coordinator.rules.checks.CHECKS``, which verifies at import that every name
-  given here is registered.
+  given here is registered;
+- ``uneven_seqs``: the backend numbers the call differently on different ranks (gloo's
+  ``monitored_barrier`` is sends and receives to and from the group's rank 0, counted as
+  collectives: 2x(size-1) seqs there, 2 on the others, and torch's numbering, Flight Recorder's
+  included, stays shifted after it); the coordinator lines the ranks up again
+  (``JobState``'s seq shifts).
 
 Import cost: this module imports nothing beyond the standard library (the hook imports it in
 every rank). Rows are validated at import: a collective without an :class:`Agree`, a
@@ -82,6 +87,7 @@ class Op:
     objects: bool = False
     agree: Agree | None = None
     check: str | None = None
+    uneven_seqs: bool = False
 
     def __post_init__(self) -> None:
         p2p = self.kind is Kind.P2P
@@ -263,7 +269,7 @@ OPS: tuple[Op, ...] = (
     Op(
         "barrier", Kind.BARRIER, api=("barrier",), aliases=("all_reduce_barrier",), fr_names=("barrier",), agree=Agree()
     ),
-    Op("monitored_barrier", Kind.BARRIER, api=("monitored_barrier",), agree=Agree()),
+    Op("monitored_barrier", Kind.BARRIER, api=("monitored_barrier",), agree=Agree(), uneven_seqs=True),
     # Point-to-point: a send is matched with the recv of the same pair seq (rules.match_p2p).
     Op("send", Kind.P2P, api=("send",), fr_names=("send",), direction=Direction.SEND),
     Op("recv", Kind.P2P, api=("recv",), fr_names=("recv",), direction=Direction.RECV),
@@ -320,6 +326,12 @@ def _aliases() -> dict[str, str]:
 
 #: Every spelling (normalised) -> the canonical name.
 ALIASES: dict[str, str] = _aliases()
+
+
+def uneven_seqs(op: str) -> bool:
+    """Whether the backend numbers ``op`` differently on different ranks (see ``uneven_seqs``)."""
+    row = BY_NAME.get(canonical_op(op))
+    return row is not None and row.uneven_seqs
 
 
 def canonical_op(op: str) -> str:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hangwatch import catalogue
 from hangwatch import records as r
 from hangwatch.flight_entries import ENTRY_CALL_IDS
 
@@ -35,6 +36,19 @@ CLOCK_STEP_S = 30.0  # a sample this far from the estimate means the rank's cloc
 #: A change of (wall - monotonic) between two batches of a rank larger than this is a step of its
 #: wall clock (NTP stepping it, a VM resumed): slewing moves it by under a millisecond a second.
 CLOCK_JUMP_S = 0.25
+#: gloo's monitored_barrier: seqs it takes on every rank but the group's rank 0 (a send, a recv)
+UNEVEN_SEQS_ELSEWHERE = 2
+SEQ_SHIFTS_KEPT = 64
+
+
+def _shift_at(shifts: list[tuple[int, int]], raw: int) -> int:
+    """The shift in force for torch's seq ``raw``: that of the last breakpoint before it."""
+    for after, total in reversed(shifts):
+        if raw > after:
+            return total
+    return 0
+
+
 #: A rank's device progress (NCCL) is believed while it keeps coming (the agent sends it on every
 #: read of the ring, about once a second). Older than this, completion is no longer watched: the
 #: calls it held open are taken as complete when they returned, as on a backend without it, so
@@ -74,6 +88,9 @@ class RankState:
     #: Recorder entries (made again by a new agent, they are the same records: dropped)
     last_call_id: int = 0
     entry_seqs: dict[str, int] = field(default_factory=dict)
+    #: per group: (last raw seq of a monitored_barrier this rank numbered unevenly, the total to
+    #: take off torch's seqs after it), oldest first (see ``JobState._shift_after``)
+    seq_shifts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     #: per group: where its collectives stand on the device (NCCL), read by the node agent from
     #: the rank's Flight Recorder ring (times on the coordinator's clock), and when the latest
     #: arrived (coordinator time). While it is fresh, a collective on the group is open from its
@@ -386,6 +403,9 @@ class JobState:
         else:
             state.entry_seqs[group] = seq
         self.records_received += 1
+        shifts = state.seq_shifts.get(group) if state.seq_shifts else None
+        if shifts and call.kind is not r.OpKind.P2P:
+            seq = call.seq = seq - _shift_at(shifts, seq)  # torch's numbering, lined up again
         offset = state.clock_offset
         enter = call.enter_time = call.enter_time + offset
         done = call.exit_time is not None
@@ -462,6 +482,8 @@ class JobState:
         if done and call.error is None:  # reported already complete
             self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
             self._prune(group, seq, members)
+        if done and call.seq_count > UNEVEN_SEQS_ELSEWHERE and catalogue.uneven_seqs(call.op):
+            self._shift_after(state, call)
 
     def _exit(self, state: RankState, done: r.CallExit, now: float) -> None:
         call = state.open_calls.get(done.call_id)
@@ -469,11 +491,24 @@ class JobState:
         if call is None:
             return
         call.seq_count = done.seq_count
+        if done.seq_count > UNEVEN_SEQS_ELSEWHERE and catalogue.uneven_seqs(call.op):
+            self._shift_after(state, call)
         when = state.to_local(done.exit_time)
         if state.progress and done.error is None and self.awaits_completion(state, call, done.seq_count, when, now):
             call.returned_time = when  # enqueued: open until the device completes it
             return
         self._close(state, call, when, done.error)
+
+    def _shift_after(self, state: RankState, call: r.CallRecord) -> None:
+        """``call`` (gloo's monitored_barrier, the group's rank 0) took ``seq_count`` of torch's
+        seqs where the other ranks took 2: from its end on, this rank's seqs (Python's and
+        Flight Recorder's alike: both follow torch's counter) are numbered back by the excess."""
+        shifts = state.seq_shifts.setdefault(call.group, [])
+        before = shifts[-1][1] if shifts else 0
+        raw_last = call.seq + before + call.seq_count - 1
+        shifts.append((raw_last, before + call.seq_count - UNEVEN_SEQS_ELSEWHERE))
+        del shifts[:-SEQ_SHIFTS_KEPT]
+        call.seq_count = UNEVEN_SEQS_ELSEWHERE
 
     # ---- device progress (NCCL) -------------------------------------------------------------
 

@@ -6,13 +6,14 @@ from the former test_detectors.py, one file per detector module.
 
 from __future__ import annotations
 
+from hangwatch import records as r
 from hangwatch.coordinator.detectors import mismatch
 from hangwatch.records import (
     GroupEvent,
     GroupEventKind,
     GroupInfo,
 )
-from tests.factories import F64, T0, SimJob, only
+from tests.factories import F64, T0, SimJob, call, only
 
 
 def test_early_exit_final_barrier_in_mismatch() -> None:
@@ -148,3 +149,37 @@ def test_a_different_mismatch_later_is_its_own_incident() -> None:
         ("arg_mismatch", (1,)),
         ("shape_mismatch", (2,)),
     ]
+
+
+def test_monitored_barrier_numbered_unevenly_by_gloo_is_lined_up_again() -> None:
+    """gloo's monitored_barrier is sends and receives to and from rank 0, which torch counts as
+    collectives: rank 0's numbering moves by 2x(world-1), the others' by 2 (measured, torch 2.13,
+    3 ranks: seqs after it are 6 on rank 0 and 4 on ranks 1 and 2). Calls after it still line up,
+    including Flight Recorder's records of C++-issued ones (the same counter)."""
+    sim = SimJob(3)
+    engine = sim.engine()
+    for rk in range(3):
+        sim.exit(sim.call(rk, T0 + 1, seq=1), T0 + 1.01)
+        barrier = sim.call(rk, T0 + 2, op="monitored_barrier", seq=2, shape=None)
+        sim.apply(r.CallExit(rk, barrier.call_id, T0 + 2.01, None, 4 if rk == 0 else 2), T0 + 2.01)
+        raw = 6 if rk == 0 else 4
+        sim.exit(sim.call(rk, T0 + 3, seq=raw), T0 + 3.01)
+        bucket = call(rk, raw + 1, enter_time=T0 + 4, exit_time=T0 + 4.01, call_id=(1 << 62) + raw + 1,
+                      source="flight_recorder")  # fmt: skip
+        sim.apply(bucket, T0 + 4.02)
+    assert engine.tick(T0 + 5) == []
+    assert sorted(sim.job.slots["0"]) == [1, 2, 4, 5]
+    assert all(len(slot.calls) == 3 for slot in sim.job.slots["0"].values())
+
+
+def test_a_hang_after_a_monitored_barrier_blames_the_rank_that_is_missing() -> None:
+    sim = SimJob(3)
+    engine = sim.engine()
+    for rk in range(3):
+        barrier = sim.call(rk, T0 + 1, op="monitored_barrier", seq=1, shape=None)
+        sim.apply(r.CallExit(rk, barrier.call_id, T0 + 1.01, None, 4 if rk == 0 else 2), T0 + 1.01)
+    for rk in (0, 1):  # rank 2 never comes
+        sim.call(rk, T0 + 2, seq=5 if rk == 0 else 3)
+    sim.beat(T0 + 20)
+    (inc,) = engine.tick(T0 + 20)
+    assert (inc.kind, inc.culprit_ranks, inc.waiting_ranks, inc.seq) == ("stuck_collective", [2], [0, 1], 3)
