@@ -159,17 +159,29 @@ def _count(values: Any, key: str) -> int:
         return -1
 
 
-def progress_of(ring: dict[str, Any], timeouts: dict[str, int] | None = None) -> list[r.GroupProgress]:
-    """Where each group's collectives stand on the device, from one read of the NCCL ring: its
-    ``pg_status`` counters and, where its entries were read, when the last completed and last
-    started seqs were discovered so and the group's ``timeout_ms``. ``timeouts`` (group ->
-    ms) carries what earlier reads found; entries found here update it. ``rank`` is left -1 for
-    the caller to fill."""
+def progress_of(
+    ring: dict[str, Any], timeouts: dict[str, int] | None = None, highest: dict[str, int] | None = None
+) -> list[r.GroupProgress]:
+    """Where each group's collectives stand on the device, from one read of the NCCL ring.
+
+    Taken from the collective entries (not p2p) and their states, not from ``pg_status``'s
+    counters: ProcessGroupNCCL stamps a p2p work with its p2p counter and moves
+    ``last_enqueued``/``last_completed`` with it too, so after any send/recv on a group those
+    counters mix two numberings (an all_reduce at seq 51 then reads "completed 1"). The first
+    collective entry not completed is the one the group waits on (``completed`` is the seq before
+    it, ``enqueued`` the last not completed); with none in flight, ``enqueued == completed``: at
+    the time of the read everything enqueued had completed. ``started``: -1 where CUDA start
+    events are off (``pg_status`` says -1), else the last started. Works on a whole read and on an
+    ``onlyactive`` one (only entries not completed). ``timeouts`` (group -> ms) and ``highest``
+    (group -> highest collective seq) carry what earlier reads found; entries found here update
+    them. ``rank`` is left -1 and ``time`` 0 for the caller to fill."""
     status = ring.get("pg_status")
-    if not isinstance(status, dict):
-        return []
+    status = status if isinstance(status, dict) else {}
     timeouts = {} if timeouts is None else timeouts
-    found: dict[tuple[str, int], tuple[float, float]] = {}  # (group, seq) -> (started, completed) s
+    seen = {} if highest is None else highest  # group -> highest collective seq seen
+    started_at: dict[tuple[str, int], float] = {}
+    pending: dict[str, list[tuple[int, bool]]] = {}  # group -> (seq, started) of collectives not completed
+    done: dict[str, tuple[int, float]] = {}  # group -> (highest completed seq, when it was found so)
     entries = ring.get("entries")
     for entry in entries if isinstance(entries, list) else []:
         try:
@@ -177,31 +189,44 @@ def progress_of(ring: dict[str, Any], timeouts: dict[str, int] | None = None) ->
                 continue
             group = str(entry["process_group"][0])
             seq = int(entry["collective_seq_id"])
-            found[(group, seq)] = (
-                float(entry.get("time_discovered_started_ns") or 0) / 1e9,
-                float(entry.get("time_discovered_completed_ns") or 0) / 1e9,
-            )
+            state = entry.get("state")
+            completed_at = float(entry.get("time_discovered_completed_ns") or 0) / 1e9
+            started_at[(group, seq)] = float(entry.get("time_discovered_started_ns") or 0) / 1e9
             timeout = int(entry.get("timeout_ms") or 0)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             continue
         if timeout > 0:
             timeouts[group] = timeout
+        seen[group] = max(seen.get(group, -1), seq)
+        if state == "completed":
+            if seq > done.get(group, (-1, 0.0))[0]:
+                done[group] = (seq, completed_at)
+        else:
+            pending.setdefault(group, []).append((seq, state == "started"))
     out = []
-    for group, values in status.items():
-        group = str(group)
-        completed = _count(values, "last_completed_collective")
-        started = _count(values, "last_started_collective")
+    for group in sorted(set(map(str, status)) | set(seen)):
+        timing = _count(status.get(group, {}), "last_started_collective") >= 0
+        waiting = sorted(pending.get(group, []))
+        if waiting:
+            completed = waiting[0][0] - 1
+            enqueued = waiting[-1][0]
+            started_seqs = [seq for seq, started in waiting if started]
+            started = (started_seqs[-1] if started_seqs else completed) if timing else -1
+        else:
+            completed = enqueued = seen.get(group, -2)  # -2: nothing in flight, numbering unknown
+            started = completed if timing else -1
+        top = done.get(group)
         out.append(
             r.GroupProgress(
                 rank=-1,
                 group=group,
-                enqueued=_count(values, "last_enqueued_collective"),
+                enqueued=enqueued,
                 started=started,
                 completed=completed,
                 time=0.0,
-                completed_time=found.get((group, completed), (0.0, 0.0))[1],
+                completed_time=top[1] if top is not None and top[0] == completed else 0.0,
                 timeout_ms=timeouts.get(group, 0),
-                started_time=found.get((group, started), (0.0, 0.0))[0],
+                started_time=started_at.get((group, started), 0.0),
             )
         )
     return out
@@ -237,8 +262,10 @@ class _Watched:
     #: only seqs Python calls covered, spares the rank serialising its whole ring again
     read_to: dict[str, int] | None = None
     whole_at: float = 0.0  # when the NCCL ring was last read whole
-    probed: dict[str, Any] | None = None  # the NCCL ring's pg_status as the last probe found it
+    probed: dict[str, Any] | None = None  # the NCCL ring as the last probe found it (active entries)
+    probed_at: float = 0.0  # when that probe was asked for
     timeouts: dict[str, int] = field(default_factory=dict)  # group -> timeout_ms seen in entries
+    highest: dict[str, int] = field(default_factory=dict)  # group -> highest collective seq seen
     described: set[str] = field(default_factory=set)  # groups a whole read saw with collectives
 
 
@@ -302,17 +329,19 @@ class RingFetcher:
         self._stop.set()
 
     def _spare(self, watched: _Watched, timeout_s: float) -> bool:
-        """True when a cheap probe of the NCCL ring's ``pg_status`` shows that reading its
-        entries would find nothing new. (The CPU ring has no cheap probe: its handler sends every
-        entry whatever it is asked, so it is read whole each time.)"""
+        """True when a cheap probe of the NCCL ring (``pg_status`` and the entries not completed
+        yet, under a millisecond) shows that reading its entries whole would find nothing new.
+        (The CPU ring has no cheap probe: its handler sends every entry whatever it is asked, so
+        it is read whole each time.)"""
         watched.probed = None
         if watched.needed is None or watched.read_to is None:
             return False
         if self._clock() - watched.whole_at >= WHOLE_READ_EVERY_S:
             return False  # due for a whole read anyway: no probe
         try:
+            watched.probed_at = self._clock()  # before asking: nothing enqueued later is in it
             rings, _ = self._read(
-                watched.path, watched.pid, only_active=True, collectives=False, names=("nccl",), timeout_s=timeout_s
+                watched.path, watched.pid, only_active=True, collectives=True, names=("nccl",), timeout_s=timeout_s
             )
             watched.probed = rings.get("nccl")
             status = enqueued(rings)
@@ -359,9 +388,9 @@ class RingFetcher:
             watched.whole_at = asked
             nccl_seqs = enqueued({"nccl": rings.get("nccl", {})})
             watched.described.update(group for group, seq in nccl_seqs.items() if seq > 0)
-        nccl = rings.get("nccl") if "nccl" in names else watched.probed
-        progress = [] if nccl is None else progress_of(nccl, watched.timeouts)
-        return Fetched(asked, entries_of(rings), [dataclasses.replace(p, time=asked) for p in progress])
+        nccl, read_at = (rings.get("nccl"), asked) if "nccl" in names else (watched.probed, watched.probed_at)
+        progress = [] if nccl is None else progress_of(nccl, watched.timeouts, watched.highest)
+        return Fetched(asked, entries_of(rings), [dataclasses.replace(p, time=read_at) for p in progress])
 
     def poll_once(self) -> None:
         """Read every watched rank once (what the thread does every ``interval_s``)."""

@@ -40,13 +40,30 @@ def load_nvml() -> Any:
     return pynvml
 
 
+#: How often the background thread asks NVML again.
+REFRESH_S = 2.0
+
+
 class GpuInspector:
     """What NVML says of the GPUs a set of processes run on. Thread-safe; NVML is loaded on first
-    use (``load`` is the seam: it returns pynvml or a fake, or raises)."""
+    use (``load`` is the seam: it returns pynvml or a fake, or raises).
 
-    def __init__(self, load: Callable[[], Any] = load_nvml, clock: Callable[[], float] = time.time) -> None:
+    NVML is asked on a thread of its own (``background``, the default): a GPU that fell off the
+    bus can make an NVML call block, and the agent's loop, which serves stack dumps and aborts,
+    must never wait on it. :meth:`of` then answers at once from the last refresh (at most
+    ``REFRESH_S`` old; nothing before the first). ``background=False`` asks NVML in :meth:`of`
+    itself (tests)."""
+
+    def __init__(
+        self, load: Callable[[], Any] = load_nvml, clock: Callable[[], float] = time.time, background: bool = True
+    ) -> None:
         self._load = load
         self._clock = clock
+        self._background = background
+        self._wanted: frozenset[int] = frozenset()
+        self._cache: dict[int, tuple[GpuStatus, ...]] = {}
+        self._thread: threading.Thread | None = None
+        self._asked = threading.Event()
         self._nvml: Any = None
         self._tried = False
         self._lock = threading.Lock()
@@ -103,6 +120,31 @@ class GpuInspector:
 
     def of(self, pids: Iterable[int]) -> dict[int, tuple[GpuStatus, ...]]:
         """pid -> the GPUs it runs on (empty where NVML is unavailable or knows no such pid)."""
+        wanted = frozenset(pids)
+        if not self._background:
+            return self.query(wanted)
+        if self._tried and self._nvml is None:
+            return {}  # no NVML here
+        self._wanted = wanted
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hangwatch-nvml", daemon=True)
+            self._thread.start()
+        self._asked.set()
+        cache = self._cache
+        return {pid: cache[pid] for pid in wanted if pid in cache}
+
+    def _run(self) -> None:
+        while True:
+            self._asked.wait()
+            self._asked.clear()
+            try:
+                self._cache = self.query(self._wanted)
+            except Exception:  # never this thread's end
+                log.debug("NVML query failed", exc_info=True)
+            time.sleep(REFRESH_S)
+
+    def query(self, pids: Iterable[int]) -> dict[int, tuple[GpuStatus, ...]]:
+        """Ask NVML now (blocks as long as NVML does)."""
         wanted = set(pids)
         with self._lock:
             if not wanted or not self._start():

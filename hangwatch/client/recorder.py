@@ -228,17 +228,20 @@ class Recorder:
 
     def exit(self, raw: RawCall, pg: Any, ops_before: int, error: BaseException | None, result: Any = None) -> None:
         """Record the return of a call (for async calls: its issue; completion comes later)."""
+        spec = raw[1]
+        group = raw[2]
         try:
             issued = pg._get_sequence_number_for_group() - ops_before
         except Exception:
-            issued = 1
-        if issued < 1:
-            issued = 1
-        spec = raw[1]
-        group = raw[2]
+            issued = 0 if spec.p2p else 1
         if spec.p2p:
-            self.groups.p2p_ops[group] = self.groups.p2p_ops.get(group, 0) + issued
+            # what the group's counter moved by: gloo counts each send/recv there, NCCL keeps p2p
+            # works on a counter of their own (0 here), and the next collective's seq nets it out
+            if issued > 0:
+                self.groups.p2p_ops[group] = self.groups.p2p_ops.get(group, 0) + issued
+            issued = max(issued, 1)
         else:
+            issued = max(issued, 1)
             self.in_progress.pop(group, None)  # always: ``covers`` may have turned off meanwhile
             if self.covers:
                 seqs = self.python_seqs.get(group)

@@ -360,6 +360,10 @@ class Coordinator:
                         signal=status.signal if status.signal is not None else before.signal,
                         oom_killed=status.oom_killed or before.oom_killed,
                     )
+                if before is not None and before.gpus and not status.gpus and status.state in ended:
+                    # a gone process runs on no GPU any more: what its GPUs last showed (an Xid
+                    # that killed it) stays with it
+                    status = dataclasses.replace(status, gpus=before.gpus)
                 st.proc = status
 
     def targets_on(self, host: str, include_remote_hosts: bool = True) -> list[r.Target]:

@@ -199,16 +199,10 @@ class Engine:
         # its key stays known, so the same root cause is not reported again
 
     def _resolve(self, now: float) -> None:
-        someone_died: bool | None = None  # computed once per tick, and only if needed
         for incident in self.incidents.values():
             if incident.status != "open":
                 continue
-            if someone_died is None and incident.kind in SLOT_KINDS:
-                someone_died = any(
-                    st.end is not None and st.end.kind in (r.EndKind.EXCEPTION, r.EndKind.SIGNAL)
-                    for st in self.job.ranks.values()
-                )
-            reason = self._resolution(incident, now, bool(someone_died))
+            reason = self._resolution(incident, now)
             if reason:
                 incident.status = "resolved"
                 incident.resolved_time = now
@@ -216,18 +210,32 @@ class Engine:
                 self.persist(incident)
                 log.info("incident %s resolved: %s", incident.id, reason)
 
-    def _resolution(self, incident: Incident, now: float, someone_died: bool) -> str:
+    def _died(self, ranks: list[int]) -> bool:
+        """Whether one of ``ranks`` ended by an exception or a signal (its hang never resolves)."""
+        for rank in ranks:
+            st = self.job.ranks.get(rank)
+            if st is not None and st.end is not None and st.end.kind in (r.EndKind.EXCEPTION, r.EndKind.SIGNAL):
+                return True
+            if st is not None and not st.alive:
+                return True
+        return False
+
+    def _resolution(self, incident: Incident, now: float) -> str:
         if incident.kind in SLOT_KINDS and incident.group:
-            if someone_died:
+            if self._died(incident.culprit_ranks + incident.waiting_ranks):
                 return ""
             slots = self.job.slots.get(incident.group)
             slot = slots.get(incident.seq) if slots is not None else None
             members = self.job.members(incident.group)
+            late = ", ".join(str(rk) for rk in incident.culprit_ranks)
             if slot is None:
+                # gone from the state: every call in it completed and later ones were made (the
+                # state prunes such slots), or every member destroyed the group
+                if slots is None or (slots and next(iter(slots)) > incident.seq):
+                    return f"the ranks went past {incident.op} (seq {incident.seq}); late rank(s): {late or '-'}"
                 return ""
             done = all(c.exit_time is not None and c.error is None for c in slot.calls.values())
             if done and (not members or len(slot.calls) >= len(members)):
-                late = ", ".join(str(rk) for rk in incident.culprit_ranks)
                 return f"every rank completed {incident.op} (seq {incident.seq}); late rank(s): {late or '-'}"
         if incident.kind == IncidentKind.RANK_FROZEN:
             for rank in incident.culprit_ranks:

@@ -50,32 +50,58 @@ def test_with_start_events_the_started_seq_and_the_discovery_times_are_read() ->
     assert progress["1"].completed == 1
 
 
-def test_the_pg_status_alone_gives_the_counters_and_earlier_timeouts_carry_over() -> None:
+def test_nothing_in_flight_reads_as_everything_enqueued_completed_and_timeouts_carry_over() -> None:
+    """An ``onlyactive`` read with nothing active has no entries: nothing was in flight."""
     timeouts: dict[str, int] = {}
     progress_of(_dump("nccl_ring_timing0.json"), timeouts)
     assert timeouts["0"] == 600_000
-    (p, _) = progress_of(_dump("nccl_ring_onlyactive_timing0.json"), timeouts)  # no entries
-    assert (p.enqueued, p.completed, p.timeout_ms) == (20, 20, 600_000)
+    (p, _) = progress_of(_dump("nccl_ring_onlyactive_timing0.json"), timeouts)
+    assert p.enqueued == p.completed and p.timeout_ms == 600_000
+
+
+def test_p2p_traffic_in_the_counters_does_not_hide_a_completed_collective() -> None:
+    """ProcessGroupNCCL moves ``last_completed`` with p2p works' own counter: after an isend
+    finishing late, ``pg_status`` reads "enqueued 51, completed 1" while every collective
+    completed. Progress comes from the collective entries instead."""
+    ring = _dump("nccl_ring_timing1.json")
+    ring["pg_status"]["0"] = {"last_enqueued_collective": "21", "last_started_collective": "21",
+                              "last_completed_collective": "1"}  # fmt: skip
+    p2p = dict(ring["entries"][0], is_p2p=True, collective_seq_id=20, p2p_seq_id=1, state="completed")
+    ring["entries"].append(p2p)
+    world = {p.group: p for p in progress_of(ring)}["0"]
+    assert world.enqueued == world.completed == 20
 
 
 def test_a_ring_without_pg_status_or_with_junk_gives_nothing_or_skips_it() -> None:
     assert progress_of({}) == []
     junk = {"pg_status": {"0": {"last_enqueued_collective": "x"}}, "entries": [{"process_group": None}, 7]}
     (p,) = progress_of(junk)
-    assert (p.enqueued, p.completed) == (-1, -1)
+    assert (p.enqueued, p.completed, p.started) == (-2, -2, -1)
 
 
 class Gpu:
-    """A CUDA rank's worker server: its NCCL ring's counters, changed between reads."""
+    """A CUDA rank's worker server: one all_reduce (seq 1) on its NCCL ring, not completed
+    until the test says so; an ``onlyactive`` read leaves completed entries out, as torch's."""
 
     def __init__(self) -> None:
         self.status = {"0": {"last_enqueued_collective": "1", "last_started_collective": "-1",
                              "last_completed_collective": "0"}}  # fmt: skip
+        entry = _dump("ws_blocked_item_dump_nccl_trace_json.json")["entries"][0]
+        self.entries = [dict(entry, collective_seq_id=1)]
 
-    def __call__(self, path: str, pid: int, *, names: Any = ("cpu", "nccl"), **_: Any) -> Any:
+    def complete(self) -> None:
+        self.status["0"]["last_completed_collective"] = "1"
+        self.entries[0]["state"] = "completed"
+
+    def __call__(
+        self, path: str, pid: int, *, names: Any = ("cpu", "nccl"), only_active: bool = False, **_: Any
+    ) -> Any:
         if "nccl" not in names:
             return {}, {}
-        return {"nccl": {"pg_status": json.loads(json.dumps(self.status)), "entries": []}}, {}
+        entries = [e for e in self.entries if not (only_active and e["state"] == "completed")]
+        return {
+            "nccl": {"pg_status": json.loads(json.dumps(self.status)), "entries": json.loads(json.dumps(entries))}
+        }, {}
 
 
 def test_every_read_of_a_probed_ring_carries_its_progress() -> None:
@@ -86,7 +112,7 @@ def test_every_read_of_a_probed_ring_carries_its_progress() -> None:
     fetcher.poll_once()
     first = fetcher.take(1)
     assert first is not None and [(p.enqueued, p.completed, p.time) for p in first.progress] == [(1, 0, 50.0)]
-    gpu.status["0"]["last_completed_collective"] = "1"
+    gpu.complete()
     fetcher.poll_once()
     assert fetcher.spared == 1
     second = fetcher.take(1)
@@ -124,7 +150,7 @@ def test_the_shipper_sends_the_rank_s_progress_to_the_coordinator(rig: Any) -> N
         wait_for(lambda: shipped(0), 5, 0.02, "progress shipped")
         first = progress()[0]
         assert (first.rank, first.group, first.enqueued, first.started) == (3, "0", 1, -1)
-        gpu.status["0"]["last_completed_collective"] = "1"
+        gpu.complete()
         wait_for(lambda: shipped(1), 5, 0.02, "the completion shipped")
     finally:
         sock.close()

@@ -293,11 +293,13 @@ class StatusReads:
         self.whole = 0
         self.probes = 0
 
-    def __call__(self, path: str, pid: int, *, collectives: bool = True, names: Any = ("cpu", "nccl"), **_: Any) -> Any:
+    def __call__(
+        self, path: str, pid: int, *, only_active: bool = False, names: Any = ("cpu", "nccl"), **_: Any
+    ) -> Any:
         status = {g: {"last_enqueued_collective": str(s)} for g, s in self.last.items()}
         rings: dict[str, Any] = {"cpu": {"pg_status": {}, "entries": []}} if "cpu" in names else {}
         if "nccl" in names:
-            if collectives:
+            if not only_active:
                 self.whole += 1
                 rings["nccl"] = {"pg_status": status, "entries": []}
             else:
@@ -418,14 +420,17 @@ class NcclRank:
                              "retired": True})  # fmt: skip
         self.last[group] = p2p_seq
 
-    def __call__(self, path: str, pid: int, *, collectives: bool = True, names: Any = ("cpu", "nccl"), **_: Any) -> Any:
+    def __call__(
+        self, path: str, pid: int, *, only_active: bool = False, names: Any = ("cpu", "nccl"), **_: Any
+    ) -> Any:
         status = {g: {"last_enqueued_collective": str(s)} for g, s in self.last.items()}
         if "nccl" not in names:
             return {}, {}
-        if collectives:
+        if not only_active:
             self.whole += 1
             return {"nccl": {"pg_status": status, "entries": list(self.entries)}}, {}
-        return {"nccl": {"pg_status": status}}, {}
+        active = [e for e in self.entries if e["state"] != "completed"]
+        return {"nccl": {"pg_status": status, "entries": active}}, {}
 
 
 def _probing(rank: NcclRank, python: PythonSeqs) -> RingFetcher:

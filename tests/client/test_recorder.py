@@ -124,6 +124,20 @@ def test_p2p_seqs_count_per_pair_and_do_not_shift_collective_seqs() -> None:
     assert calls[3].outputs == (r.TensorMeta((5,), "float32", "cpu"),) and calls[3].inputs == ()
 
 
+def test_on_nccl_p2p_ops_leave_the_collective_counter_alone() -> None:
+    """ProcessGroupNCCL numbers p2p works on a counter of their own: its group counter does not
+    move for a send or recv, so nothing is netted out of the next collective's seq."""
+    rec, _ = _recorder(rank=0)
+    t = torch.ones(5)
+    _call(rec, "all_reduce", tensor=t)
+    _call(rec, "send", tensor=t, dst=1, issued=0)
+    _call(rec, "send", tensor=t, dst=1, issued=0)
+    _call(rec, "all_reduce", tensor=t)  # NCCL's collective seq 2
+    calls = _calls(_events(rec))
+    assert [(c.op, c.seq) for c in calls] == [("all_reduce", 1), ("send", 1), ("send", 2), ("all_reduce", 2)]
+    assert rec.groups.p2p_ops == {}
+
+
 def test_group_local_peer_is_translated_to_a_global_rank() -> None:
     rec, c10d = _recorder(rank=1)
     sub = c10d.new_group("1", [1, 3])

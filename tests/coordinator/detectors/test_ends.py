@@ -328,3 +328,24 @@ def test_a_rank_aborted_with_no_hang_diagnosed_is_its_own_incident() -> None:
     sim.beat(T0 + 8, ranks=[1, 2])
     (inc,) = engine.tick(T0 + 8)
     assert inc.kind == "rank_died" and inc.culprit_ranks == [0]
+
+
+def test_a_hang_that_ended_long_ago_does_not_swallow_a_later_death() -> None:
+    """Rank 1 was 40 s late to seq 2 (a stuck incident), then the job ran on: more collectives
+    than the state keeps between two ticks, so the slot was pruned before a tick saw it complete.
+    The incident is resolved all the same, and a death an hour later is a root cause of its own."""
+    sim = SimJob(2)
+    engine = sim.engine()
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2)
+    sim.beat(T0 + 20)
+    (stuck_inc,) = engine.tick(T0 + 20)
+    for seq in range(2, 24):
+        sim.collective(seq, T0 + 40 + seq * 0.01, ranks=[1] if seq == 2 else None, duration=0.001)
+    sim.beat(T0 + 41)
+    assert engine.tick(T0 + 41) == []
+    assert stuck_inc.status == "resolved"
+    _gone(sim, 0, T0 + 3600, signal=SIGKILL, oom_killed=True)
+    sim.beat(T0 + 3602, ranks=[1])
+    (died,) = engine.tick(T0 + 3602)
+    assert died.kind == "rank_died" and died.culprit_ranks == [0]
