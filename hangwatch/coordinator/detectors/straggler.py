@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import statistics
 
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
@@ -14,15 +15,20 @@ MIN_MARGIN_S = 0.5  # and behind the median arrival by at least this much on ave
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
+    """The lag is the median of the rank's lags, not their mean, and slots an incident explains
+    are left out: one hang that resolved (a rank 30 s late once) is that incident, not a rank that
+    is persistently late; nor is a rank that is the culprit of an open hang now."""
     findings: list[Finding] = []
     for group, arrivals in job.arrivals.items():
-        recent = list(arrivals)[-WINDOW:]
+        recent = [a for a in arrivals if (group, a[2]) not in ctx.claimed][-WINDOW:]
         if len(recent) < WINDOW:
             continue
         last = collections.Counter(rank for rank, _, _, _ in recent)
         rank, count = last.most_common(1)[0]
-        lags = [lag for rk, lag, _, _ in recent if rk == rank]
-        margin = sum(lags) / len(lags)
+        if rank in ctx.hangs:
+            continue
+        lags = sorted(lag for rk, lag, _, _ in recent if rk == rank)
+        margin = statistics.median(lags)
         if count < SHARE * len(recent) or margin < MIN_MARGIN_S:
             continue
         findings.append(

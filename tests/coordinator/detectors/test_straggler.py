@@ -45,3 +45,23 @@ def test_straggler_needs_a_full_window_and_margin() -> None:
 def test_no_straggler_when_last_arrivals_rotate() -> None:
     sim = _arrivals(lambda seq: seq % 4)
     assert straggler.detect(sim.job, sim.ctx(T0 + 200)) == []
+
+
+def test_one_hang_in_the_window_is_not_a_straggler() -> None:
+    """Rank 1 comes a few milliseconds after rank 0 at every slot (2 ranks: someone is last), and
+    once 30 s late: that was a hang (its own incident), not a persistently late rank."""
+    sim = SimJob(2)
+    for seq in range(1, 22):
+        t = T0 + seq * 40
+        sim.call(0, t, seq=seq)
+        sim.call(1, t + (30.0 if seq == 20 else 0.005), seq=seq)
+        for rk in range(2):
+            sim.exit(sim.states[rk].open_calls[max(sim.states[rk].open_calls)], t + 30.1)
+    assert straggler.detect(sim.job, sim.ctx(T0 + 900)) == []
+
+
+def test_the_culprit_of_an_open_hang_is_not_also_a_straggler() -> None:
+    sim = _arrivals(lambda seq: 2)
+    ctx = sim.ctx(T0 + 200)
+    ctx.hangs[2] = "stuck:0:21"
+    assert straggler.detect(sim.job, ctx) == []
