@@ -155,5 +155,19 @@ def agent_socket_path(addr: str | None = None) -> str:
     return os.path.join(private_dir(), f"agent-{port}.sock")
 
 
+def launch_from_env() -> str:
+    """Where the job's ranks met: its rendezvous endpoint, as the launcher set it."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"{addr}:{port}" if addr or port else ""
+
+
+def attempt_from_env() -> int:
+    """The launcher's restart count: torchrun restarts every worker of a job on a failure."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
 def job_id_from_env() -> str:
     return os.environ.get(ENV_JOB_ID) or os.environ.get("TORCHELASTIC_RUN_ID") or DEFAULT_JOB_ID

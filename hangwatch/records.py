@@ -181,6 +181,10 @@ class RankIdentity:
     torch_version: str = ""
     hook_version: str = ""
     pid_namespace: str = ""  # e.g. "pid:[4026532451]": a rank in a container reports its own pid
+    #: where its job's ranks met (the rendezvous endpoint, MASTER_ADDR:MASTER_PORT): two jobs
+    #: running at once have different ones, whatever their run ids say
+    launch: str = ""
+    attempt: int = 0  # the launcher's restart count (TORCHELASTIC_RESTART_COUNT): a new attempt, a new run
 
 
 @dataclass(frozen=True, slots=True)

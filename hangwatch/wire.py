@@ -117,6 +117,8 @@ def identity_to_pb(i: r.RankIdentity, msg: pb.RankIdentity) -> None:
     msg.torch_version = i.torch_version
     msg.hook_version = i.hook_version
     msg.pid_namespace = i.pid_namespace
+    msg.launch = i.launch
+    msg.attempt = i.attempt
 
 
 def process_status_to_pb(s: r.ProcessStatus, msg: pb.ProcStatus) -> None:
@@ -272,6 +274,8 @@ def identity_from_pb(msg: pb.RankIdentity) -> r.RankIdentity:
         torch_version=msg.torch_version,
         hook_version=msg.hook_version,
         pid_namespace=msg.pid_namespace,
+        launch=msg.launch[:256],
+        attempt=msg.attempt,
     )
 
 

@@ -47,6 +47,8 @@ def identity(
     start_time: float = 0.0,
     local_rank: int = -1,
     backend: str = "",
+    launch: str = "",
+    attempt: int = 0,
 ) -> r.RankIdentity:
     return r.RankIdentity(
         job_id=job_id,
@@ -58,6 +60,8 @@ def identity(
         start_time=start_time,
         session=session if session is not None else f"session-{rank}",
         backend=backend,
+        launch=launch,
+        attempt=attempt,
     )
 
 

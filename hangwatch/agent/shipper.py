@@ -116,6 +116,8 @@ def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.Ran
         backend=text("backend"),
         torch_version=text("torch_version"),
         hook_version=text("hook_version"),
+        launch=text("launch")[:256],
+        attempt=number("attempt", 0),
     )
 
 

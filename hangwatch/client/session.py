@@ -95,6 +95,8 @@ class Session:
             "torch_version": i.torch_version,
             "hook_version": i.hook_version,
             "pid": i.pid,
+            "launch": i.launch,
+            "attempt": i.attempt,
             "worker_socket": worker_socket,
         }
 
@@ -187,6 +189,8 @@ def after_init(params: dict[str, Any]) -> None:
             torch_version=str(torch.__version__),
             hook_version=__version__,
             pid_namespace=_pid_namespace(),
+            launch=config.launch_from_env(),
+            attempt=config.attempt_from_env(),
         )
         session = Session(
             identity, addr, _settings.get("token") or os.environ.get(config.ENV_TOKEN), c10d, _agent_socket(addr)

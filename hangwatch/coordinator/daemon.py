@@ -259,7 +259,11 @@ class Coordinator:
             previous = self.job.ranks.get(identity.rank)
             if previous is not None and previous.identity.session != identity.session:
                 self.decoders.pop(previous.identity.session, None)
+            run = self.job.run
             state = self.job.register(identity, time.time(), via)
+            if self.job.run != run:  # a new run of the job: the last run's sessions are over
+                log.info("job %s: a new run (%s) begins", identity.job_id, self.job.run)
+                self.decoders = {s: d for s, d in self.decoders.items() if s in self.job.sessions}
             self.decoders[identity.session] = CallDecoder()  # the rank's table starts empty too
             last_call_id = state.last_call_id
         log.info(

@@ -20,7 +20,7 @@ from hangwatch import config
 from hangwatch import records as r
 from hangwatch.agent.stacks import summarize
 from hangwatch.coordinator.detectors import Context, Detector, all_detectors, new_cache
-from hangwatch.coordinator.incidents import Finding, Incident, IncidentKind, KeyFamily, key_family
+from hangwatch.coordinator.incidents import Finding, Incident, IncidentKind, KeyFamily, key_family, scoped
 from hangwatch.coordinator.state import JobState
 
 log = logging.getLogger("hangwatch.coordinator")
@@ -56,6 +56,7 @@ class Engine:
         self.silence_after = silence_after
         self.detectors = detectors if detectors is not None else all_detectors()
         self.cache = new_cache()  # what the detectors remember between ticks
+        self._run = ""  # the job's run the detectors last looked at ("": none yet, see _new_run)
         self.request_stacks = request_stacks
         self.persist: Callable[[Incident], object] = persist or (lambda incident: None)
         self._counter = 0
@@ -88,15 +89,15 @@ class Engine:
         stack_jobs: list[tuple[Incident, list[int], bool]] = []
         with self.lock:
             self.job.lapse_progress(now)
-            claimed = {(inc.group, inc.seq) for inc in self.incidents.values() if inc.status == "open" and inc.group}
-            mismatched = {
-                (inc.group, inc.seq)
-                for inc in self.incidents.values()
-                if key_family(inc.key) == KeyFamily.MISMATCH.value
-            }
+            if self.job.run != self._run:
+                self._new_run(now)
+            mine = f"{self.job.run}/"
+            current = [inc for inc in self.incidents.values() if inc.key.startswith(mine)]
+            claimed = {(inc.group, inc.seq) for inc in current if inc.status == "open" and inc.group}
+            mismatched = {(inc.group, inc.seq) for inc in current if key_family(inc.key) == KeyFamily.MISMATCH.value}
             hangs = {
                 rank: inc.key
-                for inc in self.incidents.values()
+                for inc in current
                 if inc.status == "open" and key_family(inc.key) in HANG_FAMILIES
                 for rank in inc.culprit_ranks + inc.waiting_ranks
             }
@@ -136,8 +137,28 @@ class Engine:
             self._request_stacks(incident, ranks, native)
         return opened
 
+    def _new_run(self, now: float) -> None:
+        """The job began a new run (see ``JobState.register``): what the detectors remembered
+        belongs to the last one, and its open incidents can no longer change (their ranks are
+        gone): they are resolved as such."""
+        started = not self._run  # the first tick: open incidents are those loaded from the store
+        self._run = self.job.run
+        self.cache = new_cache()
+        for incident in self.incidents.values():
+            if incident.status == "open":
+                incident.status = "resolved"
+                incident.resolved_time = now
+                incident.resolution = (
+                    "no longer followed: the coordinator restarted (a hang still under way is reported again)"
+                    if started
+                    else "the job's run ended (a new run of it began)"
+                )
+                self.persist(incident)
+
     def _absorb(self, finding: Finding, now: float) -> tuple[Incident | None, bool]:
+        finding.key = scoped(self.job.run, finding.key)
         if finding.aftermath_of:
+            finding.aftermath_of = scoped(self.job.run, finding.aftermath_of)
             self._fold_aftermath(finding, now)
             return None, False
         existing_id = self.by_key.get(finding.key)

@@ -103,8 +103,15 @@ def incident_key(
 
 
 def key_family(key: str) -> str:
-    """The family part of a stored key (``"mismatch"`` for ``"mismatch:0:5"``)."""
-    return key.split(":", 1)[0]
+    """The family part of a stored key (``"mismatch"`` for ``"mismatch:0:5"``, and for
+    ``"3f9a1c2e/mismatch:0:5"``, the key as the engine stores it: scoped to the job's run)."""
+    return key.split(":", 1)[0].rsplit("/", 1)[-1]
+
+
+def scoped(run: str, key: str) -> str:
+    """``key`` scoped to a run of the job (unchanged if it already is): the same hang in a rerun
+    is a new incident."""
+    return key if "/" in key.split(":", 1)[0] else f"{run}/{key}"
 
 
 @dataclass

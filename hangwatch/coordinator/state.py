@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import statistics
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -214,8 +215,20 @@ class IngestResult:
     error: Exception | None = None  # the first of them
 
 
+#: A rank of another launch (another rendezvous endpoint) starts a new run of the job only once
+#: the current run's live ranks have been silent this long (a job running at once beside it
+#: must not wipe it; see ``JobState.register``).
+OTHER_LAUNCH_SILENT_S = 10.0
+
+
 class JobState:
     def __init__(self) -> None:
+        #: this run of the job: a fresh id for each run (a rerun, a restart by the launcher, the
+        #: coordinator restarted), so one run's incidents are never taken for another's
+        self.run = uuid.uuid4().hex[:8]
+        self.runs = 1  # runs this coordinator has seen of the job
+        self.launch = ""  # the run's rendezvous endpoint, from its first rank
+        self.attempt = 0  # the launcher's restart count of this run
         self.job_id = ""
         self.world_size = 0
         self.ranks: dict[int, RankState] = {}
@@ -239,7 +252,27 @@ class JobState:
 
     # ---- registration ---------------------------------------------------------------------
 
+    def _new_run(self, identity: r.RankIdentity, now: float) -> bool:
+        """Whether ``identity`` starts a new run of the job: the launcher restarted it (a higher
+        attempt), every rank of the current run has ended, or it comes from another launch while
+        the current run has fallen silent. A run's state is never mixed with another's."""
+        if not self.ranks:
+            return False
+        if identity.attempt > self.attempt:
+            return True
+        live = [st for st in self.ranks.values() if st.end is None and st.alive]
+        if not live:
+            return True
+        other = bool(identity.launch and self.launch and identity.launch != self.launch)
+        return other and all(now - st.last_seen > OTHER_LAUNCH_SILENT_S for st in live)
+
     def register(self, identity: r.RankIdentity, now: float, via: str = "direct") -> RankState:
+        if self._new_run(identity, now):
+            runs = self.runs + 1
+            self.__init__()  # type: ignore[misc]  # a clean slate: nothing of the last run is kept
+            self.runs = runs
+        if not self.ranks:
+            self.launch, self.attempt = identity.launch, identity.attempt
         previous = self.ranks.get(identity.rank)
         if previous is not None and previous.identity.session == identity.session:
             previous.last_seen = now

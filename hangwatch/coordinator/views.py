@@ -88,6 +88,10 @@ def status_json(
         counts[rk["state"]] = counts.get(rk["state"], 0) + 1
     info = {
         "id": job.job_id,
+        "run": job.run,  # this run of the job (a rerun or a restart by the launcher is a new run)
+        "runs": job.runs,
+        "attempt": job.attempt,
+        "launch": job.launch,
         "world_size": job.world_size,
         "registered": len(job.ranks),
         "states": counts,

@@ -204,7 +204,7 @@ class CallColumns(_message.Message):
     def __init__(self, signature: _Optional[_Iterable[int]] = ..., call_id: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., enter_time: _Optional[_Iterable[float]] = ..., exit_time: _Optional[_Iterable[float]] = ..., seq_count: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RankIdentity(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version", "pid_namespace")
+    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version", "pid_namespace", "launch", "attempt")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,8 @@ class RankIdentity(_message.Message):
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOOK_VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -229,7 +231,9 @@ class RankIdentity(_message.Message):
     torch_version: str
     hook_version: str
     pid_namespace: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., start_time: _Optional[float] = ..., session: _Optional[str] = ..., backend: _Optional[str] = ..., torch_version: _Optional[str] = ..., hook_version: _Optional[str] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
+    launch: str
+    attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., start_time: _Optional[float] = ..., session: _Optional[str] = ..., backend: _Optional[str] = ..., torch_version: _Optional[str] = ..., hook_version: _Optional[str] = ..., pid_namespace: _Optional[str] = ..., launch: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("token", "identity", "via")
