@@ -24,6 +24,7 @@ from hangwatch import catalogue, config
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
+from hangwatch.coordinator.rules import explain_skipped_call
 from hangwatch.coordinator.state import JobState, RankState, Slot
 from hangwatch.wording import describe_call, doing, format_ranks, gpu_load
 
@@ -34,6 +35,12 @@ EARLY_EXIT_HINT = (
     "every rank's loop."
 )
 
+
+SKIPPED_HINT = (
+    "Every rank must make the same collectives in the same order. A rank that skips a step on its own "
+    "(a NaN or inf loss, an empty batch, a condition only it sees) must agree on the skip with the others: "
+    "all_reduce the skip flag (ReduceOp.MAX) and let every rank skip together, or skip only local work."
+)
 
 #: Heartbeats come every second; a rank silent this long may be frozen (the frozen detector
 #: decides at ``silence_after``), so a hang it is absent from is not yet blamed on it.
@@ -247,6 +254,29 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     plural = len(absent) > 1
     who = format_ranks(absent)
     stack_ranks = absent + waiting[:1]
+    if len(absent) == 1 and absent[0] in present:
+        history = {
+            rk: list(st.history.get(slot.group, ())) for rk in [absent[0], *waiting] if (st := job.ranks.get(rk))
+        }
+        skip = explain_skipped_call(history, absent[0], waiting)
+        if skip is not None:
+            text, skipped = skip
+            details["skipped"] = {
+                "rank": absent[0],
+                "op": skipped.op,
+                "call_site": skipped.call_site,
+                "step": skipped.step,
+                "seq": skipped.seq,
+            }
+            return finding(
+                IncidentKind.STUCK_COLLECTIVE,
+                absent,
+                f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait"
+                f"{'' if len(waiting) > 1 else 's'} in {where} for {waited:.0f} s and rank {absent[0]} will "
+                f"never make it: {text}; rank {absent[0]} {doings[absent[0]]}" + (f"; {device[0]}" if device else ""),
+                SKIPPED_HINT,
+                stack_ranks,
+            )
     if all(_left_the_loop(st, op) for st in present.values()):
         steps = ", ".join(str(step) for step in sorted({st.step for st in present.values()}))
         return finding(

@@ -23,7 +23,12 @@ from __future__ import annotations
 from hangwatch.catalogue import GROUP_RANK, GROUP_RANKS, INPUT_SPLITS, OUTPUT_SPLITS, canonical_op
 from hangwatch.coordinator.rules.collective import compare_collective
 from hangwatch.coordinator.rules.p2p import match_p2p
-from hangwatch.coordinator.rules.shift import EXTRA_CALL_WINDOW, MAX_BEHAVIOURS, explain_extra_call
+from hangwatch.coordinator.rules.shift import (
+    EXTRA_CALL_WINDOW,
+    MAX_BEHAVIOURS,
+    explain_extra_call,
+    explain_skipped_call,
+)
 from hangwatch.coordinator.rules.slot import (
     ARG_MISMATCH,
     DTYPE_MISMATCH,
@@ -51,6 +56,7 @@ __all__ = [
     "compare_collective",
     "describe_call",
     "explain_extra_call",
+    "explain_skipped_call",
     "format_ranks",
     "format_shape",
     "match_p2p",

@@ -110,3 +110,54 @@ def explain_extra_call(history: Mapping[int, Sequence[CallRecord]], seq: int) ->
         other = next(r for r in ordered if r != rank)
         text += f" (with two ranks this is the same as rank {other} skipping it)"
     return text
+
+
+def _same_call(a: CallRecord, b: CallRecord) -> bool:
+    """The same call of the program: same call site, calls alike. (Not the step: a rank that
+    skips a call on its own usually skips its optimizer step too, so its steps fall behind.)"""
+    return a.call_site == b.call_site and _alike(a, b)
+
+
+def explain_skipped_call(
+    history: Mapping[int, Sequence[CallRecord]], culprit: int, waiting: Sequence[int]
+) -> tuple[str, CallRecord] | None:
+    """The mirror of :func:`explain_extra_call`: ``culprit`` skipped one call the others made (a
+    NaN-loss ``continue`` before ``backward``, a conditional collective) and carried on, so from
+    there on each of its calls met the others' *next* call. The calls look alike, so nothing
+    mismatched; what tells is the call site each call was made at. Returns the story and the
+    call skipped (the waiting ranks' record of it), or None: when the ranks never diverged in the
+    calls kept, when call sites cannot tell the calls apart (one collective in the loop: a skip
+    looks exactly like stopping one call early), or when the waiting ranks disagree among
+    themselves."""
+    mine = {c.seq: c for c in history.get(culprit, ())}
+    if not mine or not waiting:
+        return None
+    ref: dict[int, CallRecord] = {}
+    for rank in waiting:
+        for c in history.get(rank, ()):
+            other = ref.setdefault(c.seq, c)
+            if not _same_call(other, c):
+                return None  # the waiting ranks differ among themselves: not this story
+    common = sorted(s for s in mine if s in ref)
+    if len(common) < 2:
+        return None
+    for k in common:
+        before = [s for s in common if s < k]
+        if not all(_same_call(mine[s], ref[s]) for s in before):
+            return None  # diverged earlier in a way a single skip does not explain
+        if _same_call(mine[k], ref[k]):
+            continue
+        after = [s for s in mine if s >= k and s + 1 in ref]
+        if not after or not all(_same_call(mine[s], ref[s + 1]) for s in after):
+            return None
+        if all(_same_call(ref[s], ref[s + 1]) for s in after):
+            return None  # every call looks the same (one site, no steps): a shift cannot be seen
+        skipped = ref[k]
+        where = f" at {skipped.call_site}" if skipped.call_site else ""
+        text = (
+            f"rank {culprit} skipped {canonical_op(skipped.op)}{where} in step {skipped.step} (seq {k}) and "
+            f"carried on: from there on each of its calls met the others' next call, so it ran out of calls "
+            f"one before them"
+        )
+        return text, skipped
+    return None

@@ -168,3 +168,66 @@ def test_no_transport_stall_when_one_returned() -> None:
     sim.exit(sim.states[0].open_calls[next(iter(sim.states[0].open_calls))], T0 + 3)
     sim.beat(T0 + 30)
     assert stuck.detect(sim.job, sim.ctx(T0 + 30)) == []
+
+
+METRIC, GRADS = "train.py:38 in train", "train.py:44 in train"
+
+
+def _loop(sim: SimJob, rank: int, steps: int, skip: int | None = None, t0: float = T0) -> int:
+    """``rank``'s loop: per step a metric all_reduce, then the gradients' all_reduce and the
+    optimizer step; at step ``skip`` (a NaN loss) it ``continue``s after the metric. Its last seq."""
+    seq, step = 0, 0
+    for i in range(1, steps + 1):
+        t = t0 + i
+        seq += 1
+        sim.exit(sim.call(rank, t, seq=seq, step=step, site=METRIC), t + 0.01)
+        if i == skip:
+            continue
+        seq += 1
+        sim.exit(sim.call(rank, t + 0.1, seq=seq, step=step, site=GRADS), t + 0.11)
+        step += 1
+    return seq
+
+
+def test_a_rank_that_skipped_one_call_and_carried_on_is_named_with_the_call_it_skipped() -> None:
+    """A NaN loss on rank 1 at its 5th iteration: ``continue`` before backward skips that step's
+    gradient all_reduce (the same shape as the metric's: a tensor-parallel layer's are alike too),
+    so nothing mismatches, but rank 1 runs out of calls one before rank 0: not "left the training
+    loop" but "skipped all_reduce in step 4"."""
+    sim = SimJob(2)
+    last = _loop(sim, 0, 7)
+    _loop(sim, 1, 8, skip=5)
+    sim.call(0, T0 + 8, seq=last + 1, step=7, site=METRIC)  # iteration 8: rank 0's metric
+    sim.call(0, T0 + 8.1, seq=last + 2, step=7, site=GRADS)  # rank 1 has no call left for this one
+    sim.end(1, EndKind.CLEAN_EXIT, T0 + 8.5)
+    sim.beat(T0 + 30, ranks=[0])
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 30)), "stuck_collective")
+    assert f.culprit_ranks == [1] and f.waiting_ranks == [0]
+    assert f"rank 1 skipped all_reduce at {GRADS} in step 4 (seq 10)" in f.summary
+    assert f.details["skipped"] == {"rank": 1, "op": "all_reduce", "call_site": GRADS, "step": 4, "seq": 10}
+
+
+def test_a_rank_that_left_the_loop_early_is_still_an_early_exit() -> None:
+    """The look-alike: rank 1 breaks out after step 4 (its own early stop): no call skipped."""
+    sim = SimJob(2)
+    last = _loop(sim, 0, 4)
+    _loop(sim, 1, 4)
+    sim.call(0, T0 + 5, seq=last + 1, step=4, site=METRIC)
+    sim.end(1, EndKind.CLEAN_EXIT, T0 + 5.5)
+    sim.beat(T0 + 30, ranks=[0])
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 30)), "early_exit")
+    assert f.culprit_ranks == [1] and "skipped" not in f.details
+
+
+def test_calls_that_call_sites_cannot_tell_apart_claim_no_skip() -> None:
+    """One collective in the loop: a skip looks exactly like stopping one call early."""
+    sim = SimJob(2)
+    for seq in range(1, 10):
+        sim.exit(sim.call(0, T0 + seq, seq=seq, step=seq), T0 + seq + 0.01)
+        if seq < 9:
+            sim.exit(sim.call(1, T0 + seq + (1 if seq >= 5 else 0), seq=seq, step=seq), T0 + seq + 0.01)
+    sim.end(1, EndKind.CLEAN_EXIT, T0 + 9.5)
+    sim.call(0, T0 + 10, seq=10, step=10)
+    sim.beat(T0 + 30, ranks=[0])
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 30)), "early_exit")
+    assert "skipped" not in f.details
