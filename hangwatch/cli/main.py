@@ -211,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run",
         help="run torchrun with a coordinator and agent attached",
-        description="Everything after the hangwatch options is passed to torchrun, e.g. "
-        "hangwatch run --stuck-after 20 -- --nproc-per-node 4 train.py --lr 0.1",
+        description="Options hangwatch does not know, the script and its arguments go to torchrun as "
+        "torchrun takes them, e.g. hangwatch run --stuck-after 20 --nproc-per-node 4 train.py --lr 0.1 "
+        "(a -- before torchrun's part works too)",
     )
     _add_coordinator_flags(p, with_port=False)
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
@@ -422,9 +423,24 @@ def _start_relay(args: argparse.Namespace, addr: str, host: str) -> Any:
     return server
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line as the verbs take it; ``run`` hands torchrun what is torchrun's."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] == ["run"]:
+        # torchrun's options as torchrun takes them, with or without "--": what hangwatch does
+        # not know goes to torchrun, in the order given (argparse's remainder starts at the
+        # first value it cannot place, e.g. the 4 of --nproc-per-node 4)
+        args, unknown = parser.parse_known_args(argv)
+        rest = list(args.torchrun_args)
+        if rest[:1] == ["--"]:
+            rest = rest[1:]
+        args.torchrun_args = unknown + rest
+        return args
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     handlers = {
         "coordinator": cmd_coordinator,
         "agent": cmd_agent,
