@@ -38,11 +38,26 @@ _LIBRARY_MARKERS = (
     os.sep + "contextlib.py",
     os.sep + "functools.py",
     os.sep + "typing_extensions.py",  # torch's @deprecated wrappers (all_reduce_coalesced, ...)
+    os.sep + "multiprocessing" + os.sep,  # how a spawned rank's function is called, never its code
+    os.sep + "runpy.py",
+    os.sep + "threading.py",
+    "<frozen ",  # python -m's runpy, importlib
+)
+#: Code that lives inside those libraries and is the user's program all the same: their test
+#: harnesses and example scripts (a training script installed as a package is not under them).
+_USER_MARKERS = (
+    os.sep + "torch" + os.sep + "testing" + os.sep,
+    os.sep + "accelerate" + os.sep + "test_utils" + os.sep,
+    os.sep + "accelerate" + os.sep + "examples" + os.sep,
 )
 
 
 def _is_library(filename: str) -> bool:
-    return any(marker in filename for marker in _LIBRARY_MARKERS)
+    """Plumbing between the program and the collective (torch, hangwatch's hook, Accelerate's
+    wrappers, decorators, the interpreter's launch machinery), not the program itself."""
+    return any(marker in filename for marker in _LIBRARY_MARKERS) and not any(
+        marker in filename for marker in _USER_MARKERS
+    )
 
 
 class GroupTable:

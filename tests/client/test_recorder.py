@@ -10,17 +10,19 @@ completed later, errors, the bounded queue dropping and counting, and novel-sign
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from hangwatch import records as r
 from hangwatch.client import capture
 from hangwatch.client.ops import OPS_BY_NAME
-from hangwatch.client.recorder import MAX_NOVEL_SIGNATURES, Recorder
+from hangwatch.client.recorder import MAX_NOVEL_SIGNATURES, Recorder, _is_library
 from hangwatch.client.ringsink import RingSink
 from tests.client.fakes import FakeC10d, FakeProcessGroup, FakeWork, lost, make_session, recorded
 
@@ -276,3 +278,23 @@ def test_call_site_names_the_users_line_through_the_real_wrapper() -> None:
 
 def test_the_ring_size_is_clamped_to_something_usable() -> None:
     assert RingSink(0).capacity == RingSink(1).capacity == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "library"),
+    [
+        ("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", True),
+        ("/venv/lib/python3.11/site-packages/accelerate/utils/operations.py", True),
+        ("/usr/lib/python3.11/multiprocessing/process.py", True),
+        ("<frozen runpy>", True),
+        # the user's program, wherever it is installed
+        ("/venv/lib/python3.11/site-packages/torch/testing/_internal/distributed/distributed_test.py", False),
+        ("/venv/lib/python3.11/site-packages/accelerate/test_utils/scripts/test_ops.py", False),
+        ("/venv/lib/python3.11/site-packages/mytrainer/train.py", False),
+        ("/home/me/project/train.py", False),
+    ],
+)
+def test_call_sites_skip_plumbing_not_programs_installed_as_packages(path: str, library: bool) -> None:
+    """A training script or test harness installed in site-packages is the user's program: its
+    line is the call site, not ``<frozen runpy>`` or ``multiprocessing/process.py``."""
+    assert _is_library(path.replace("/", os.sep) if not path.startswith("<") else path) is library
