@@ -126,6 +126,22 @@ def _death_text(state: RankState) -> str:
     return f"it ended ({end.kind.value}){where}"
 
 
+def _same_error(first: RankState, others: list[RankState]) -> list[int]:
+    """Ranks among ``others`` that raised the very exception ``first`` raised (type, message and
+    the line it was raised at), each on its own."""
+    end = first.end
+    if end is None or end.kind is not r.EndKind.EXCEPTION or not end.detail:
+        return []
+    return [
+        st.rank
+        for st in others
+        if st.end is not None
+        and st.end.kind is r.EndKind.EXCEPTION
+        and st.end.detail.replace(f"[Rank {st.rank}]", "") == end.detail.replace(f"[Rank {first.rank}]", "")
+        and st.end.call_site == end.call_site
+    ]
+
+
 def _mismatch_behind(state: RankState, ctx: Context) -> SlotId | None:
     """The mismatched slot this rank took part in just before it died, if any."""
     best: SlotId | None = None
@@ -217,6 +233,35 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 step=first.step,
                 details=details,
                 aftermath_of=hang,
+            )
+        ]
+    alike = _same_error(first, [st for _, st in ended[1:]])
+    if alike:
+        # The same exception at the same place on several ranks: each failed on its own (a
+        # configuration error, a bad input every rank read), not because the first one left.
+        culprits = sorted([first.rank, *alike])
+        rest = [rk for rk in affected if rk not in alike]
+        where = f" at {first.end.call_site}" if first.end is not None and first.end.call_site else ""
+        detail = first.end.detail if first.end is not None else ""
+        summary = f"ranks {format_ranks(culprits)} each raised {detail}{where}: the same error on each, not a chain"
+        if rest:
+            summary += f"; rank{'s' if len(rest) > 1 else ''} {format_ranks(rest)} then failed or wait for them"
+        return [
+            Finding(
+                kind=IncidentKind.RANK_DIED,
+                key=incident_key(KeyFamily.DIED, session=first.identity.session),
+                culprit_ranks=culprits,
+                waiting_ranks=rest,
+                summary=summary,
+                hint="The same exception on several ranks is a cause they share (configuration, input data, an "
+                "environment difference from what the code expects): fix it once from the traceback above.",
+                onset_time=first_time,
+                op=last.op if last else "",
+                group=last.group if last else "",
+                seq=last.seq if last else 0,
+                step=first.step,
+                details=details,
+                stack_ranks=[st.rank for st in running][:4],
             )
         ]
     summary = f"rank {first.rank} died: {_death_text(first)}{in_call}"

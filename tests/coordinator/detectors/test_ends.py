@@ -349,3 +349,27 @@ def test_a_hang_that_ended_long_ago_does_not_swallow_a_later_death() -> None:
     sim.beat(T0 + 3602, ranks=[1])
     (died,) = engine.tick(T0 + 3602)
     assert died.kind == "rank_died" and died.culprit_ranks == [0]
+
+
+def test_the_same_exception_on_two_ranks_is_one_cause_they_share() -> None:
+    """A configuration error every rank hits on its own: not "rank 1 died, rank 0 then failed"."""
+    sim = SimJob(3)
+    sim.collective(1, T0 + 1)
+    err = "ValueError: learning rate schedule needs warmup_steps > 0"
+    sim.end(1, EndKind.EXCEPTION, T0 + 5, err, site="train.py:12 in build_scheduler")
+    sim.end(0, EndKind.EXCEPTION, T0 + 5.2, err, site="train.py:12 in build_scheduler")
+    sim.call(2, T0 + 5, seq=2)
+    sim.beat(T0 + 8, ranks=[2])
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 8)), "rank_died")
+    assert f.culprit_ranks == [0, 1] and f.waiting_ranks == [2]
+    assert f"ranks 0, 1 each raised {err} at train.py:12 in build_scheduler" in f.summary
+
+
+def test_a_different_error_after_a_death_is_still_its_consequence() -> None:
+    """The look-alike: rank 1 raises; rank 0 then fails with the backend's connection error."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.end(1, EndKind.EXCEPTION, T0 + 5, "KeyError: 'label'", site="data.py:40 in __getitem__")
+    sim.end(0, EndKind.EXCEPTION, T0 + 5.3, "DistBackendError: Connection closed by peer", site="train.py:50 in step")
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 8)), "rank_died")
+    assert f.culprit_ranks == [1] and "then failed or wait for it" in f.summary
