@@ -52,9 +52,12 @@ def _silent(state: RankState, ctx: Context) -> bool:
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
-    findings: list[Finding] = []
+    """One hang per group, the oldest unresolved slot of each, diagnosed oldest first: a hang
+    whose absent ranks are all waiting in another hang (ranks stuck in a subgroup's collective
+    never reach the world barrier a third rank waits in) is that hang's aftermath, told in its
+    incident, not a root cause of its own."""
+    candidates: list[tuple[float, Slot, tuple[int, ...], list[int]]] = []
     for group, slots in job.slots.items():
-        members = job.members(group)
         for seq, slot in slots.items():
             if not slot.open:
                 continue
@@ -66,12 +69,23 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 # (rank_died, or nothing at all where the whole job was stopped mid-call)
                 continue
             oldest = min(slot.calls[rk].enter_time for rk in waiting)
-            if ctx.now - oldest < ctx.stuck_after or (group, seq) in ctx.claimed:
-                break  # later slots of this group are younger; this one is not a hang (yet)
-            finding = _diagnose(job, ctx, slot, members, waiting)
-            if finding is not None:
-                findings.append(finding)
-            break  # one hang per group: the oldest unresolved slot is the root
+            if ctx.now - oldest >= ctx.stuck_after and (group, seq) not in ctx.claimed:
+                candidates.append((oldest, slot, job.members(group), waiting))
+            break  # later slots of this group are younger: the oldest unresolved slot is the root
+    findings: list[Finding] = []
+    hung = dict(ctx.hangs)  # rank -> the hang it is part of (open incidents, then this tick's)
+    for _, slot, members, waiting in sorted(candidates, key=lambda c: c[0]):
+        finding = _diagnose(job, ctx, slot, members, waiting)
+        if finding is None:
+            continue
+        roots = {hung.get(rk, "") for rk in finding.culprit_ranks}
+        root = roots.pop() if len(roots) == 1 else ""
+        if root:
+            finding.aftermath_of = root
+        else:
+            for rk in finding.culprit_ranks + finding.waiting_ranks:
+                hung.setdefault(rk, finding.key)
+        findings.append(finding)
     return findings
 
 

@@ -231,3 +231,40 @@ def test_calls_that_call_sites_cannot_tell_apart_claim_no_skip() -> None:
     sim.beat(T0 + 30, ranks=[0])
     f = only(stuck.detect(sim.job, sim.ctx(T0 + 30)), "early_exit")
     assert "skipped" not in f.details
+
+
+def test_a_world_barrier_waiting_on_a_subgroup_hang_is_its_aftermath() -> None:
+    """Ranks 0 and 1 share a subgroup; rank 1 stalls, so rank 0 waits in the subgroup's
+    all_reduce; rank 2 (not in it) goes on to the world barrier and waits there for both. One
+    root cause: the subgroup hang, with the barrier told inside it."""
+    from tests.factories import group_event
+
+    sim = SimJob(3)
+    for rk in (0, 1):
+        sim.apply(group_event(rk, "1", (0, 1)), T0)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=1, group="1")
+    sim.call(2, T0 + 3, op="barrier", seq=2, shape=None)
+    sim.beat(T0 + 30, where_user="train.py:70 in load_batch")
+    engine = sim.engine()
+    opened = engine.tick(T0 + 30)
+    assert [(i.kind, i.group, i.culprit_ranks) for i in opened] == [("stuck_collective", "1", [1])]
+    (inc,) = engine.incidents.values()
+    assert inc.details["aftermath"]["ranks"] == [0, 1] and "barrier" in inc.summary
+    assert engine.tick(T0 + 31) == []
+
+
+def test_two_unrelated_hangs_are_two_incidents() -> None:
+    """The look-alike: hangs on two groups whose absent ranks are not part of each other's."""
+    from tests.factories import group_event
+
+    sim = SimJob(4)
+    for rk in (0, 1):
+        sim.apply(group_event(rk, "1", (0, 1)), T0)
+    for rk in (2, 3):
+        sim.apply(group_event(rk, "2", (2, 3)), T0)
+    sim.call(0, T0 + 2, seq=1, group="1")
+    sim.call(2, T0 + 3, seq=1, group="2")
+    sim.beat(T0 + 30)
+    opened = sim.engine().tick(T0 + 30)
+    assert sorted((i.group, tuple(i.culprit_ranks)) for i in opened) == [("1", (1,)), ("2", (3,))]
