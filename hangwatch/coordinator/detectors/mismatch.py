@@ -114,8 +114,20 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         culprit = list(mismatch.culprit_ranks)
         agreeing = list(mismatch.agreeing_ranks)
         step = max(c.step for c in slot.calls.values())
-        details: dict[str, object] = {"calls": {str(k): v for k, v in sorted(mismatch.details.items())}}
+        details: dict[str, object] = {
+            "calls": {str(k): v for k, v in sorted(mismatch.details.items())},
+            "provisional": False,
+        }
         summary, hint, kind = mismatch.summary, mismatch.hint, mismatch.kind
+        if size and len(slot.calls) < size and len(agreeing) * 2 <= size:
+            # Not every rank has arrived and the side taken for right is no majority of the group
+            # yet: say who disagrees, not who is wrong (the incident is told again as they come).
+            culprit, agreeing = sorted(slot.calls), []
+            details["provisional"] = True
+            summary += (
+                f" ({len(slot.calls)} of {size} ranks have arrived: which side is wrong is not known yet, "
+                "it is told as the others arrive)"
+            )
         if kind == IncidentKind.OP_MISMATCH:
             history = {rk: list(st.history.get(group, ())) for rk, st in job.ranks.items()}
             extra = explain_extra_call(history, seq)
