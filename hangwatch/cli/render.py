@@ -170,7 +170,33 @@ def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
         out.write("\nranks that did not arrive:\n")
         for rank, text in sorted(absent.items()):
             out.write(f"  rank {rank} {text}\n")
-    doing = (inc.get("details") or {}).get("stack_summary") or {}
+    details = inc.get("details") or {}
+    skipped = details.get("skipped")
+    if skipped:
+        out.write(
+            f"\nskipped call: rank {skipped.get('rank')} never made {skipped.get('op')} at "
+            f"{skipped.get('call_site') or '?'} (step {skipped.get('step')}, seq {skipped.get('seq')})\n"
+        )
+    hosts = details.get("host") or {}
+    if hosts:
+        out.write("\non the GPU, not completed; where each host thread is:\n")
+        for rank, where in sorted(hosts.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+            out.write(f"  rank {rank}: {where}\n")
+    if details.get("timeout_at"):
+        fires = time.strftime("%H:%M:%S", time.localtime(details["timeout_at"]))
+        out.write(f"torch's own timeout fires at {fires}\n")
+    if details.get("gpus"):
+        out.write(f"GPUs: {details['gpus']}\n")
+    repeats = details.get("repeats")
+    if repeats:
+        out.write(
+            f"\nrepeated: {repeats.get('count')} more time(s) since, the latest at seq {repeats.get('last_seq')} "
+            f"(step {repeats.get('last_step')})\n"
+        )
+    aftermath = details.get("aftermath")
+    if aftermath:
+        out.write(f"\naftermath (what this caused): {aftermath.get('summary', '')}\n")
+    doing = details.get("stack_summary") or {}
     if doing:
         out.write("\nwhat the stacks show:\n")
         for rank, text in sorted(doing.items(), key=lambda kv: int(kv[0])):
