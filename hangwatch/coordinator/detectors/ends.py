@@ -126,6 +126,15 @@ def _death_text(state: RankState) -> str:
     return f"it ended ({end.kind.value}){where}"
 
 
+def _answered(leaver: RankState, call: r.CallRecord) -> bool:
+    """Whether ``leaver`` issued the p2p call that answers ``call`` (a send or recv of another
+    rank with ``leaver`` as its peer) before it left: a send for a recv, a recv for a send,
+    counted per pair as the calls are. Its peer's side completing later is not its fault."""
+    mine = leaver.history.get(call.group, ())
+    wanted = r.SEND_OPS if call.op in r.RECV_OPS else r.RECV_OPS
+    return any(c.op in wanted and c.peer == call.rank and c.seq >= call.seq for c in mine)
+
+
 def _same_error(first: RankState, others: list[RankState]) -> list[int]:
     """Ranks among ``others`` that raised the very exception ``first`` raised (type, message and
     the line it was raised at), each on its own."""
@@ -306,10 +315,15 @@ def _early_exit(
             members = job.members(call.group)
             if members and first.rank not in members:
                 continue
-            first_hist = first.history.get(call.group)
-            reached = first_hist is not None and any(
-                c.seq >= call.seq for c in first_hist if c.kind is call.kind and c.kind is r.OpKind.COLLECTIVE
-            )
+            if call.kind is r.OpKind.P2P:
+                if call.peer != first.rank:
+                    continue  # a send or recv with another rank (or any source): not the leaver's to answer
+                reached = _answered(first, call)
+            else:
+                first_hist = first.history.get(call.group)
+                reached = first_hist is not None and any(
+                    c.seq >= call.seq for c in first_hist if c.kind is r.OpKind.COLLECTIVE
+                )
             # A collective that a member never reached cannot have completed, whatever its record
             # says: Flight Recorder retires DDP's all-reduce when gloo fails it, with no error.
             unfinished = call.exit_time is None or call.error is not None or call.kind is r.OpKind.COLLECTIVE

@@ -373,3 +373,31 @@ def test_a_different_error_after_a_death_is_still_its_consequence() -> None:
     sim.end(0, EndKind.EXCEPTION, T0 + 5.3, "DistBackendError: Connection closed by peer", site="train.py:50 in step")
     f = only(ends.detect(sim.job, sim.ctx(T0 + 8)), "rank_died")
     assert f.culprit_ranks == [1] and "then failed or wait for it" in f.summary
+
+
+def test_a_rank_that_sent_its_last_message_and_left_is_not_an_early_exit() -> None:
+    """A pipeline's last stage: rank 0 sends its last activation to rank 1 and destroys its
+    group; rank 1's recv has not been reported complete yet. A correct program: nothing."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    for i in range(1, 4):
+        sim.exit(sim.call(0, T0 + 1 + i, op="send", seq=i, peer=1), T0 + 1.01 + i)
+        recv = sim.call(1, T0 + 1 + i, op="recv", seq=i, peer=0)
+        if i < 3:
+            sim.exit(recv, T0 + 1.02 + i)
+    sim.end(0, EndKind.DESTROYED, T0 + 4.1)
+    for now in (T0 + 4.2, T0 + 6, T0 + 20):
+        assert ends.detect(sim.job, sim.ctx(now)) == []
+
+
+def test_a_rank_that_left_without_sending_what_its_peer_waits_for_is_an_early_exit() -> None:
+    """The look-alike: rank 0 leaves before its third send; rank 1 waits in that recv."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    for i in range(1, 3):
+        sim.exit(sim.call(0, T0 + 1 + i, op="send", seq=i, peer=1), T0 + 1.01 + i)
+        sim.exit(sim.call(1, T0 + 1 + i, op="recv", seq=i, peer=0), T0 + 1.02 + i)
+    sim.call(1, T0 + 4, op="recv", seq=3, peer=0)
+    sim.end(0, EndKind.DESTROYED, T0 + 4.1)
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 5)), "early_exit")
+    assert f.culprit_ranks == [0] and f.waiting_ranks == [1] and f.op == "recv"
