@@ -261,10 +261,13 @@ class JobState:
         if identity.attempt > self.attempt:
             return True
         live = [st for st in self.ranks.values() if st.end is None and st.alive]
-        if not live:
-            return True
         other = bool(identity.launch and self.launch and identity.launch != self.launch)
-        return other and all(now - st.last_seen > OTHER_LAUNCH_SILENT_S for st in live)
+        if other and all(now - st.last_seen > OTHER_LAUNCH_SILENT_S for st in live):
+            return True
+        previous = self.ranks.get(identity.rank)
+        if previous is None or previous.identity.session == identity.session:
+            return False  # a rank of this run registering at its own pace (the others may be done)
+        return not live  # a rank number of a run that is over, in a new process: the next run
 
     def register(self, identity: r.RankIdentity, now: float, via: str = "direct") -> RankState:
         if self._new_run(identity, now):

@@ -97,3 +97,15 @@ def test_another_launch_waits_for_the_current_run_to_fall_silent() -> None:
     assert sim.job.run == run
     sim.register(1, T0 + 60, identity(1, 2, session="b1", launch="10.0.0.2:29500"))
     assert sim.job.run != run
+
+
+def test_a_rank_registering_after_the_first_has_already_ended_joins_its_run() -> None:
+    """Ranks register at their own pace: gloo's root of a broadcast can finish, and exit, before
+    its peer's registration reaches the coordinator. That peer is the same run, not the next."""
+    sim = SimJob(0, register_all=False)
+    sim.world = 2
+    sim.register(0, T0, identity(0, 2, session="s0"))
+    sim.end(0, r.EndKind.CLEAN_EXIT, T0 + 0.1)
+    run = sim.job.run
+    sim.register(1, T0 + 0.2, identity(1, 2, session="s1"))
+    assert sim.job.run == run and sorted(sim.job.ranks) == [0, 1]
