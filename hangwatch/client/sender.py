@@ -328,7 +328,11 @@ class Sender:
                             self.interval_s = min(max(reply.report_interval_s, MIN_INTERVAL_S), MAX_INTERVAL_S)
                     if pending is None:
                         pending = reader.poll(MAX_BATCH)
-                    if pending.slots or announce or now - last_sent >= self.heartbeat_s or flushing:
+                    if not (
+                        pending.slots or pending.blobs or announce or now - last_sent >= self.heartbeat_s or flushing
+                    ):
+                        pending = None  # nothing read, nothing due: read the ring again next time
+                    else:
                         where, where_user = self._where()
                         batch_seq += 1
                         backlog = reader.backlog() if len(pending.slots) >= MAX_BATCH else 0

@@ -543,3 +543,17 @@ def test_a_forked_child_drops_the_inherited_session(rig: Callable[..., Rig], mon
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert session_mod.current() is t.session and capture.active_session() is t.session  # the parent keeps it
+
+
+def test_records_written_after_an_idle_read_are_shipped_at_the_next_interval(rig: Callable[..., Rig]) -> None:
+    """The sender read an empty ring and had nothing due: it must read again next interval, not
+    hold the empty read until a heartbeat (found by an independent pass: a step put after an idle
+    moment waited for the next heartbeat, here never)."""
+    t = rig()  # heartbeats never due
+    t.put_steps(1)
+    t.start()
+    wait_for(t.transport.reports, WAIT_S, 0.002, "the first report")
+    time.sleep(0.2)  # the loop reads the empty ring many times
+    steps = t.put_steps(1)
+    wait_for(lambda: len(t.transport.reports()) == 2, WAIT_S, 0.002, "the step written after an idle read")
+    assert t.transport.reports()[1].events == steps
