@@ -30,6 +30,8 @@ MAX_OPEN_CALLS = 4096  # per rank
 #: Process groups tracked per job; calls on groups beyond this are counted and dropped (a job with
 #: more real groups than this is not one a single coordinator can diagnose anyway).
 MAX_GROUPS = 16384
+#: The world group: never refused for the cap (a flood of other groups must not blind it).
+WORLD = "0"
 DURATIONS_KEPT = 512
 ARRIVALS_KEPT = 32
 OFFSET_SAMPLES = 32  # clock-offset samples per rank (batches: 6-64 s of them)
@@ -406,7 +408,7 @@ class JobState:
             return
         canonical = self.groups.get(name)
         if canonical is None:
-            if len(self.groups) >= MAX_GROUPS:
+            if len(self.groups) >= MAX_GROUPS and name != WORLD:
                 self.dropped_calls += 1
                 return
             canonical = self.groups[name] = info
@@ -426,7 +428,7 @@ class JobState:
         group, seq = call.group, call.seq
         slots = self.slots.get(group)
         hist = state.history.get(group)
-        if hist is None and slots is None and len(state.history) >= MAX_GROUPS:
+        if hist is None and slots is None and len(state.history) >= MAX_GROUPS and group != WORLD:
             self.dropped_calls += 1
             return
         call_id = call.call_id
@@ -462,7 +464,7 @@ class JobState:
         if call.step > state.step:
             state.step = call.step
         if hist is None:
-            if slots is None and len(self.slots) >= MAX_GROUPS:
+            if slots is None and len(self.slots) >= MAX_GROUPS and group != WORLD:
                 self.dropped_calls += 1
                 return
             hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
