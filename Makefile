@@ -40,7 +40,7 @@ unit: setup
 # Two workers, one test file each at a time (a file's jobs share its module fixtures): the jobs
 # mostly wait (on detection thresholds, on gloo), so two at once fit 2 cores (8 min vs 12 serial).
 test: setup lint typecheck
-	$(BIN)/pytest -q -ra -n 2 --dist loadfile
+	$(BIN)/pytest -q -ra -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) build dist

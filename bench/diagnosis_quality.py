@@ -22,7 +22,15 @@ from pathlib import Path
 from hangwatch import testing
 from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 from tests.conftest import PRELUDE
-from tests.e2e import test_async, test_fault_classes, test_healthy_programs, test_runs, test_sequences
+from tests.e2e import (
+    healthy,
+    test_async,
+    test_fault_classes,
+    test_healthy_p2p,
+    test_healthy_training,
+    test_runs,
+    test_sequences,
+)
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,7 @@ class Scenario:
     kind: str | None  # the incident expected (None: a healthy job, nothing expected)
 
 
-HEALTHY = test_healthy_programs
+HEALTHY = "none (healthy)"
 SCENARIOS = (
     Scenario("early stop (DDP)", test_fault_classes.EARLY_EXIT_DDP, 2, "rank 1 left the loop at step 5", "early_exit"),
     Scenario("stalled rank", test_fault_classes.STUCK_SLEEP, 2, "rank 1 never reached all_reduce (step 3)",
@@ -45,11 +53,10 @@ SCENARIOS = (
              "rank 2 stalled before all_reduce (step 7)", "stuck_collective"),
     Scenario("reduce-op mismatch every step", test_runs.REDUCE_OP_EVERY_STEP, 2, "rank 1 reduces with MAX",
              "arg_mismatch"),
-    Scenario("pipeline, last stage leaves first", HEALTHY.INIT + HEALTHY.PIPELINE, 3, "none (healthy)", None),
-    Scenario("monitored barriers between phases", HEALTHY.INIT + HEALTHY.MONITORED_BARRIER, 3, "none (healthy)",
-             None),
-    Scenario("DDP Join, uneven inputs", HEALTHY.INIT + HEALTHY.DDP_JOIN, 3, "none (healthy)", None),
-    Scenario("rank 0 evaluates alone (1.5 s)", HEALTHY.INIT + HEALTHY.SOLO_EVAL, 3, "none (healthy)", None),
+    Scenario("pipeline, last stage leaves first", healthy.INIT + test_healthy_p2p.PIPELINE, 3, "none (healthy)", None),
+    Scenario("monitored barriers between phases", healthy.INIT + test_healthy_p2p.MONITORED_BARRIER, 3, HEALTHY, None),
+    Scenario("DDP Join, uneven inputs", healthy.INIT + test_healthy_training.DDP_JOIN, 2, "none (healthy)", None),
+    Scenario("rank 0 evaluates alone (1.5 s)", healthy.INIT + test_healthy_training.SOLO_EVAL, 2, HEALTHY, None),
 )  # fmt: skip
 
 
