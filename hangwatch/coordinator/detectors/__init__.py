@@ -3,7 +3,7 @@
 The contract:
 
 * A detector reads the ``JobState`` and never writes it (nor its ranks, slots or calls): every
-  change to a job happens in ``state.py``.
+  change to a job happens in ``state`` (``JobState``).
 * What a detector remembers between ticks to stay incremental (at 1,024 ranks recomputing
   everything every tick is too slow) lives in its cache, ``ctx.cache.<detector>``: a
   ``DetectorCache`` the engine owns (one per engine) and passes in every tick's ``Context``. Each
