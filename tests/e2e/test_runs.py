@@ -8,26 +8,14 @@ from collections.abc import Callable
 
 from hangwatch.coordinator.daemon import Coordinator
 from hangwatch.testing import Job
-from tests.e2e.test_fault_classes import TRAIN, _brief, wait_incident
-
-STUCK_AT_STEP_3 = (
-    TRAIN
-    + """
-for step in range(100):
-    if rank == 1 and step == 3:
-        time.sleep(600)  # rank 1 stalls; rank 0 waits in the all_reduce
-    dist.all_reduce(t)
-    opt.step()
-    time.sleep(0.05)
-"""
-)
+from tests.e2e.test_fault_classes import STUCK_SLEEP, TRAIN, _brief, wait_incident
 
 
 def test_the_same_hang_in_a_rerun_is_reported_again(coordinator: Coordinator, torchrun: Callable[..., Job]) -> None:
-    first_job = torchrun(STUCK_AT_STEP_3, addr=f"127.0.0.1:{coordinator.port}", name="rerun_a")
+    first_job = torchrun(STUCK_SLEEP, addr=f"127.0.0.1:{coordinator.port}", name="rerun_a")
     first = wait_incident(coordinator, "stuck_collective")
     first_job.kill()  # the user kills the hung job and runs it again, unchanged
-    second_job = torchrun(STUCK_AT_STEP_3, addr=f"127.0.0.1:{coordinator.port}", name="rerun_b")
+    second_job = torchrun(STUCK_SLEEP, addr=f"127.0.0.1:{coordinator.port}", name="rerun_b")
     second = wait_incident(coordinator, "stuck_collective", pred=lambda i: i["id"] != first["id"])
     incs = coordinator.incidents_json()
     assert [i["kind"] for i in incs] == ["stuck_collective", "stuck_collective"], _brief(incs)

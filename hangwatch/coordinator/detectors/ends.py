@@ -201,49 +201,49 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         "exit": exit_details,
         "affected": {str(st.rank): _death_text(st) for _, st in ended[1:]},
     }
-    behind = _mismatch_behind(first, ctx)
-    if behind is not None:
-        # The backend crashed on the mismatch (gloo aborts on 10 vs 20 floats, float32 vs int64):
-        # the mismatch is the root cause, the death its aftermath, told in the mismatch's incident.
+    stack_ranks = [st.rank for st in running][:4]
+
+    def died(
+        culprits: list[int],
+        waiting: list[int],
+        summary: str,
+        hint: str = "",
+        aftermath_of: str = "",
+        slot: tuple[str, int] | None = None,
+    ) -> list[Finding]:
+        group, seq = slot if slot is not None else ((last.group, last.seq) if last else ("", 0))
         return [
             Finding(
                 kind=IncidentKind.RANK_DIED,
                 key=incident_key(KeyFamily.DIED, session=first.identity.session),
-                culprit_ranks=[first.rank],
-                waiting_ranks=affected,
-                summary=f"rank {first.rank} then died: {_death_text(first)}{in_call}",
-                hint="",
+                culprit_ranks=culprits,
+                waiting_ranks=waiting,
+                summary=summary,
+                hint=hint,
                 onset_time=first_time,
                 op=last.op if last else "",
-                group=behind[0],
-                seq=behind[1],
+                group=group,
+                seq=seq,
                 step=first.step,
                 details=details,
-                aftermath_of=incident_key(KeyFamily.MISMATCH, group=behind[0], seq=behind[1]),
+                aftermath_of=aftermath_of,
+                stack_ranks=[] if aftermath_of else stack_ranks,
             )
         ]
+
+    then_died = f"rank {first.rank} then died: {_death_text(first)}{in_call}"
+    behind = _mismatch_behind(first, ctx)
+    if behind is not None:
+        # The backend crashed on the mismatch (gloo aborts on 10 vs 20 floats, float32 vs int64):
+        # the mismatch is the root cause, the death its aftermath, told in the mismatch's incident.
+        mismatch = incident_key(KeyFamily.MISMATCH, group=behind[0], seq=behind[1])
+        return died([first.rank], affected, then_died, aftermath_of=mismatch, slot=behind)
     hang = ctx.hangs.get(first.rank)
     if hang is not None:
         # The rank was part of a hang already diagnosed (waiting in it, or its culprit): its death
         # now (NCCL's watchdog aborting at torch's timeout, the launcher giving up, a NCCL error
         # the hang surfaced) is that hang's aftermath, told in its incident, not a new root cause.
-        return [
-            Finding(
-                kind=IncidentKind.RANK_DIED,
-                key=incident_key(KeyFamily.DIED, session=first.identity.session),
-                culprit_ranks=[first.rank],
-                waiting_ranks=affected,
-                summary=f"rank {first.rank} then died: {_death_text(first)}{in_call}",
-                hint="",
-                onset_time=first_time,
-                op=last.op if last else "",
-                group=last.group if last else "",
-                seq=last.seq if last else 0,
-                step=first.step,
-                details=details,
-                aftermath_of=hang,
-            )
-        ]
+        return died([first.rank], affected, then_died, aftermath_of=hang)
     alike = _same_error(first, [st for _, st in ended[1:]])
     if alike:
         # The same exception at the same place on several ranks: each failed on its own (a
@@ -255,48 +255,20 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         summary = f"ranks {format_ranks(culprits)} each raised {detail}{where}: the same error on each, not a chain"
         if rest:
             summary += f"; rank{'s' if len(rest) > 1 else ''} {format_ranks(rest)} then failed or wait for them"
-        return [
-            Finding(
-                kind=IncidentKind.RANK_DIED,
-                key=incident_key(KeyFamily.DIED, session=first.identity.session),
-                culprit_ranks=culprits,
-                waiting_ranks=rest,
-                summary=summary,
-                hint="The same exception on several ranks is a cause they share (configuration, input data, an "
-                "environment difference from what the code expects): fix it once from the traceback above.",
-                onset_time=first_time,
-                op=last.op if last else "",
-                group=last.group if last else "",
-                seq=last.seq if last else 0,
-                step=first.step,
-                details=details,
-                stack_ranks=[st.rank for st in running][:4],
-            )
-        ]
+        hint = (
+            "The same exception on several ranks is a cause they share (configuration, input data, an "
+            "environment difference from what the code expects): fix it once from the traceback above."
+        )
+        return died(culprits, rest, summary, hint)
     summary = f"rank {first.rank} died: {_death_text(first)}{in_call}"
     if affected:
         summary += f"; rank{'s' if len(affected) > 1 else ''} {format_ranks(affected)} then failed or wait for it"
-    return [
-        Finding(
-            kind=IncidentKind.RANK_DIED,
-            key=incident_key(KeyFamily.DIED, session=first.identity.session),
-            culprit_ranks=[first.rank],
-            waiting_ranks=affected,
-            summary=summary,
-            hint=(
-                "Fix the error on the culprit rank (its exception and frame are above); the other ranks only "
-                "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "
-                "the launcher's logs."
-            ),
-            onset_time=first_time,
-            op=last.op if last else "",
-            group=last.group if last else "",
-            seq=last.seq if last else 0,
-            step=first.step,
-            details=details,
-            stack_ranks=[st.rank for st in running][:4],
-        )
-    ]
+    hint = (
+        "Fix the error on the culprit rank (its exception and frame are above); the other ranks only "
+        "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "
+        "the launcher's logs."
+    )
+    return died([first.rank], affected, summary, hint)
 
 
 def _early_exit(
