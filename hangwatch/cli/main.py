@@ -37,6 +37,14 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (the documented contract)")
 
 
+def _add_job_flag(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--job",
+        default="",
+        help=f"the job: its key, job id or run (as status lists them), or a prefix of one (default: {default})",
+    )
+
+
 def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True) -> None:
     if with_port:
         p.add_argument(
@@ -194,19 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="every rank's state and last collective, and open incidents")
     _add_query_flags(p)
     p.add_argument("--watch", action="store_true", help="refresh in place every second")
+    _add_job_flag(p, "the latest job with a live rank")
 
     p = sub.add_parser("incidents", help="list incidents")
     _add_query_flags(p)
     p.add_argument("--limit", type=int, default=0, help="only the most recent N")
+    _add_job_flag(p, "every job")
 
     p = sub.add_parser("report", help="the full diagnosis of one incident (default: the latest)")
     _add_query_flags(p)
     p.add_argument("id", nargs="?", default=None, help="incident id, e.g. inc-0001")
+    _add_job_flag(p, "every job: the latest incident")
 
     p = sub.add_parser("stacks", help="dump py-spy stacks of ranks now")
     _add_query_flags(p)
     p.add_argument("rank", nargs="?", default="all", help="a rank, comma-separated ranks, or 'all'")
     p.add_argument("--native", action="store_true", help="include native (C/C++) frames")
+    _add_job_flag(p, "the latest job with a live rank")
 
     p = sub.add_parser(
         "run",
@@ -242,7 +254,7 @@ def _print_json(data: Any) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     while True:
-        data = query(_addr(args), "GetStatus", token=_token(args))
+        data = query(_addr(args), "GetStatus", token=_token(args), job=args.job)
         if args.json:
             _print_json(data)
             return 0
@@ -256,7 +268,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
-    data = query(_addr(args), "ListIncidents", token=_token(args), limit=args.limit)
+    data = query(_addr(args), "ListIncidents", token=_token(args), limit=args.limit, job=args.job)
     if args.json:
         _print_json(data)
     else:
@@ -267,7 +279,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     ident = args.id
     if ident is None:
-        incidents = query(_addr(args), "ListIncidents", token=_token(args), limit=1)
+        incidents = query(_addr(args), "ListIncidents", token=_token(args), limit=1, job=args.job)
         if not incidents:
             sys.stderr.write("hangwatch: no incidents yet\n")
             return 1
@@ -281,7 +293,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_stacks(args: argparse.Namespace) -> int:
-    data = query(_addr(args), "DumpStacks", token=_token(args), id=str(args.rank), native=args.native, timeout=30.0)
+    data = query(
+        _addr(args), "DumpStacks", token=_token(args), id=str(args.rank), native=args.native, job=args.job, timeout=30.0
+    )
     if args.json:
         _print_json(data)
         return 0

@@ -91,6 +91,18 @@ def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
             out.write(f"  {inc['id']}  {inc['kind']:<17} {inc['summary']}\n")
     else:
         out.write("no open incidents\n")
+    others = [j for j in data.get("jobs") or [] if not j.get("shown")]
+    if others:
+        out.write(f"{len(others)} other job(s) on this coordinator (status --job KEY):\n")
+        for other in others:
+            states = ", ".join(f"{n} {word}" for word, n in sorted((other.get("states") or {}).items()))
+            opened = other.get("open_incidents") or 0
+            out.write(
+                f"  {other.get('key') or other.get('id') or '?'}  {other.get('registered', 0)}/"
+                f"{other.get('world_size', 0)} ranks ({states or 'none yet'})"
+                + (_c(f", {opened} open incident(s)", "1;31", colour) if opened else "")
+                + "\n"
+            )
     store = job.get("store") or {}
     if store.get("write_errors"):
         out.write(

@@ -1,7 +1,8 @@
 """Webhook alerts: every new incident POSTed as JSON, retried with backoff, never blocking detection.
 
-The body is the incident's JSON (the documented contract) plus a ``text`` field, so Slack's
-incoming webhooks show a readable line as they are.
+The body is the incident's JSON (the documented contract) plus ``event`` (``opened``, or
+``aftermath`` when an open incident learns the death it caused: the same ``id``, updated) and a
+``text`` field, so Slack's incoming webhooks show a readable line as they are.
 """
 
 from __future__ import annotations
@@ -33,9 +34,20 @@ class WebhookAlerter:
         self._thread.start()
 
     def __call__(self, incident: Incident) -> None:
-        """An engine listener: queue the alert and return at once."""
+        """An engine listener (a new incident): queue the alert and return at once."""
+        self._enqueue(incident, "opened", f"hangwatch {incident.kind} ({incident.id}): {incident.summary}")
+
+    def updated(self, incident: Incident) -> None:
+        """An engine update listener: the incident gained its aftermath (a rank it killed); the
+        update names the incident it completes, so a chat shows one story per root cause."""
+        aftermath = incident.details.get("aftermath") or {}
+        what = aftermath.get("summary") if isinstance(aftermath, dict) else ""
+        self._enqueue(incident, "aftermath", f"hangwatch {incident.kind} ({incident.id}), then: {what}")
+
+    def _enqueue(self, incident: Incident, event: str, text: str) -> None:
         body = incident.to_json()
-        body["text"] = f"hangwatch {incident.kind} ({incident.id}): {incident.summary}"
+        body["event"] = event
+        body["text"] = text
         try:
             self._queue.put_nowait(body)
         except queue.Full:

@@ -23,12 +23,13 @@ from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
 from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
+from hangwatch.coordinator.jobs import Jobs, JobsFull
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.server import BindError, RpcServer
 from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, IntakeError
 from hangwatch.coordinator.state import JobState
 from hangwatch.coordinator.store import IncidentStore
-from hangwatch.coordinator.views import status_json
+from hangwatch.coordinator.views import job_line, status_json
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.serving import is_loopback
 from hangwatch.signatures import CallDecoder
@@ -88,7 +89,7 @@ class Coordinator:
         self.options = options
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.lock = threading.RLock()
-        self.job = JobState()
+        self.jobs = Jobs()
         self.decoders: dict[str, CallDecoder] = {}  # session -> its interned call signatures
         self.store = IncidentStore(options.data_dir, max_bytes=int(options.max_data_mb * 1024 * 1024))
         embedded = None
@@ -98,7 +99,7 @@ class Coordinator:
             embedded = NodeAgentCore()
         self.hub = AgentHub(embedded)
         self.engine = Engine(
-            self.job,
+            self.jobs,
             self.lock,
             stuck_after=options.stuck_after,
             silence_after=options.silence_after,
@@ -123,9 +124,15 @@ class Coordinator:
         if options.alert_webhook:
             self.alerter = WebhookAlerter(options.alert_webhook)
             self.engine.listeners.append(self.alerter)
+            self.engine.update_listeners.append(self.alerter.updated)
         self.metrics: MetricsServer | None = None
         self.rings: RingServer | None = None
         self.shipper: Shipper | None = None  # the embedded agent's, once rank links are served
+
+    @property
+    def job(self) -> JobState:
+        """The job a query without ``--job`` is about (``Jobs.current``)."""
+        return self.jobs.current()
 
     def _next_id(self) -> str:
         ident = f"inc-{self._id_counter:04d}"
@@ -252,20 +259,23 @@ class Coordinator:
 
     # ---- ingest (called by the servicer) --------------------------------------------------
 
-    def register_rank(self, identity: r.RankIdentity, via: str = "direct") -> int:
-        """Register (or re-register) a rank; returns the highest call id already held for its
-        session (0 for a new one)."""
+    def register_rank(self, identity: r.RankIdentity, via: str = "direct") -> tuple[int, float]:
+        """Register (or re-register) a rank in its job; returns the highest call id already held
+        for its session (0 for a new one) and how often it should report."""
         with self.lock:
-            previous = self.job.ranks.get(identity.rank)
-            if previous is not None and previous.identity.session != identity.session:
-                self.decoders.pop(previous.identity.session, None)
-            run = self.job.run
-            state = self.job.register(identity, time.time(), via)
-            if self.job.run != run:  # a new run of the job: the last run's sessions are over
-                log.info("job %s: a new run (%s) begins", identity.job_id, self.job.run)
-                self.decoders = {s: d for s, d in self.decoders.items() if s in self.job.sessions}
+            known = len(self.jobs.ended_runs), len(self.jobs)
+            try:
+                job, state = self.jobs.register(identity, time.time(), via)
+            except JobsFull as e:
+                self.metrics_rejected("jobs")
+                raise IntakeError(str(e)) from None
+            if (len(self.jobs.ended_runs), len(self.jobs)) != known:  # a run ended or a job began
+                log.info("job %s: run %s (%s)", identity.job_id, job.run, self.jobs.key_of(job))
+            # sessions of ended runs and of a rank's earlier process are over
+            self.decoders = {s: d for s, d in self.decoders.items() if self.jobs.for_session(s) is not None}
             self.decoders[identity.session] = CallDecoder()  # the rank's table starts empty too
             last_call_id = state.last_call_id
+            interval = report_interval_for(job.world_size)
         log.info(
             "rank %d registered (pid %d on %s, job %s, via %s)",
             identity.rank,
@@ -274,7 +284,7 @@ class Coordinator:
             identity.job_id,
             via,
         )
-        return last_call_id
+        return last_call_id, interval
 
     def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> pb.RegisterReply:
         """Register a rank (from a ``Register`` RPC, or from the node agent that read its link).
@@ -284,11 +294,11 @@ class Coordinator:
             raise IntakeError(f"invalid rank {identity.rank} for world size {identity.world_size}")
         if not identity.session:
             raise IntakeError("registration without a session id")
-        last_call_id = self.register_rank(identity, via)
+        last_call_id, interval = self.register_rank(identity, via)
         return pb.RegisterReply(
             coordinator_id=self.coordinator_id,
             server_time=time.time(),
-            report_interval_s=self.report_interval(),
+            report_interval_s=interval,
             last_call_id=last_call_id,
         )
 
@@ -310,15 +320,15 @@ class Coordinator:
         """The signature table of a registered session (None: the rank must register)."""
         return self.decoders.get(session)
 
-    def report_interval(self) -> float:
-        return report_interval_for(self.job.world_size)
-
     def report(self, batch: pb.ReportBatch, events: list[r.RankEvent], relay: str = "") -> int | None:
         """Apply a decoded batch (``events``; ``batch`` for its header) to the job state: the
         number of events applied, or None when the rank must register again."""
         now = time.time()
         with self.lock:
-            result = self.job.ingest(
+            job = self.jobs.for_session(batch.session)
+            if job is None:
+                return None
+            result = job.ingest(
                 batch.session,
                 batch.rank,
                 events,
@@ -350,7 +360,7 @@ class Coordinator:
         whatever was learnt of how it ended."""
         ended = (r.ProcState.DEAD, r.ProcState.ZOMBIE)
         with self.lock:
-            by_pid = {st.identity.pid: st for st in self.job.ranks.values() if st.identity.host == host}
+            by_pid = {st.identity.pid: st for st in self.jobs.ranks() if st.identity.host == host}
             for status in statuses:
                 st = by_pid.get(status.pid)
                 if st is None:
@@ -374,7 +384,7 @@ class Coordinator:
         with self.lock:
             return [
                 st.target()
-                for st in self.job.ranks.values()
+                for st in self.jobs.ranks()
                 if st.identity.host == host and (include_remote_hosts or self.hub.agent_for(host) is None)
             ]
 
@@ -383,22 +393,33 @@ class Coordinator:
 
     # ---- stacks and abort -----------------------------------------------------------------
 
-    def _hosts(self, ranks: list[int] | None = None) -> dict[int, str]:
+    def _hosts(self, targets: list[r.Target]) -> dict[int, str]:
+        """Where each target's process runs (targets of one job: their ranks are distinct)."""
         with self.lock:
-            if ranks is None:
-                return {rk: st.identity.host for rk, st in self.job.ranks.items()}
-            return {rk: st.identity.host for rk in ranks if (st := self.job.ranks.get(rk)) is not None}
+            return {t.rank: st.identity.host for t in targets if (st := self.jobs.holding(t)) is not None}
 
     def _request_stacks(self, targets: list[r.Target], native: bool, callback: Any) -> None:
-        self.hub.request_stacks(targets, self._hosts([t.rank for t in targets]), native, callback)
+        self.hub.request_stacks(targets, self._hosts(targets), native, callback)
 
-    def dump_stacks(self, ranks: list[int] | None, native: bool) -> dict[str, Any] | None:
+    def select_job(self, selector: str = "") -> JobState | None:
+        """The job ``--job`` names (a key, job id or run, or a prefix of one; the latest of several
+        that match), or the current one; None when the selector names none."""
         with self.lock:
-            chosen = sorted(self.job.ranks) if ranks is None else [rk for rk in ranks if rk in self.job.ranks]
-            targets = [self.job.ranks[rk].target() for rk in chosen]
+            if not selector:
+                return self.jobs.current()
+            found = self.jobs.find(selector)
+            return found[-1] if found else None
+
+    def dump_stacks(self, ranks: list[int] | None, native: bool, job_selector: str = "") -> dict[str, Any] | None:
+        job = self.select_job(job_selector)
+        if job is None:
+            return None
+        with self.lock:
+            chosen = sorted(job.ranks) if ranks is None else [rk for rk in ranks if rk in job.ranks]
+            targets = [job.ranks[rk].target() for rk in chosen]
         if not targets:
             return None
-        dumps = self.hub.dump_now(targets, self._hosts(), native)
+        dumps = self.hub.dump_now(targets, self._hosts(targets), native)
         return {
             str(rk): {
                 "pid": d.pid,
@@ -437,37 +458,53 @@ class Coordinator:
             while time.time() < deadline and incident.stacks_time is None and incident.stack_notes == {}:
                 time.sleep(0.2)
             with self.lock:
-                self.job.aborted_at = time.time()
-                targets = [st.target() for st in self.job.ranks.values() if st.end is None]
+                job = self.jobs.for_run(incident.run)  # only the incident's own job is touched
+                if job is None:
+                    return
+                job.aborted_at = time.time()
+                targets = [st.target() for st in job.ranks.values() if st.end is None]
             if targets:
                 log.warning("--abort-on-hang: terminating %d rank(s) after incident %s", len(targets), incident.id)
-                self.hub.abort(targets, self._hosts())
+                self.hub.abort(targets, self._hosts(targets))
 
         threading.Thread(target=abort_after_stacks, name="hangwatch-abort", daemon=True).start()
 
     # ---- queries --------------------------------------------------------------------------
 
-    def incidents_json(self) -> list[dict[str, Any]]:
+    def incidents_json(self, job_selector: str = "") -> list[dict[str, Any]]:
+        """Every incident kept, or those of the jobs ``job_selector`` names (their runs, live or
+        ended, are matched by job id, launch or run)."""
         with self.lock:
-            return [inc.to_json() for inc in self.engine.incidents.values()]
+            runs = {job.run for job in self.jobs.find(job_selector)} if job_selector else set()
+            return [
+                inc.to_json()
+                for inc in self.engine.incidents.values()
+                if not job_selector or inc.run in runs or _names(job_selector, inc)
+            ]
 
     def incident_json(self, incident_id: str) -> dict[str, Any] | None:
         with self.lock:
             inc = self.engine.incidents.get(incident_id)
             return inc.to_json() if inc else None
 
-    def status(self) -> dict[str, Any]:
+    def status(self, job_selector: str = "") -> dict[str, Any] | None:
+        """``status --json``: one job (``job_selector``'s, else the current one) and a line for
+        every job followed; None when the selector names no job."""
         now = time.time()
         with self.lock:
+            job = self.select_job(job_selector)
+            if job is None:
+                return None
             open_incidents = [
                 {k: v for k, v in inc.to_json().items() if k not in ("stacks", "details")}
                 for inc in self.engine.incidents.values()
-                if inc.status == "open"
+                if inc.status == "open" and inc.run == job.run
             ]
             extra = {
                 "coordinator_id": self.coordinator_id,
                 "started": self.started,
-                "stuck_after": round(self.engine.stuck_threshold(), 1),
+                "key": self.jobs.key_of(job),
+                "stuck_after": round(self.engine.stuck_threshold(job), 1),
                 "agents": self.hub.hosts(),
                 "store": {
                     "path": str(self.store.path),
@@ -477,4 +514,21 @@ class Coordinator:
                 },
                 "rejected": dict(self.rejected),
             }
-            return status_json(self.job, now, self.options.silence_after, extra, open_incidents)
+            status = status_json(job, now, self.options.silence_after, extra, open_incidents)
+            open_by_run: dict[str, int] = {}
+            for inc in self.engine.incidents.values():
+                if inc.status == "open":
+                    open_by_run[inc.run] = open_by_run.get(inc.run, 0) + 1
+            status["jobs"] = [
+                {
+                    **job_line(j, self.jobs.key_of(j), now, self.options.silence_after),
+                    "open_incidents": open_by_run.get(j.run, 0),
+                    "shown": j is job,
+                }
+                for j in self.jobs
+            ]
+            return status
+
+
+def _names(selector: str, incident: Incident) -> bool:
+    return any(s.startswith(selector) for s in (incident.job, incident.run, f"{incident.job}@{incident.launch}") if s)

@@ -1,12 +1,13 @@
 """The detection engine: runs the detectors, turns findings into incidents, attaches stacks.
 
-The engine owns the detectors' caches (``self.cache``, passed in every tick's ``Context`` with
-what changed since the last tick, see detectors/__init__.py): detectors only read the job state.
-One root cause is one incident: findings carry a key (``incidents.incident_key``), and a
-finding whose key (or whose slot) already has an incident updates it instead of opening
-another. Hang incidents whose slot completes are closed as resolved. Stacks are requested from
-the node agents as soon as an incident opens and attached when they arrive; every change is
-persisted.
+The engine runs the detectors on every job the coordinator follows (``coordinator.jobs``), one
+job at a time, and owns the detectors' caches (``self.caches``, one per run of a job, passed in
+every tick's ``Context`` with what changed since the last tick, see detectors/__init__.py):
+detectors only read the job state. One root cause is one incident: findings carry a key
+(``incidents.incident_key``), and a finding whose key (or whose slot) already has an incident
+updates it instead of opening another. Hang incidents whose slot completes are closed as
+resolved; those of a run no longer followed, as such. Stacks are requested from the node agents
+as soon as an incident opens and attached when they arrive; every change is persisted.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from collections.abc import Callable
 from hangwatch import config
 from hangwatch import records as r
 from hangwatch.agent.stacks import summarize
-from hangwatch.coordinator.detectors import Context, Detector, all_detectors, new_cache
-from hangwatch.coordinator.incidents import Finding, Incident, IncidentKind, KeyFamily, key_family, scoped
+from hangwatch.coordinator.detectors import Context, Detector, DetectorCache, all_detectors, new_cache
+from hangwatch.coordinator.incidents import Finding, Incident, IncidentKind, KeyFamily, key_family, run_of, scoped
+from hangwatch.coordinator.jobs import Jobs
 from hangwatch.coordinator.state import JobState
 
 log = logging.getLogger("hangwatch.coordinator")
@@ -40,7 +42,7 @@ IncidentListener = Callable[[Incident], None]
 class Engine:
     def __init__(
         self,
-        job: JobState,
+        jobs: Jobs | JobState,
         lock: threading.RLock,
         *,
         stuck_after: float | None = None,
@@ -50,34 +52,43 @@ class Engine:
         persist: Callable[[Incident], object] | None = None,
         next_id: Callable[[], str] | None = None,
     ) -> None:
-        self.job = job
+        self.jobs = jobs if isinstance(jobs, Jobs) else Jobs.of(jobs)
         self.lock = lock
         self.stuck_after_override = stuck_after
         self.silence_after = silence_after
         self.detectors = detectors if detectors is not None else all_detectors()
-        self.cache = new_cache()  # what the detectors remember between ticks
-        self._run = ""  # the job's run the detectors last looked at ("": none yet, see _new_run)
+        self.caches: dict[str, DetectorCache] = {}  # per run: what the detectors remember between ticks
         self.request_stacks = request_stacks
         self.persist: Callable[[Incident], object] = persist or (lambda incident: None)
         self._counter = 0
         self.next_id = next_id or self._default_id
         self.incidents: dict[str, Incident] = {}
         self.by_key: dict[str, str] = {}
-        self.listeners: list[IncidentListener] = []
+        self.listeners: list[IncidentListener] = []  # told of each new incident
+        #: told when an open incident gains its aftermath (a death it caused): one root cause
+        #: stays one alert, and the alert's story is completed (the webhook posts an update)
+        self.update_listeners: list[IncidentListener] = []
+        self._updated: list[Incident] = []
 
     def _default_id(self) -> str:
         self._counter += 1
         return f"inc-{self._counter:04d}"
 
-    def stuck_threshold(self) -> float:
+    @property
+    def job(self) -> JobState:
+        """The job a query without ``--job`` is about (see ``Jobs.current``)."""
+        return self.jobs.current()
+
+    def stuck_threshold(self, job: JobState | None = None) -> float:
         """The explicit ``--stuck-after``, or a threshold adapted to the job's own rhythm."""
         if self.stuck_after_override is not None:
             return self.stuck_after_override
+        job = job if job is not None else self.job
         candidates = [config.MIN_STUCK_AFTER]
-        p99 = self.job.wait_quantile(0.99)
+        p99 = job.wait_quantile(0.99)
         if p99 is not None:
             candidates.append(4 * p99)
-        step = self.job.median_step_time()
+        step = job.median_step_time()
         if step is not None:
             candidates.append(3 * step)
         return min(config.DEFAULT_STUCK_AFTER, max(candidates))
@@ -88,47 +99,28 @@ class Engine:
         opened: list[Incident] = []
         stack_jobs: list[tuple[Incident, list[int], bool]] = []
         with self.lock:
-            self.job.lapse_progress(now)
-            if self.job.run != self._run:
-                self._new_run(now)
-            mine = f"{self.job.run}/"
-            current = [inc for inc in self.incidents.values() if inc.key.startswith(mine)]
-            claimed = {(inc.group, inc.seq) for inc in current if inc.status == "open" and inc.group}
-            mismatched = {(inc.group, inc.seq) for inc in current if key_family(inc.key) == KeyFamily.MISMATCH.value}
-            hangs = {
-                rank: inc.key
-                for inc in current
-                if inc.status == "open" and key_family(inc.key) in HANG_FAMILIES
-                for rank in inc.culprit_ranks + inc.waiting_ranks
-            }
-            ctx = Context(
-                now=now,
-                stuck_after=self.stuck_threshold(),
-                silence_after=self.silence_after,
-                claimed=claimed,
-                mismatched=mismatched,
-                hangs=hangs,
-                changes=self.job.take_changes(),
-                cache=self.cache,
-            )
-            for detector in self.detectors:
-                try:
-                    findings = detector(self.job, ctx)
-                except Exception:
-                    log.exception("detector %s failed", getattr(detector, "__module__", detector))
-                    continue
-                for finding in findings:
-                    incident, new = self._absorb(finding, now)
+            by_run: dict[str, list[Incident]] = {}
+            for inc in self.incidents.values():
+                by_run.setdefault(run_of(inc.key), []).append(inc)
+            self._end_runs(by_run, now)
+            for job in self.jobs:
+                job.lapse_progress(now)
+                for finding, incident, new in self._detect(job, by_run.get(job.run, []), now):
                     if new and incident is not None:
                         opened.append(incident)
                         if finding.stack_ranks:
                             stack_jobs.append((incident, finding.stack_ranks, finding.native))
-                    if finding.group:
-                        ctx.claimed.add((finding.group, finding.seq))
             self._resolve(now)
+            updated, self._updated = self._updated, []
         for incident in opened:
             log.info("incident %s [%s]: %s", incident.id, incident.kind, incident.summary)
             for listener in self.listeners:
+                try:
+                    listener(incident)
+                except Exception:
+                    log.exception("incident listener failed")
+        for incident in updated:
+            for listener in self.update_listeners:
                 try:
                     listener(incident)
                 except Exception:
@@ -137,28 +129,69 @@ class Engine:
             self._request_stacks(incident, ranks, native)
         return opened
 
-    def _new_run(self, now: float) -> None:
-        """The job began a new run (see ``JobState.register``): what the detectors remembered
-        belongs to the last one, and its open incidents can no longer change (their ranks are
-        gone): they are resolved as such."""
-        started = not self._run  # the first tick: open incidents are those loaded from the store
-        self._run = self.job.run
-        self.cache = new_cache()
-        for incident in self.incidents.values():
-            if incident.status == "open":
-                incident.status = "resolved"
-                incident.resolved_time = now
-                incident.resolution = (
-                    "no longer followed: the coordinator restarted (a hang still under way is reported again)"
-                    if started
-                    else "the job's run ended (a new run of it began)"
-                )
-                self.persist(incident)
+    def _detect(
+        self, job: JobState, current: list[Incident], now: float
+    ) -> list[tuple[Finding, Incident | None, bool]]:
+        """One job's detectors, on what changed in it since the last tick; ``current``: its run's
+        incidents."""
+        claimed = {(inc.group, inc.seq) for inc in current if inc.status == "open" and inc.group}
+        mismatched = {(inc.group, inc.seq) for inc in current if key_family(inc.key) == KeyFamily.MISMATCH.value}
+        hangs = {
+            rank: inc.key
+            for inc in current
+            if inc.status == "open" and key_family(inc.key) in HANG_FAMILIES
+            for rank in inc.culprit_ranks + inc.waiting_ranks
+        }
+        ctx = Context(
+            now=now,
+            stuck_after=self.stuck_threshold(job),
+            silence_after=self.silence_after,
+            claimed=claimed,
+            mismatched=mismatched,
+            hangs=hangs,
+            changes=job.take_changes(),
+            cache=self.caches.setdefault(job.run, new_cache()),
+        )
+        absorbed: list[tuple[Finding, Incident | None, bool]] = []
+        for detector in self.detectors:
+            try:
+                findings = detector(job, ctx)
+            except Exception:
+                log.exception("detector %s failed", getattr(detector, "__module__", detector))
+                continue
+            for finding in findings:
+                incident, new = self._absorb(finding, job, now)
+                absorbed.append((finding, incident, new))
+                if finding.group:
+                    ctx.claimed.add((finding.group, finding.seq))
+        return absorbed
 
-    def _absorb(self, finding: Finding, now: float) -> tuple[Incident | None, bool]:
-        finding.key = scoped(self.job.run, finding.key)
+    def _end_runs(self, by_run: dict[str, list[Incident]], now: float) -> None:
+        """Runs no longer followed (a new run of the job began, the job was retired, or the
+        coordinator restarted since): what the detectors remembered of them goes, and their open
+        incidents can no longer change (their ranks are gone): they are resolved as such."""
+        live = {job.run for job in self.jobs}
+        followed = set(self.caches)  # runs this engine has ticked (the others: from the store)
+        self.caches = {run: cache for run, cache in self.caches.items() if run in live}
+        for run, incidents in by_run.items():
+            if run in live:
+                continue
+            why = self.jobs.ended_runs.get(run) or (
+                "the job's run ended (a new run of it began)"
+                if run in followed
+                else "no longer followed: the coordinator restarted (a hang still under way is reported again)"
+            )
+            for incident in incidents:
+                if incident.status == "open":
+                    incident.status = "resolved"
+                    incident.resolved_time = now
+                    incident.resolution = why
+                    self.persist(incident)
+
+    def _absorb(self, finding: Finding, job: JobState, now: float) -> tuple[Incident | None, bool]:
+        finding.key = scoped(job.run, finding.key)
         if finding.aftermath_of:
-            finding.aftermath_of = scoped(self.job.run, finding.aftermath_of)
+            finding.aftermath_of = scoped(job.run, finding.aftermath_of)
             self._fold_aftermath(finding, now)
             return None, False
         existing_id = self.by_key.get(finding.key)
@@ -178,7 +211,8 @@ class Engine:
                 incident.details.update(finding.details)
                 self.persist(incident)
             return incident, False
-        incident = Incident.from_finding(self.next_id(), self.job.job_id, finding, now)
+        incident = Incident.from_finding(self.next_id(), job.job_id, finding, now)
+        incident.run, incident.launch, incident.attempt = job.run, job.launch, job.attempt
         self.incidents[incident.id] = incident
         self.by_key[finding.key] = incident.id
         if len(self.incidents) > MAX_INCIDENTS_IN_MEMORY:
@@ -205,6 +239,8 @@ class Engine:
             root.details["aftermath"] = aftermath
             root.summary = _with_aftermath(base, root)
             self.persist(root)
+            if root not in self._updated:
+                self._updated.append(root)
         own_id = self.by_key.get(finding.key)
         own = self.incidents.get(own_id) if own_id is not None else None
         if own is not None and own.status == "open" and own.id != root.id:
@@ -220,10 +256,14 @@ class Engine:
         # its key stays known, so the same root cause is not reported again
 
     def _resolve(self, now: float) -> None:
+        jobs = {job.run: job for job in self.jobs}
         for incident in self.incidents.values():
             if incident.status != "open":
                 continue
-            reason = self._resolution(incident, now)
+            job = jobs.get(run_of(incident.key))
+            if job is None:
+                continue  # its run ended: resolved by _end_runs on the next tick
+            reason = self._resolution(job, incident, now)
             if reason:
                 incident.status = "resolved"
                 incident.resolved_time = now
@@ -231,23 +271,19 @@ class Engine:
                 self.persist(incident)
                 log.info("incident %s resolved: %s", incident.id, reason)
 
-    def _died(self, ranks: list[int]) -> bool:
-        """Whether one of ``ranks`` ended by an exception or a signal (its hang never resolves)."""
-        for rank in ranks:
-            st = self.job.ranks.get(rank)
-            if st is not None and st.end is not None and st.end.kind in (r.EndKind.EXCEPTION, r.EndKind.SIGNAL):
-                return True
-            if st is not None and not st.alive:
-                return True
-        return False
+    @staticmethod
+    def _died(job: JobState, ranks: list[int]) -> bool:
+        """Whether one of ``ranks`` ended by an exception or a signal, or is gone (its hang never
+        resolves)."""
+        return any((st := job.ranks.get(rank)) is not None and not st.alive for rank in ranks)
 
-    def _resolution(self, incident: Incident, now: float) -> str:
+    def _resolution(self, job: JobState, incident: Incident, now: float) -> str:
         if incident.kind in SLOT_KINDS and incident.group:
-            if self._died(incident.culprit_ranks + incident.waiting_ranks):
+            if self._died(job, incident.culprit_ranks + incident.waiting_ranks):
                 return ""
-            slots = self.job.slots.get(incident.group)
+            slots = job.slots.get(incident.group)
             slot = slots.get(incident.seq) if slots is not None else None
-            members = self.job.members(incident.group)
+            members = job.members(incident.group)
             late = ", ".join(str(rk) for rk in incident.culprit_ranks)
             if slot is None:
                 # gone from the state: every call in it completed and later ones were made (the
@@ -260,7 +296,7 @@ class Engine:
                 return f"every rank completed {incident.op} (seq {incident.seq}); late rank(s): {late or '-'}"
         if incident.kind == IncidentKind.RANK_FROZEN:
             for rank in incident.culprit_ranks:
-                st = self.job.ranks.get(rank)
+                st = job.ranks.get(rank)
                 if st is not None and now - st.last_seen < self.silence_after / 2:
                     return "the rank's heartbeats resumed"
         return ""
@@ -276,8 +312,9 @@ class Engine:
             return
         targets: list[r.Target] = []
         with self.lock:
+            job = self.jobs.for_run(incident.run) or self.job
             for rank in ranks:
-                st = self.job.ranks.get(rank)
+                st = job.ranks.get(rank)
                 if st is None:
                     incident.stack_notes[rank] = "rank never registered"
                     continue

@@ -108,6 +108,12 @@ def key_family(key: str) -> str:
     return key.split(":", 1)[0].rsplit("/", 1)[-1]
 
 
+def run_of(key: str) -> str:
+    """The run a stored key is scoped to (``""`` for a key that is not)."""
+    head = key.split(":", 1)[0]
+    return head.rsplit("/", 1)[0] if "/" in head else ""
+
+
 def scoped(run: str, key: str) -> str:
     """``key`` scoped to a run of the job (unchanged if it already is): the same hang in a rerun
     is a new incident."""
@@ -159,6 +165,11 @@ class Incident:
     stack_notes: dict[int, str] = field(default_factory=dict)  # rank -> why its stack is missing
     stacks_time: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    #: which run of the job (a fresh id per run), its launch (rendezvous endpoint) and the
+    #: launcher's restart count: the same hang in two runs or two jobs is two incidents
+    run: str = ""
+    launch: str = ""
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         self.kind = IncidentKind(self.kind)  # a plain string of a known kind is accepted
@@ -189,6 +200,9 @@ class Incident:
         return {
             "id": self.id,
             "job": self.job,
+            "run": self.run,
+            "launch": self.launch,
+            "attempt": self.attempt,
             "kind": self.kind.value,
             "severity": self.severity,
             "status": self.status,
@@ -235,4 +249,7 @@ class Incident:
             stack_notes={int(k): str(v) for k, v in data.get("stack_notes", {}).items()},
             stacks_time=data.get("stacks_time"),
             details=dict(data.get("details", {})),
+            run=str(data.get("run", "")),
+            launch=str(data.get("launch", "")),
+            attempt=int(data.get("attempt", 0)),
         )

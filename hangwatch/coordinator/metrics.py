@@ -47,27 +47,31 @@ def render(c: Coordinator, rate: _Rate) -> str:
         lines.extend(f"{name}{labels} {value:g}" for labels, value in samples)
 
     with c.lock:
-        ranks = list(c.job.ranks.values())
-        states = {s: 0 for s in STATES}
+        ranks = list(c.jobs.ranks())
+        states: dict[tuple[str, str], int] = {}
         progress: list[tuple[str, float]] = []
-        for st in ranks:
-            word, _ = rank_state(st, now, c.options.silence_after)
-            states[word] = states.get(word, 0) + 1
-            progress.append((f'{{rank="{st.rank}"}}', max(0.0, now - st.last_progress)))
+        for job in c.jobs:
+            key = _escape(c.jobs.key_of(job))
+            for s in STATES:
+                states[(key, s)] = 0
+            for st in job.ranks.values():
+                word, _ = rank_state(st, now, c.options.silence_after)
+                states[(key, word)] = states.get((key, word), 0) + 1
+                progress.append((f'{{job="{key}",rank="{st.rank}"}}', max(0.0, now - st.last_progress)))
         by_kind = dict.fromkeys(KINDS, 0)
         open_count = 0
         for inc in c.engine.incidents.values():
             by_kind[inc.kind] = by_kind.get(inc.kind, 0) + 1
             open_count += inc.status == "open"
-        received = c.job.records_received
+        received = c.jobs.records_retired + sum(job.records_received for job in c.jobs)
         dropped = sum(st.dropped for st in ranks)
         rejected = dict(c.rejected)
         write_errors = c.store.write_errors
     metric(
         "hangwatch_ranks",
         "gauge",
-        "Registered ranks by state.",
-        [(f'{{state="{s}"}}', n) for s, n in sorted(states.items())],
+        "Registered ranks by job and state.",
+        [(f'{{job="{j}",state="{s}"}}', n) for (j, s), n in sorted(states.items())],
     )
     metric(
         "hangwatch_rank_seconds_since_progress",

@@ -149,11 +149,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def GetStatus(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.JsonReply:
         self._auth(request.token, context)
-        return pb.JsonReply(json=json.dumps(self.c.status()))
+        status = self.c.status(request.job)
+        if status is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"no job {request.job!r}")
+        return pb.JsonReply(json=json.dumps(status))
 
     def ListIncidents(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.JsonReply:
         self._auth(request.token, context)
-        incidents = self.c.incidents_json()
+        incidents = self.c.incidents_json(request.job)
         if request.limit:
             incidents = incidents[-request.limit :]
         return pb.JsonReply(json=json.dumps(incidents))
@@ -172,9 +175,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ranks = None if which == "all" else [int(x) for x in which.split(",")]
         except ValueError:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"expected a rank number or 'all', got {which!r}")
-        result = self.c.dump_stacks(ranks, request.native)
+        result = self.c.dump_stacks(ranks, request.native, request.job)
         if result is None:
-            _abort(context, grpc.StatusCode.NOT_FOUND, f"no registered rank {which}")
+            in_job = f" in job {request.job!r}" if request.job else ""
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"no registered rank {which}{in_job}")
         return pb.JsonReply(json=json.dumps(result))
 
 

@@ -102,3 +102,22 @@ def status_json(
     }
     info.update(extra_job)
     return {"job": info, "ranks": ranks, "incidents": incidents}
+
+
+def job_line(job: JobState, key: str, now: float, silence_after: float) -> dict[str, Any]:
+    """A job's line in ``status``'s ``jobs``: which job, which run, and how its ranks stand."""
+    counts: dict[str, int] = {}
+    for st in job.ranks.values():
+        word = rank_state(st, now, silence_after)[0]
+        counts[word] = counts.get(word, 0) + 1
+    return {
+        "key": key,
+        "id": job.job_id,
+        "launch": job.launch,
+        "run": job.run,
+        "attempt": job.attempt,
+        "world_size": job.world_size,
+        "registered": len(job.ranks),
+        "states": counts,
+        "started": job.started,
+    }

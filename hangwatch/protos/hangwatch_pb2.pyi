@@ -526,16 +526,18 @@ class AgentPollReply(_message.Message):
     def __init__(self, watch: _Optional[_Iterable[_Union[Target, _Mapping]]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., reregister: _Optional[bool] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("token", "id", "native", "limit")
+    __slots__ = ("token", "id", "native", "limit", "job")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     NATIVE_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     token: str
     id: str
     native: bool
     limit: int
-    def __init__(self, token: _Optional[str] = ..., id: _Optional[str] = ..., native: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+    job: str
+    def __init__(self, token: _Optional[str] = ..., id: _Optional[str] = ..., native: _Optional[bool] = ..., limit: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class JsonReply(_message.Message):
     __slots__ = ("json",)

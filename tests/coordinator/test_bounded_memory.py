@@ -88,8 +88,9 @@ def sizes(job: JobState, engine: Engine | None = None) -> Sizes:
             totals["slot.calls(all slots)"] += len(slot.calls)
     if engine is not None:
         _measure(out, "engine", engine)
-        for name, cache in vars(engine.cache).items():  # the detectors' caches
-            _measure(out, f"cache.{name}", cache)
+        for cache in engine.caches.values():  # the detectors' caches, one per run
+            for name, part in vars(cache).items():
+                _measure(out, f"cache.{name}", part)
     out.update(totals)
     return out
 

@@ -143,12 +143,12 @@ def test_incidents_in_memory_are_capped_and_forgotten_ones_stay_reported(monkeyp
     eng = engine_mod.Engine(job, threading.RLock(), detectors=[])
     for n in range(5):
         finding = Finding("straggler", f"k{n}", [1], [0], f"s{n}", "h", onset_time=float(n))
-        incident, new = eng._absorb(finding, now=float(n))
+        incident, new = eng._absorb(finding, job, now=float(n))
         assert new and incident is not None
         incident.status = "resolved"
     assert len(eng.incidents) == 3
     assert sorted(eng.incidents) == ["inc-0003", "inc-0004", "inc-0005"]
-    again, new = eng._absorb(Finding("straggler", "k0", [1], [0], "s0", "h", onset_time=0.0), now=9.0)
+    again, new = eng._absorb(Finding("straggler", "k0", [1], [0], "s0", "h", onset_time=0.0), job, now=9.0)
     assert again is None and not new  # the same root cause is not reported twice
 
 

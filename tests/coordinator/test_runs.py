@@ -7,8 +7,12 @@ into the next. The real ``JobState`` and ``Engine``, explicit clock (``tests.fac
 
 from __future__ import annotations
 
+import pytest
+
 from hangwatch import records as r
+from hangwatch.coordinator import jobs as jobs_mod
 from hangwatch.coordinator import views
+from hangwatch.coordinator.jobs import Jobs, JobsFull, job_key
 from tests.factories import T0, SimJob, group_event, identity
 
 
@@ -85,18 +89,50 @@ def test_a_rank_restarted_alone_in_a_live_run_stays_in_it() -> None:
     assert sim.job.run == run and sim.job.runs == 1
 
 
-def test_another_launch_waits_for_the_current_run_to_fall_silent() -> None:
-    """A second job (another rendezvous endpoint) starting while the first still reports does not
-    wipe the first; one that starts once the first has been silent for a while is a new run."""
-    sim = SimJob(0, register_all=False)
-    sim.world = 2
-    for rk in range(2):
-        sim.register(rk, T0, identity(rk, 2, session=f"a{rk}", launch="10.0.0.1:29500"))
-    run = sim.job.run
-    sim.register(0, T0 + 1, identity(0, 2, session="b0", launch="10.0.0.2:29500"))
-    assert sim.job.run == run
-    sim.register(1, T0 + 60, identity(1, 2, session="b1", launch="10.0.0.2:29500"))
-    assert sim.job.run != run
+def test_another_launch_is_another_job_and_never_wipes_the_first() -> None:
+    """A second job (another rendezvous endpoint, the same default job id) starting while the
+    first still runs gets a state of its own; the first keeps its run, its ranks and its slots."""
+    jobs = Jobs()
+    first = [jobs.register(identity(rk, 2, session=f"a{rk}", launch="10.0.0.1:29500"), T0)[0] for rk in range(2)]
+    second, _ = jobs.register(identity(0, 4, session="b0", launch="10.0.0.2:29500"), T0 + 1)
+    assert first[0] is first[1] and second is not first[0]
+    assert (first[0].world_size, sorted(first[0].ranks)) == (2, [0, 1])
+    assert (second.world_size, sorted(second.ranks)) == (4, [0])
+    assert jobs.for_session("a0") is first[0] and jobs.for_session("b0") is second
+    assert [j.job_id for j in jobs] == ["job", "job"] and len({jobs.key_of(j) for j in jobs}) == 2
+
+
+def test_a_loopback_endpoint_is_told_apart_by_host() -> None:
+    """Two single-node jobs on two nodes, both meeting at 127.0.0.1:29500, are two jobs."""
+    a = identity(0, 1, session="a", host="node-a", launch="127.0.0.1:29500")
+    b = identity(0, 1, session="b", host="node-b", launch="127.0.0.1:29500")
+    assert job_key(a) != job_key(b)
+    assert job_key(identity(0, 2, launch="10.0.0.1:29500", host="x")) == job_key(
+        identity(1, 2, launch="10.0.0.1:29500", host="y")
+    )  # a multi-node job: one endpoint, one job, whatever the host
+
+
+def test_a_rerun_through_a_new_endpoint_retires_the_job_that_is_over() -> None:
+    """torchrun --standalone meets at a new port each time: the rerun of an over job (same id) is
+    a new job, and the old one is retired with its run (the engine resolves its incidents)."""
+    jobs = Jobs()
+    old, _ = jobs.register(identity(0, 1, session="a", launch="127.0.0.1:40001"), T0)
+    old.ranks[0].end = r.RankEnd(0, r.EndKind.SIGNAL, T0 + 5, "SIGKILL")
+    new, _ = jobs.register(identity(0, 1, session="b", launch="127.0.0.1:40002"), T0 + 10)
+    assert list(jobs) == [new] and "new run" in jobs.ended_runs[old.run]
+
+
+def test_jobs_beyond_the_cap_are_refused_never_merged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jobs_mod, "MAX_JOBS", 2)
+    jobs = Jobs()
+    for n in range(2):
+        jobs.register(identity(0, 1, session=f"s{n}", launch=f"10.0.0.{n}:1"), T0)
+    with pytest.raises(JobsFull):
+        jobs.register(identity(0, 1, session="s9", launch="10.0.0.9:1"), T0)
+    assert jobs.refused == 1 and len(jobs) == 2
+    next(iter(jobs)).ranks[0].end = r.RankEnd(0, r.EndKind.CLEAN_EXIT, T0 + 1)  # one is over: it makes room
+    jobs.register(identity(0, 1, session="s9", launch="10.0.0.9:1"), T0 + 2)
+    assert len(jobs) == 2
 
 
 def test_a_rank_registering_after_the_first_has_already_ended_joins_its_run() -> None:

@@ -173,7 +173,7 @@ def test_metrics_and_webhook(coordinator_factory: Callable[..., Coordinator]) ->
         text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics.port}/metrics", timeout=5).read().decode()
         assert 'hangwatch_incidents_total{kind="shape_mismatch"} 1' in text
         assert "hangwatch_records_received_total 2" in text
-        assert 'hangwatch_ranks{state="waiting"} 2' in text  # both inside all_reduce
+        assert 'hangwatch_ranks{job="job",state="waiting"} 2' in text  # both inside all_reduce
     finally:
         server.shutdown()
 

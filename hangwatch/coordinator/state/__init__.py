@@ -60,12 +60,6 @@ DURATIONS_KEPT = 512
 ARRIVALS_KEPT = 32
 
 
-#: A rank of another launch (another rendezvous endpoint) starts a new run of the job only once
-#: the current run's live ranks have been silent this long (a job running at once beside it
-#: must not wipe it; see ``JobState.register``).
-OTHER_LAUNCH_SILENT_S = 10.0
-
-
 class JobState:
     def __init__(self) -> None:
         #: this run of the job: a fresh id for each run (a rerun, a restart by the launcher, the
@@ -99,16 +93,13 @@ class JobState:
 
     def _new_run(self, identity: r.RankIdentity, now: float) -> bool:
         """Whether ``identity`` starts a new run of the job: the launcher restarted it (a higher
-        attempt), every rank of the current run has ended, or it comes from another launch while
-        the current run has fallen silent. A run's state is never mixed with another's."""
+        attempt), or every rank of the current run has ended. A run's state is never mixed with
+        another's. (Another launch is another job: ``coordinator.jobs``.)"""
         if not self.ranks:
             return False
         if identity.attempt > self.attempt:
             return True
         live = [st for st in self.ranks.values() if st.end is None and st.alive]
-        other = bool(identity.launch and self.launch and identity.launch != self.launch)
-        if other and all(now - st.last_seen > OTHER_LAUNCH_SILENT_S for st in live):
-            return True
         previous = self.ranks.get(identity.rank)
         if previous is None or previous.identity.session == identity.session:
             return False  # a rank of this run registering at its own pace (the others may be done)

@@ -237,6 +237,8 @@ def test_mismatch_that_killed_a_rank_is_one_incident_with_the_death_as_aftermath
             sim.exit(sim.call(rk, T0 + seq, seq=seq, dtype="int64"), T0 + seq + 0.01)
     sim.call(0, T0 + 5, seq=3, dtype="float32")
     engine = sim.engine()
+    updates: list[object] = []
+    engine.update_listeners.append(updates.append)  # the webhook's "aftermath" update
     _gone(sim, 0, T0 + 5.01, signal=SIGABRT)  # the death is known before the others' records
     assert engine.tick(T0 + 5.3) == []
     for rk in (1, 2):
@@ -248,6 +250,7 @@ def test_mismatch_that_killed_a_rank_is_one_incident_with_the_death_as_aftermath
     for now in (T0 + 5.6, T0 + 8, T0 + 30):
         assert engine.tick(now) == []
     assert [i.kind for i in engine.incidents.values()] == ["dtype_mismatch"]
+    assert updates == [inc]  # told once, about the root cause's incident
     aftermath = inc.details["aftermath"]
     assert aftermath["ranks"] == [0] and aftermath["exit"]["signal"] == SIGABRT
     assert inc.summary.endswith("; rank 0 then died: its process was killed by SIGABRT (signal 6) inside "
