@@ -72,7 +72,7 @@ class _Rank:
     registered: bool = False
     batch_seq: int = 0
     pending: Batch | None = None
-    last_sent: float = 0.0
+    last_sent: float = -1e9  # monotonic time of the last batch (none yet: long ago)
     gone_reported: bool = False
     #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when
     #: the last batch left: a batch without records is a heartbeat only if the rank wrote since
@@ -212,7 +212,7 @@ class Shipper:
             pending = state.pending if state.pending is not None and _has_records(state.pending) else self._read(state)
             state.pending = pending
             now = self.clock()
-            if not _has_records(pending) and not self._heartbeat_due(state, now):
+            if not _has_records(pending) and not self._heartbeat_due(state):
                 break
             batch = self._batch(state, pending, now)
             reply = self.intake.accept_report(batch)
@@ -220,7 +220,7 @@ class Shipper:
                 state.registered = False
                 return  # register on the next tick and send the same records again
             state.pending = None
-            state.last_sent = now
+            state.last_sent = self.mono()  # heartbeats are timed on the monotonic clock
             if len(batch.calls.call_id) + len(batch.events) < MAX_SLOTS // 2:
                 break  # read to the end for now
         if state.flight is not None:
@@ -268,17 +268,17 @@ class Shipper:
                 state.registered = False
                 return  # sent again after registering
             state.unsent.clear()
-            state.last_sent = now
+            state.last_sent = self.mono()  # heartbeats are timed on the monotonic clock
         if ending:
             state.farewell = True
             self.server.farewell(link)
 
-    def _heartbeat_due(self, state: _Rank, now: float) -> bool:
+    def _heartbeat_due(self, state: _Rank) -> bool:
         """Time for a batch without records, and the rank itself is alive: its sender thread
         rewrote its status since the last batch (or never wrote one yet). The agent never
         heartbeats for a rank whose interpreter is stuck (the GIL held in native code, SIGSTOP):
         that silence is how the coordinator tells it frozen."""
-        if now - state.last_sent < self.heartbeat_s:
+        if self.mono() - state.last_sent < self.heartbeat_s:
             return False
         status = state.link.reader.status()
         return status is None or state.status_time is None or status[0] != state.status_time

@@ -92,7 +92,7 @@ class FlightRecorderPoller:
         return self.enabled and now - self._last_poll >= self.interval_s
 
     def poll(self) -> None:
-        self._last_poll = time.time()
+        self._last_poll = time.monotonic()  # the sender's clock: a step of the wall clock must not stop polls
         try:
             entries = json.loads(self._dump(True, False)).get("entries", [])
         except Exception as exc:

@@ -127,7 +127,7 @@ class Sender:
         *,
         transport: TransportFactory = _default_transport,
         poller: PollerFactory = _default_poller,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.session = session
         self.addr = addr

@@ -8,9 +8,10 @@ thresholds or incidents. Within one job, ``JobState`` tells its runs apart (a re
 launcher, a rerun at the same endpoint).
 
 A job is *over* once each of its ranks has ended or its process is gone. An over job is kept
-(``status`` shows how it ended) until a new job of the same id starts (a rerun through
-``torchrun --standalone`` meets at a new port each time: a new launch, the same job id), until it
-has been over for ``OVER_KEPT_S``, or until ``MAX_JOBS`` needs its room. Retiring a job ends its
+(``status`` shows how it ended) until a new rank process registers anywhere (a rerun through
+``torchrun --standalone`` meets at a new port, with a new run id: nothing but the old job's end
+ties the two), until it has been over for ``OVER_KEPT_S``, or until ``MAX_JOBS`` needs its room.
+A live job is never retired. Retiring a job ends its
 run: the engine resolves the run's open incidents (``ended_runs`` says why). A new job that
 would exceed ``MAX_JOBS`` live jobs is refused (``JobsFull``), never merged into another.
 """
@@ -142,14 +143,21 @@ class Jobs:
     # ---- retirement -------------------------------------------------------------------------
 
     def retire_over(self, now: float, rerun_of: str | None = None, keep: JobState | None = None) -> None:
-        """Retire over jobs kept past ``OVER_KEPT_S``, those of ``rerun_of``'s id (a new launch of
-        the same job: its rerun; ``keep``, the job it registers in, excepted), and the oldest over
-        jobs while ``MAX_JOBS`` are followed."""
+        """Retire over jobs: all of them when a new process registers (``rerun_of``: its job id;
+        ``keep``: the job it registers in), else those kept past ``OVER_KEPT_S``; and the oldest
+        over jobs while ``MAX_JOBS`` are followed. A rerun through ``torchrun --standalone`` has
+        a new endpoint and a new run id: only the ended job's being over tells it apart from a
+        job running beside it."""
         for key, job in list(self.by_key.items()):
             if not over(job) or job is keep:
                 continue
-            if rerun_of is not None and job.job_id == rerun_of:
-                self._retire(key, "the job's run ended (a new run of it began)")
+            if rerun_of is not None:
+                self._retire(
+                    key,
+                    "the job's run ended (a new run of it began)"
+                    if job.job_id == rerun_of
+                    else "the job ended (its ranks are gone, and another job began)",
+                )
             elif now - last_seen(job) > OVER_KEPT_S:
                 self._retire(key, "the job ended")
         for key, job in list(self.by_key.items()):

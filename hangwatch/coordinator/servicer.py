@@ -124,10 +124,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 rank=target.rank, pid=target.pid, start_time=target.start_time, pid_namespace=target.pid_namespace
             )
         wait = min(max(request.wait_s, 0.0), MAX_POLL_WAIT_S)
-        deadline = time.time() + wait
+        deadline = time.monotonic() + wait
         while True:
             try:
-                timeout = max(0.0, deadline - time.time())
+                timeout = max(0.0, deadline - time.monotonic())
                 command = agent.commands.get(timeout=timeout) if timeout > 0 else agent.commands.get_nowait()
             except queue.Empty:
                 break

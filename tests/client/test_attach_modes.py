@@ -41,7 +41,7 @@ def _count_registrations(c: Coordinator) -> list[int]:
 
     def counting(identity, via="direct"):  # type: ignore[no-untyped-def]
         seen.append(identity.rank)
-        original(identity, via)
+        return original(identity, via)
 
     c.register_rank = counting  # type: ignore[method-assign]
     return seen

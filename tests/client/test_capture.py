@@ -216,10 +216,10 @@ def _start_coordinator(data_dir: Path) -> tuple[Coordinator, list[r.RankIdentity
     lock = threading.Lock()
     original = c.register_rank
 
-    def counting(identity: r.RankIdentity, via: str = "direct") -> None:  # every registration, again ones too
+    def counting(identity: r.RankIdentity, via: str = "direct") -> tuple[int, float]:  # every registration, again too
         with lock:
             registrations.append(identity)
-        original(identity, via)
+        return original(identity, via)
 
     c.register_rank = counting  # type: ignore[method-assign]
     c.start()

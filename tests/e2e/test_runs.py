@@ -21,7 +21,7 @@ def test_the_same_hang_in_a_rerun_is_reported_again(coordinator: Coordinator, to
     assert [i["kind"] for i in incs] == ["stuck_collective", "stuck_collective"], _brief(incs)
     assert (second["culprit_ranks"], second["seq"], second["step"]) == (first["culprit_ranks"], first["seq"], 3)
     old = next(i for i in incs if i["id"] == first["id"])
-    assert old["status"] == "resolved" and "new run" in old["resolution"]
+    assert old["status"] == "resolved" and "ended" in old["resolution"], old["resolution"]
     assert coordinator.status()["job"]["run"] == second["run"] != first["run"]
     second_job.kill()
 
