@@ -175,8 +175,10 @@ def torchrun(
     env: Mapping[str, str] | None = None,
     cwd: Path | str | None = None,
     log: Path | None = None,
+    launcher_args: Sequence[str] = (),
 ) -> Job:
-    """Start ``python -m torch.distributed.run --standalone --nproc-per-node=<nproc> script args``.
+    """Start ``python -m torch.distributed.run --standalone --nproc-per-node=<nproc>
+    launcher_args script args``.
 
     ``env`` is the ranks' whole environment (see :func:`job_env`; None: this process's). Output
     (stdout and stderr) goes to ``log``, or nowhere when ``log`` is None.
@@ -187,6 +189,7 @@ def torchrun(
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        *launcher_args,
         str(script),
         *args,
     ]

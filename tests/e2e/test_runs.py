@@ -1,13 +1,17 @@
 """Runs on one coordinator, with real torchrun jobs: the same hang in a rerun is reported again,
-and a mismatch repeated every step is one incident.
+an elastic restart is a run of its own, and a mismatch repeated every step is one incident.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from pathlib import Path
 
+from hangwatch import testing
 from hangwatch.coordinator.daemon import Coordinator
 from hangwatch.testing import Job
+from tests.conftest import PRELUDE
 from tests.e2e.test_fault_classes import STUCK_SLEEP, TRAIN, _brief, wait_incident
 
 
@@ -48,3 +52,52 @@ def test_a_reduce_op_mismatch_every_step_is_one_incident(
     incs = coordinator.incidents_json()
     assert [i["kind"] for i in incs] == ["arg_mismatch"], _brief(incs)
     assert inc["culprit_ranks"] == [1] and inc["details"]["repeats"]["count"] >= 10
+
+
+#: Attempt 0 hangs (rank 1 stops at step 3); the launcher's restart, attempt 1, runs clean.
+RESTARTED = (
+    TRAIN
+    + """
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(30):
+    if attempt == 0 and rank == 1 and step == 3:
+        time.sleep(600)  # attempt 0's hang
+    dist.all_reduce(t)
+    opt.step()
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+)
+
+
+def test_an_elastic_restart_is_a_new_run_and_the_hang_keeps_its_own_attempt_s_stacks(
+    coordinator_factory: Callable[..., Coordinator], tmp_path: Path
+) -> None:
+    """``torchrun --max-restarts 1`` with ``--abort-on-hang``: the hung attempt is aborted and
+    restarted. Its incident is attempt 0's, with attempt 0's stacks; attempt 1 raises nothing."""
+    c = coordinator_factory(stuck_after=3.0, abort_on_hang=True)
+    script = tmp_path / "restarted.py"
+    script.write_text(PRELUDE + RESTARTED)
+    # torch 2.13's gloo restarts cleanly only with a rendezvous store of its own per attempt
+    # (FIELD_NOTES: pytorch/pytorch#135712)
+    env = testing.job_env(f"127.0.0.1:{c.port}", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    job = testing.torchrun(
+        script, nproc=2, env=env, cwd=tmp_path, log=tmp_path / "restarted.log", launcher_args=["--max-restarts=1"]
+    )
+    assert job.wait(120) == 0, job.output()[-3000:]  # aborted once, then restarted clean
+    incs = c.incidents_json()
+    assert [i["kind"] for i in incs] == ["stuck_collective"], _brief(incs)
+    (inc,) = incs
+    assert (inc["culprit_ranks"], inc["attempt"], inc["step"]) == ([1], 0, 3)
+    assert "time.sleep(600)" in script.read_text().splitlines()[int(_sleep_line(inc["stacks"]["1"])) - 1]
+    assert inc["status"] == "resolved" and "new run" in inc["resolution"], inc["resolution"]
+    status = c.status()
+    assert (status["job"]["attempt"], status["job"]["states"]) == (1, {"exited": 2})
+    assert status["job"]["run"] != inc["run"]
+
+
+def _sleep_line(stack: str) -> str:
+    """The line of restarted.py the rank's main thread stood on (``<module> (restarted.py:N)``)."""
+    match = re.search(r"<module> \(restarted\.py:(\d+)\)", stack)
+    assert match, stack
+    return match.group(1)
