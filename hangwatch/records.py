@@ -133,6 +133,13 @@ class StepEvent:
     time: float
 
 
+#: The marker of a DDP forward pass whose backward will synchronise gradients (grad enabled, not
+#: under ``no_sync()``); its detail is ``"<group>:<seq>"``, the DDP group and torch's sequence
+#: number on it when the forward began. A rank whose forward passes keep pace with the others'
+#: while its gradient all-reduces fall behind skipped a backward (``rules.shift``).
+DDP_FORWARD = "ddp.forward"
+
+
 @dataclass(frozen=True, slots=True)
 class MarkerEvent:
     """Something worth knowing that is not a communication (e.g. Accelerate's set_trigger)."""

@@ -34,12 +34,19 @@ def _bootstrap() -> None:
 
     importhook.when_imported("torch.distributed", _instrument)
     importhook.when_imported("accelerate.accelerator", _accelerate)
+    importhook.when_imported("torch.nn.parallel.distributed", _ddp)
 
 
 def _accelerate(module: object) -> None:
     from hangwatch.client import integrations
 
     integrations.patch_accelerate(module)  # type: ignore[arg-type]
+
+
+def _ddp(module: object) -> None:
+    from hangwatch.client import integrations
+
+    integrations.patch_ddp(module)  # type: ignore[arg-type]
 
 
 def _instrument(module: object) -> None:

@@ -31,6 +31,7 @@ def attach(addr: str | None = None, *, token: str | None = None, job_id: str | N
         from hangwatch.client import importhook, integrations
 
         importhook.when_imported("accelerate.accelerator", integrations.patch_accelerate)
+        importhook.when_imported("torch.nn.parallel.distributed", integrations.patch_ddp)
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_initialized():
             session.after_init({})
@@ -46,6 +47,11 @@ def detach() -> None:
     current = session.current()
     capture.set_session(None)
     capture.uninstrument()
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if ddp is not None:
+        from hangwatch.client import integrations
+
+        integrations.unpatch_ddp(ddp)
     if current is not None:
         current.sender.flush(1.0)
         current.sender.stop()

@@ -12,10 +12,12 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hangwatch import testing
 from hangwatch.coordinator.daemon import Coordinator
 from hangwatch.testing import Job, wait_for
 
@@ -562,3 +564,51 @@ def test_healthy_job_has_no_incident(coordinator: Coordinator, torchrun: Callabl
     assert rc == 0, job.output()[-3000:]
     time.sleep(3)
     assert coordinator.incidents_json() == [], _brief(coordinator.incidents_json())
+
+
+INSTALLED_TRAINER = """
+import datetime, time
+import torch
+import torch.distributed as dist
+
+
+def train_step(t):
+    dist.all_reduce(t)
+
+
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    for step in range(100):
+        if rank == 1 and step == 3:
+            time.sleep(600)
+        train_step(t)
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_training_script_installed_as_a_package_is_the_call_site(coordinator: Coordinator, tmp_path: Path) -> None:
+    """``torchrun -m mytrainer.train`` with the package installed in site-packages (laid out as
+    pip lays it out): the call site is the package's line, not runpy's or multiprocessing's."""
+    package = tmp_path / "lib" / "site-packages" / "mytrainer"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(INSTALLED_TRAINER)
+    env = testing.job_env(f"127.0.0.1:{coordinator.port}", {"PYTHONPATH": str(package.parent)})
+    job = testing.torchrun(
+        "mytrainer.train", nproc=2, env=env, cwd=tmp_path, log=tmp_path / "installed.log", launcher_args=["-m"]
+    )
+    try:
+        inc = wait_incident(coordinator, "stuck_collective")
+        assert inc["culprit_ranks"] == [1]
+        assert "at train.py:8 in train_step" in inc["summary"] and "busy in train.py:17 in main" in inc["summary"], inc[
+            "summary"
+        ]
+        assert "runpy" not in inc["summary"] and "multiprocessing" not in inc["summary"]
+    finally:
+        job.kill()

@@ -17,8 +17,9 @@ import signal
 
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context, SlotId
-from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT
+from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT, SKIPPED_HINT
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
+from hangwatch.coordinator.rules import explain_skipped_backward
 from hangwatch.coordinator.state import JobState, RankState
 from hangwatch.wording import describe_call, format_ranks, gpu_faults
 
@@ -309,6 +310,38 @@ def _early_exit(
     assert end is not None
     where = f" at {end.call_site}" if end.call_site else ""
     action = "called destroy_process_group()" if end.kind is r.EndKind.DESTROYED else "exited"
+    skip = explain_skipped_backward(
+        {rk: list(ranked.forwards) for rk in [first.rank, *waiting] if (ranked := job.ranks.get(rk))},
+        first.rank,
+        sorted(waiting),
+        group,
+    )
+    if skip is not None:
+        text, skipped = skip
+        return [
+            Finding(
+                kind=IncidentKind.STUCK_COLLECTIVE,
+                key=incident_key(KeyFamily.EARLY_END, session=first.identity.session),
+                culprit_ranks=[first.rank],
+                waiting_ranks=sorted(waiting),
+                summary=(
+                    f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(sorted(waiting))} wait"
+                    f"{'' if len(waiting) > 1 else 's'} in {op} (group {group}, seq {seq}) and rank {first.rank} "
+                    f"will never make it: {text}; rank {first.rank} then {action}{where}"
+                ),
+                hint=SKIPPED_HINT,
+                onset_time=first_time,
+                op=op,
+                group=group,
+                seq=seq,
+                step=skipped["step"],
+                details={
+                    "skipped": {"rank": first.rank, "op": "all_reduce", "group": group, **skipped},
+                    "exit": {"kind": end.kind.value, "call_site": end.call_site, "step": first.step},
+                },
+                stack_ranks=sorted(waiting)[:2],
+            )
+        ]
     return [
         Finding(
             kind=IncidentKind.EARLY_EXIT,

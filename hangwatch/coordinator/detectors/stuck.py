@@ -24,7 +24,7 @@ from hangwatch import catalogue, config
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.rules import explain_skipped_call
+from hangwatch.coordinator.rules import explain_skipped_backward, explain_skipped_call
 from hangwatch.coordinator.state import JobState, RankState, Slot
 from hangwatch.wording import describe_call, doing, format_ranks, gpu_load
 
@@ -273,15 +273,24 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             rk: list(st.history.get(slot.group, ())) for rk in [absent[0], *waiting] if (st := job.ranks.get(rk))
         }
         skip = explain_skipped_call(history, absent[0], waiting)
-        if skip is not None:
-            text, skipped = skip
-            details["skipped"] = {
-                "rank": absent[0],
-                "op": skipped.op,
-                "call_site": skipped.call_site,
-                "step": skipped.step,
-                "seq": skipped.seq,
-            }
+        backward = None
+        if skip is None:
+            forwards = {rk: list(st.forwards) for rk in [absent[0], *waiting] if (st := job.ranks.get(rk))}
+            backward = explain_skipped_backward(forwards, absent[0], waiting, slot.group)
+        if skip is not None or backward is not None:
+            if skip is not None:
+                text, skipped = skip
+                details["skipped"] = {
+                    "rank": absent[0],
+                    "op": skipped.op,
+                    "call_site": skipped.call_site,
+                    "step": skipped.step,
+                    "seq": skipped.seq,
+                }
+            else:
+                assert backward is not None
+                text, facts = backward
+                details["skipped"] = {"rank": absent[0], "op": "all_reduce", "group": slot.group, **facts}
             return finding(
                 IncidentKind.STUCK_COLLECTIVE,
                 absent,

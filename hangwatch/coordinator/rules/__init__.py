@@ -27,6 +27,7 @@ from hangwatch.coordinator.rules.shift import (
     EXTRA_CALL_WINDOW,
     MAX_BEHAVIOURS,
     explain_extra_call,
+    explain_skipped_backward,
     explain_skipped_call,
 )
 from hangwatch.coordinator.rules.slot import (
@@ -56,6 +57,7 @@ __all__ = [
     "compare_collective",
     "describe_call",
     "explain_extra_call",
+    "explain_skipped_backward",
     "explain_skipped_call",
     "format_ranks",
     "format_shape",

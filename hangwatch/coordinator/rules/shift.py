@@ -161,3 +161,55 @@ def explain_skipped_call(
         )
         return text, skipped
     return None
+
+
+Forward = tuple[int, str, int, int]  # (the rank's count of DDP forwards, group, seq at it, step)
+
+
+def explain_skipped_backward(
+    forwards: Mapping[int, Sequence[Forward]], culprit: int, waiting: Sequence[int], group: str
+) -> tuple[str, dict[str, int]] | None:
+    """A DDP rank that ran a forward pass without its backward (a NaN loss skipped, a batch it
+    alone found empty) and carried on: its forward passes keep pace with the others' (the n-th
+    forward of every rank), but from the one after the skip on, torch's sequence number on the
+    DDP group at each forward is behind the others' by the all-reduces of one backward. With one
+    all-reduce per step, its calls look exactly like the others' cut short; the forwards tell.
+
+    ``forwards``: rank -> its recorded DDP forwards (``RankState.forwards``). Returns the story
+    and ``{"forward": n, "step": s, "behind": d}`` (the forward without a backward, its step, the
+    all-reduces it is behind), or None: no forwards on ``group``, the waiting ranks disagree, the
+    culprit ran fewer forwards than the others (it left the loop), or the gap is not one constant
+    gap opening at one forward."""
+    mine = {n: (seq, step) for n, g, seq, step in forwards.get(culprit, ()) if g == group}
+    if not mine or not waiting:
+        return None
+    ref: dict[int, int] = {}
+    ref_last = 0
+    for rank in waiting:
+        theirs = [(n, seq) for n, g, seq, _ in forwards.get(rank, ()) if g == group]
+        if not theirs:
+            return None
+        ref_last = max(ref_last, max(n for n, _ in theirs))
+        for n, seq in theirs:
+            if ref.setdefault(n, seq) != seq:
+                return None  # the waiting ranks differ among themselves
+    if max(mine) < ref_last:
+        return None  # fewer forward passes than the others: it stopped iterating (an early exit)
+    common = sorted(n for n in mine if n in ref)
+    gaps = [(n, ref[n] - mine[n][0]) for n in common]
+    opened = [i for i, (_, gap) in enumerate(gaps) if gap != 0]
+    if not opened or opened[0] == 0:
+        return None  # never diverged in the forwards kept, or diverged before them
+    first = opened[0]
+    behind = gaps[first][1]
+    if behind <= 0 or any(gap != behind for _, gap in gaps[first:]):
+        return None
+    skipped = gaps[first - 1][0]  # the last forward at which it was level: no backward followed
+    step = mine[skipped][1]
+    calls = "all-reduce" if behind == 1 else f"{behind} all-reduces"
+    text = (
+        f"rank {culprit} ran forward pass {skipped} (step {step}) without its backward and carried on: "
+        f"it never made that step's gradient {calls}, so from there on each of its all-reduces met the "
+        f"others' next one and it ran out of them {behind} before the others"
+    )
+    return text, {"forward": skipped, "step": step, "behind": behind}

@@ -227,7 +227,13 @@ class JobState:
             state.end = event
             state.step = max(state.step, event.step)
         elif isinstance(event, r.MarkerEvent):
-            state.markers.append(event)
+            if event.name == r.DDP_FORWARD:
+                group, _, seq = event.detail.rpartition(":")
+                if group and seq.isdigit():
+                    state.forward_count += 1
+                    state.forwards.append((state.forward_count, group, int(seq), event.step))
+            else:
+                state.markers.append(event)
             state.last_progress = now
         elif isinstance(event, r.GroupProgress):
             self._progress(state, event, now)

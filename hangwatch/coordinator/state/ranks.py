@@ -39,6 +39,10 @@ def _shift_at(shifts: list[tuple[int, int]], raw: int) -> int:
 PROGRESS_FRESH_S = 5.0
 
 
+#: DDP forward passes kept per rank: a skipped backward is told within this many steps.
+FORWARDS_KEPT = 64
+
+
 @dataclass
 class RankState:
     identity: r.RankIdentity
@@ -66,6 +70,12 @@ class RankState:
     queued: int = 0
     dropped: int = 0
     markers: collections.deque[r.MarkerEvent] = field(default_factory=lambda: collections.deque(maxlen=16))
+    #: the rank's DDP forward passes that sync gradients: (its count of them, group, torch's seq
+    #: on the group when it began, step), the latest ``FORWARDS_KEPT`` (see ``rules.shift``)
+    forwards: collections.deque[tuple[int, str, int, int]] = field(
+        default_factory=lambda: collections.deque(maxlen=FORWARDS_KEPT)
+    )
+    forward_count: int = 0
     #: the highest call id of the rank's own numbering received (an agent taking over its ring
     #: resumes after it), and per group the highest seq of records an agent made from Flight
     #: Recorder entries (made again by a new agent, they are the same records: dropped)

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from hangwatch.coordinator.rules import explain_extra_call
+from hangwatch.coordinator.rules import explain_extra_call, explain_skipped_backward
 from hangwatch.records import CallRecord
 from tests.coordinator.rules._calls import call, t
 
@@ -84,3 +84,48 @@ def test_explain_extra_call_at_a_thousand_ranks() -> None:
     assert text is not None and text.startswith("rank 700 made an extra all_reduce at train.py:30 (seq 12)")
     history[701] = _hist(extra, 701)  # two ranks made it: not one rank's extra call
     assert explain_extra_call(history, 12) is None
+
+
+def _forwards(seqs: list[int], group: str = "0", first: int = 1) -> list[tuple[int, str, int, int]]:
+    """A rank's DDP forwards: the n-th (from ``first``) began at ``seqs[n - first]``; step = n - 1."""
+    return [(first + i, group, seq, first + i - 1) for i, seq in enumerate(seqs)]
+
+
+def test_a_forward_without_its_backward_is_named() -> None:
+    """Rank 1 skipped the backward of forward 6 (one all-reduce a step): from forward 7 on its
+    seq at each forward is one behind rank 0's, and it ran as many forwards."""
+    ref = list(range(1, 31))  # rank 0: one all-reduce per step
+    mine = ref[:6] + [s - 1 for s in ref[6:]]
+    found = explain_skipped_backward({0: _forwards(ref), 1: _forwards(mine)}, 1, [0], "0")
+    assert found is not None
+    text, facts = found
+    assert facts == {"forward": 6, "step": 5, "behind": 1}
+    assert text.startswith("rank 1 ran forward pass 6 (step 5) without its backward")
+
+
+def test_several_buckets_per_backward_and_a_window_that_starts_late() -> None:
+    ref = [3 * n for n in range(40, 70)]  # three buckets a step, forwards 40-69 kept
+    mine = ref[:10] + [s - 3 for s in ref[10:]]
+    ranks = {0: _forwards(ref, first=40), 2: _forwards(ref, first=40), 1: _forwards(mine, first=40)}
+    found = explain_skipped_backward(ranks, 1, [0, 2], "0")
+    assert found is not None and found[1] == {"forward": 49, "step": 48, "behind": 3}
+
+
+def test_look_alikes_are_not_told_as_a_skipped_backward() -> None:
+    ref = list(range(1, 31))
+    # it left the loop early: fewer forwards than the others, level while it ran
+    assert explain_skipped_backward({0: _forwards(ref), 1: _forwards(ref[:29])}, 1, [0], "0") is None
+    # the waiting rank ran an extra forward with no backward (a metric with grad on): it is ahead
+    extra = [*ref[:6], ref[5], *ref[6:29]]
+    assert explain_skipped_backward({0: _forwards(extra), 1: _forwards(ref)}, 1, [0], "0") is None
+    # level all along (the culprit is absent for another reason)
+    assert explain_skipped_backward({0: _forwards(ref), 1: _forwards(ref)}, 1, [0], "0") is None
+    # behind from before the forwards kept: when it skipped is unknown
+    assert explain_skipped_backward({0: _forwards(ref), 1: _forwards([s - 1 for s in ref])}, 1, [0], "0") is None
+    # a gap that grows (two skips, or something else): not one skipped backward
+    two = ref[:6] + [s - 1 for s in ref[6:15]] + [s - 2 for s in ref[15:]]
+    assert explain_skipped_backward({0: _forwards(two), 1: _forwards(two[:6] + two[6:])}, 1, [0], "0") is None
+    assert explain_skipped_backward({0: _forwards(ref), 1: _forwards(two)}, 1, [0], "0") is None
+    # another group's forwards, or none at all
+    assert explain_skipped_backward({0: _forwards(ref, "1"), 1: _forwards(ref[:6], "1")}, 1, [0], "0") is None
+    assert explain_skipped_backward({}, 1, [0], "0") is None
