@@ -25,6 +25,7 @@ from tests.conftest import PRELUDE
 from tests.e2e import (
     healthy,
     test_async,
+    test_ddp_skip,
     test_fault_classes,
     test_healthy_p2p,
     test_healthy_training,
@@ -51,6 +52,10 @@ SCENARIOS = (
              "stuck_collective"),
     Scenario("stall after monitored barriers", test_sequences.HANG_AFTER_MONITORED_BARRIERS, 3,
              "rank 2 stalled before all_reduce (step 7)", "stuck_collective"),
+    Scenario("NaN batch skipped (DDP)", test_ddp_skip.NAN_SKIP, 2,
+             "rank 1 ran forward 6 (step 5) without backward", "stuck_collective"),
+    Scenario("own early stop at the last step (DDP)", test_ddp_skip.EARLY_STOP, 2, "rank 1 left the loop at step 23",
+             "early_exit"),
     Scenario("reduce-op mismatch every step", test_runs.REDUCE_OP_EVERY_STEP, 2, "rank 1 reduces with MAX",
              "arg_mismatch"),
     Scenario("pipeline, last stage leaves first", healthy.INIT + test_healthy_p2p.PIPELINE, 3, "none (healthy)", None),
