@@ -16,6 +16,12 @@ import tempfile
 ENV_ADDR = "HANGWATCH_ADDR"
 #: ``1`` turns the in-rank hook off even when ``HANGWATCH_ADDR`` is set.
 ENV_DISABLE = "HANGWATCH_DISABLE"
+#: The credential of node agents (registering agents and the ranks they proved, relaying
+#: batches); without it agents present the job's token, which every rank holds.
+ENV_AGENT_TOKEN = "HANGWATCH_AGENT_TOKEN"
+ENV_AGENT_TOKEN_FILE = "HANGWATCH_AGENT_TOKEN_FILE"
+#: A file holding the token (the command line shows a --token to every user in ps).
+ENV_TOKEN_FILE = "HANGWATCH_TOKEN_FILE"
 #: Shared secret; ranks, agents and CLI must present the coordinator's token.
 ENV_TOKEN = "HANGWATCH_TOKEN"
 #: Coordinator: server certificate and key (PEM) — setting both serves TLS.

@@ -4,6 +4,7 @@ node, and driven over gRPC by ``hangwatch.agent.daemon`` on the others."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
 import threading
 import time
@@ -11,12 +12,14 @@ from collections.abc import Iterable, Sequence
 
 from hangwatch.agent import abort as _abort
 from hangwatch.agent.gpu import GpuInspector
-from hangwatch.agent.identity import START_TIME_TOLERANCE_S
+from hangwatch.agent.identity import START_TIME_TOLERANCE_S, Proofs
 from hangwatch.agent.namespaces import PidMapper
 from hangwatch.agent.procinfo import ProcessInspector, PsutilInspector
 from hangwatch.agent.pyspy import dump_stacks
 from hangwatch.agent.stacks import Dumper, dump_many
 from hangwatch.records import ProcessStatus, ProcState, StackDump, Target
+
+log = logging.getLogger("hangwatch.agent")
 
 #: Seconds after which an unchanged live process is reported again (fresh CPU and memory).
 REFRESH_S = 5.0
@@ -45,6 +48,9 @@ class NodeAgentCore:
         self._targets: dict[Target, None] = {}
         self._pids = PidMapper()
         self._reported: dict[Target, tuple[ProcessStatus, float]] = {}
+        #: rank processes the kernel proved (they linked to this agent's socket); a dump or an
+        #: abort of anything else is refused, whatever the coordinator asks
+        self.proofs = Proofs()
 
     def set_targets(self, targets: Iterable[Target]) -> None:
         """Watch exactly ``targets`` from now on (what was known of kept ones is kept)."""
@@ -90,12 +96,34 @@ class NodeAgentCore:
                     out.append(s)
         return out
 
+    def _proven(self, targets: Sequence[Target]) -> tuple[list[Target], dict[int, str]]:
+        """``targets`` in this agent's pid namespace, split into proven ranks and refusals (by rank)."""
+        proven: list[Target] = []
+        refused: dict[int, str] = {}
+        for target in targets:
+            local = self._pids.localise(target)
+            why = self.proofs.check(local)
+            if why is None:
+                proven.append(local)
+            else:
+                refused[target.rank] = why
+        return proven, refused
+
     def dump(self, targets: Sequence[Target], native: bool = False, timeout_s: float = 10.0) -> dict[int, StackDump]:
-        """Stacks of ``targets`` by rank; a target whose pid was reused is refused."""
-        targets = [self._pids.localise(t) for t in targets]
-        return dump_many(targets, native=native, timeout_s=timeout_s, inspector=self.inspector, dumper=self._dumper)
+        """Stacks of ``targets`` by rank; a target not proven a rank, or whose pid was reused, is
+        refused (its dump says why)."""
+        proven, refused = self._proven(targets)
+        dumps = dump_many(proven, native=native, timeout_s=timeout_s, inspector=self.inspector, dumper=self._dumper)
+        pids = {t.rank: t.pid for t in targets}
+        for rank, why in refused.items():
+            log.warning("stacks of rank %d refused: %s", rank, why)
+            dumps[rank] = StackDump(pids[rank], time.time(), native=native, error=f"refused: {why}")
+        return dumps
 
     def abort(self, targets: Sequence[Target], grace_s: float = 10.0) -> list[int]:
-        """Terminate the verified ``targets`` (SIGTERM, then SIGKILL after ``grace_s``); pids signalled."""
-        targets = [self._pids.localise(t) for t in targets]
-        return _abort.abort(targets, grace_s=grace_s, inspector=self.inspector)
+        """Terminate the proven, verified ``targets`` (SIGTERM, then SIGKILL after ``grace_s``);
+        pids signalled."""
+        proven, refused = self._proven(targets)
+        for rank, why in refused.items():
+            log.warning("abort of rank %d refused: %s", rank, why)
+        return _abort.abort(proven, grace_s=grace_s, inspector=self.inspector)

@@ -213,7 +213,7 @@ def _start_rank_links(
     from hangwatch.agent.shipper import TICK_S, Shipper
 
     try:
-        server = RingServer(path, mode=mode)
+        server = RingServer(path, mode=mode, proofs=agent.core.proofs)
         server.start()
     except OSError as e:
         log.warning("no rank links on %s (%s): ranks will ship their own records", path, e)

@@ -1,8 +1,16 @@
-"""Is the process at a target's pid still that target? Every dump and abort asks first."""
+"""Is the process at a target's pid still that target, and was it proven a rank? Every dump and
+abort asks first."""
 
 from __future__ import annotations
 
+import collections
 import datetime
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
 
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.records import ProcessStatus, ProcState, Target
@@ -43,3 +51,69 @@ def check(target: Target, status: ProcessStatus) -> str | None:
 def verify(target: Target, inspector: ProcessInspector) -> str | None:
     """None if ``target.pid`` is still the process that started at ``target.start_time``."""
     return check(target, inspector.status(target.pid))
+
+
+def process_uid(pid: int) -> int | None:
+    """The owner of ``/proc/<pid>`` (the process's effective uid; None when gone)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Proof:
+    """A process the kernel proved to be a rank: it linked to this agent's socket, and
+    ``SO_PEERCRED`` gave its pid and uid (its start time read at that moment)."""
+
+    pid: int
+    uid: int
+    start_time: float
+
+
+#: Proofs kept (one per rank process that ever linked; the oldest go first).
+PROOFS_KEPT = 16384
+
+
+class Proofs:
+    """The rank processes this node's agent may touch. A registration over the network is a
+    claim: anyone can read a pid and its start time from ``/proc`` and claim them. The agent
+    dumps the stacks of, or signals, only a process that linked to it itself (``hangwatch.link``),
+    still with the start time and the uid it had then. Thread-safe."""
+
+    def __init__(self, uid_of: Callable[[int], int | None] = process_uid) -> None:
+        self._uid_of = uid_of  # a seam for tests: a process's uid now
+        self._lock = threading.Lock()
+        self._by_pid: collections.OrderedDict[int, Proof] = collections.OrderedDict()
+
+    def add(self, pid: int, uid: int, start_time: float) -> None:
+        with self._lock:
+            self._by_pid.pop(pid, None)
+            self._by_pid[pid] = Proof(pid, uid, start_time)
+            while len(self._by_pid) > PROOFS_KEPT:
+                self._by_pid.popitem(last=False)
+
+    def check(self, target: Target) -> str | None:
+        """None when ``target`` (its pid in this agent's pid namespace) is a proven rank process
+        that still runs as the uid it linked with; else why it may not be touched."""
+        with self._lock:
+            proof = self._by_pid.get(target.pid)
+        if proof is None:
+            return (
+                f"pid {target.pid} never linked to this node's agent, so that it is rank {target.rank} is only "
+                f"its own claim; hangwatch reads and signals only processes the kernel proved to be ranks"
+            )
+        if abs(proof.start_time - target.start_time) > START_TIME_TOLERANCE_S:
+            return f"pid {target.pid} is not the process that linked as a rank (started at another time)"
+        uid = self._uid_of(target.pid)
+        if uid is not None and uid != proof.uid:
+            return f"pid {target.pid} now runs as uid {uid}, not uid {proof.uid} it linked with"
+        return None
+
+
+def proven_start_time(pid: int) -> float | None:
+    """A just-linked process's start time, as ``verify`` will compare it (None: unreadable)."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except Exception:
+        return None

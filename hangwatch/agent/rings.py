@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hangwatch.agent.identity import Proofs, proven_start_time
 from hangwatch.agent.procinfo import exit_when_gone, memory_events_path, oom_kills
 from hangwatch.link import ACK, ENDING, FAREWELL, LinkError, Peer, peer_of, recv_hello
 from hangwatch.ring import RingError, RingReader
@@ -83,6 +84,7 @@ class RingServer:
         on_close: Callable[[RankLink], None] | None = None,
         clock: Callable[[], float] = time.time,
         mode: int = 0o600,
+        proofs: Proofs | None = None,
     ) -> None:
         if mode & ~0o666:
             raise ValueError(f"socket mode {mode:o}: only read/write bits (at most 0666)")
@@ -91,6 +93,7 @@ class RingServer:
         self._on_link = on_link
         self._on_close = on_close
         self._clock = clock
+        self.proofs = proofs  # where each linked process's kernel-proven identity is recorded
         self._lock = threading.Lock()
         self._links: list[RankLink] = []
         self.refused = 0  # connections dropped: no hello, a bad ring, too many links
@@ -220,6 +223,9 @@ class RingServer:
                 return None
             link = RankLink(peer, hello, reader, fds[0], self._clock(), sock=conn)
             self._links.append(link)
+        started = proven_start_time(peer.pid)
+        if self.proofs is not None and started is not None:
+            self.proofs.add(peer.pid, peer.uid, started)
         link.memory_events = memory_events_path(peer.pid)
         link.oom_kills = oom_kills(link.memory_events)
         try:

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from hangwatch import __version__, config, tls
@@ -33,7 +34,8 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"coordinator host:port (default: ${config.ENV_ADDR}, then {config.DEFAULT_ADDR})",
     )
-    p.add_argument("--token", default=None, help=f"shared token (default: ${config.ENV_TOKEN})")
+    p.add_argument("--token", default=None, help=f"shared token (default: ${config.ENV_TOKEN}; prefer --token-file)")
+    p.add_argument("--token-file", default=None, help=f"read the token from this file (or ${config.ENV_TOKEN_FILE})")
     p.add_argument("--json", action="store_true", help="print JSON (the documented contract)")
 
 
@@ -69,8 +71,19 @@ def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True
     )
     p.add_argument(
         "--token",
-        default=os.environ.get(config.ENV_TOKEN),
-        help=f"shared token ranks, agents and the CLI must present (default ${config.ENV_TOKEN})",
+        default=None,
+        help=f"shared token ranks, agents and the CLI must present (default ${config.ENV_TOKEN}; on the "
+        "command line every user sees it in ps: prefer --token-file or the variable)",
+    )
+    p.add_argument("--token-file", default=None, help=f"read the token from this file (or ${config.ENV_TOKEN_FILE})")
+    p.add_argument(
+        "--agent-token",
+        default=None,
+        help=f"node agents' own credential, which ranks never hold (default ${config.ENV_AGENT_TOKEN}; "
+        "without it agents present --token)",
+    )
+    p.add_argument(
+        "--agent-token-file", default=None, help=f"read it from this file (or ${config.ENV_AGENT_TOKEN_FILE})"
     )
     p.add_argument(
         "--stuck-after",
@@ -160,8 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--token",
-        default=os.environ.get(config.ENV_TOKEN),
-        help=f"shared token (default ${config.ENV_TOKEN})",
+        default=None,
+        help=f"shared token (default ${config.ENV_TOKEN}; prefer --token-file)",
+    )
+    p.add_argument("--token-file", default=None, help=f"read the token from this file (or ${config.ENV_TOKEN_FILE})")
+    p.add_argument(
+        "--agent-token",
+        default=None,
+        help=f"this agent's credential, if the coordinator sets one (default ${config.ENV_AGENT_TOKEN})",
+    )
+    p.add_argument(
+        "--agent-token-file", default=None, help=f"read it from this file (or ${config.ENV_AGENT_TOKEN_FILE})"
     )
     p.add_argument(
         "--node-name",
@@ -245,7 +267,7 @@ def _addr(args: argparse.Namespace) -> str:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    return args.token or os.environ.get(config.ENV_TOKEN)
+    return args.token or os.environ.get(config.ENV_TOKEN) or None
 
 
 def _print_json(data: Any) -> None:
@@ -324,6 +346,7 @@ def _coordinator_options(args: argparse.Namespace, host: str, port: int) -> Any:
         port=port,
         data_dir=args.data_dir,
         token=args.token,
+        agent_token=getattr(args, "agent_token", None),
         stuck_after=args.stuck_after,
         embedded_agent=not args.no_agent,
         abort_on_hang=args.abort_on_hang,
@@ -397,7 +420,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         run_agent(
             addr,
-            token=args.token,
+            token=args.agent_token or args.token,
             stop=stop,
             core=core,
             rank_socket=rank_socket,
@@ -427,7 +450,7 @@ def _start_relay(args: argparse.Namespace, addr: str, host: str) -> Any:
             sys.stderr.write("hangwatch agent: TLS needs both --tls-cert and --tls-key\n")
             return None
         credentials = tls.server_credentials(args.tls_cert, args.tls_key)
-    relay = Relay(addr, args.token, host, interval_s=max(0.0, args.relay_interval))
+    relay = Relay(addr, args.agent_token or args.token, host, interval_s=max(0.0, args.relay_interval))
     try:
         server = RelayServer(relay, args.token, args.relay_host, args.relay_port, credentials)
     except (OSError, RuntimeError) as exc:
@@ -453,8 +476,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class TokenError(ValueError):
+    """A token file that cannot be read."""
+
+
+def resolve_tokens(args: argparse.Namespace) -> None:
+    """``args.token`` and ``args.agent_token`` from the command line, a file or the environment.
+    A secret given on the command line is visible to every user in ``ps``: said once, on stderr."""
+    for name, env, env_file in (
+        ("token", config.ENV_TOKEN, config.ENV_TOKEN_FILE),
+        ("agent_token", config.ENV_AGENT_TOKEN, config.ENV_AGENT_TOKEN_FILE),
+    ):
+        if not hasattr(args, name):
+            continue
+        if getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            sys.stderr.write(
+                f"hangwatch: warning: {flag} on the command line is visible to every user of this machine "
+                f"(ps); use {flag}-file or ${env}\n"
+            )
+            continue
+        path = getattr(args, f"{name}_file", None) or os.environ.get(env_file)
+        if path:
+            try:
+                value = Path(path).read_text().strip()
+            except OSError as e:
+                raise TokenError(f"cannot read the {flag_name(name)} file {path}: {e.strerror or e}") from None
+            if not value:
+                raise TokenError(f"the {flag_name(name)} file {path} is empty")
+            setattr(args, name, value)
+        else:
+            setattr(args, name, os.environ.get(env) or None)
+
+
+def flag_name(name: str) -> str:
+    return name.replace("_", " ")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        resolve_tokens(args)
+    except TokenError as exc:
+        sys.stderr.write(f"hangwatch: {exc}\n")
+        return 2
     handlers = {
         "coordinator": cmd_coordinator,
         "agent": cmd_agent,

@@ -27,7 +27,7 @@ from hangwatch.coordinator.jobs import Jobs, JobsFull
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.server import BindError, RpcServer
 from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, IntakeError
-from hangwatch.coordinator.state import JobState
+from hangwatch.coordinator.state import ClaimRefused, JobState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import job_line, status_json
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -42,6 +42,7 @@ log = logging.getLogger("hangwatch.coordinator")
 
 TICK_S = 0.25
 AGENT_POLL_S = 0.5
+STORE_RETRY_S = 5.0  # how often incidents a failed write left in memory are written again
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,9 @@ class CoordinatorOptions:
     port: int = config.DEFAULT_PORT
     data_dir: str = config.DEFAULT_DATA_DIR
     token: str | None = None
+    #: node agents' own credential: RegisterAgent, AgentPoll, relayed batches and registrations of
+    #: the ranks an agent proved need it (None: agents present ``token``, as ranks do)
+    agent_token: str | None = None
     stuck_after: float | None = None
     silence_after: float = config.DEFAULT_SILENCE_AFTER_S
     embedded_agent: bool = True
@@ -175,6 +179,12 @@ class Coordinator:
         if self.hub.embedded is not None:
             self._spawn(self._embedded_agent_loop, "hangwatch-agent")
             self._start_rank_links(port)
+        if self.options.token and not self.options.agent_token:
+            log.warning(
+                "agents authenticate with the ranks' token: any process holding it can pose as a node agent "
+                "(set --agent-token / %s, and give it to agents only)",
+                config.ENV_AGENT_TOKEN,
+            )
         log.info("coordinator %s listening on %s:%d", self.coordinator_id, self.options.host, port)
         return port
 
@@ -210,9 +220,15 @@ class Coordinator:
             pass
 
     def _detect_loop(self) -> None:
+        retry_at = 0.0
         while not self._stop.wait(TICK_S):
             try:
                 self.engine.tick()
+                if self.store.unsaved and time.monotonic() >= retry_at:
+                    retry_at = time.monotonic() + STORE_RETRY_S
+                    with self.lock:
+                        if self.store.retry():
+                            log.info("incidents written again: the data directory takes writes")
             except Exception:
                 log.exception("detection tick failed")
 
@@ -228,7 +244,7 @@ class Coordinator:
         assert core is not None
         try:
             path = self.options.agent_socket or config.agent_socket_path(f"127.0.0.1:{port}")
-            self.rings = RingServer(path)
+            self.rings = RingServer(path, proofs=core.proofs)
             self.rings.start()
         except OSError as e:
             log.warning("no rank links on this node (%s): ranks will ship their own records", e)
@@ -268,6 +284,10 @@ class Coordinator:
                 job, state = self.jobs.register(identity, time.time(), via)
             except JobsFull as e:
                 self.metrics_rejected("jobs")
+                raise IntakeError(str(e)) from None
+            except ClaimRefused as e:
+                self.metrics_rejected("claim")
+                log.warning("registration refused: %s", e)
                 raise IntakeError(str(e)) from None
             if (len(self.jobs.ended_runs), len(self.jobs)) != known:  # a run ended or a job began
                 log.info("job %s: run %s (%s)", identity.job_id, job.run, self.jobs.key_of(job))
@@ -511,6 +531,8 @@ class Coordinator:
                     "write_errors": self.store.write_errors,
                     "last_error": self.store.last_error,
                     "pruned": self.store.pruned,
+                    "unsaved": len(self.store.unsaved),  # kept in memory until the disk takes writes
+                    "moved_aside": self.store.moved_aside or None,  # a corrupt database set aside at start
                 },
                 "rejected": dict(self.rejected),
             }

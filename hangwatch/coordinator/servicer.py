@@ -44,14 +44,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.c = coordinator
 
     def _auth(self, token: str, context: grpc.ServicerContext) -> None:
-        if not token_ok(self.c.options.token, token):
+        """The job's token (an agent's credential does too: an agent may do what a rank does)."""
+        agent = self.c.options.agent_token
+        if not token_ok(self.c.options.token, token) and not (agent is not None and token_ok(agent, token)):
             self.c.metrics_rejected("auth")
             _abort(context, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSED)
+
+    def _auth_agent(self, token: str, context: grpc.ServicerContext) -> None:
+        """A node agent's call: the agent credential where one is set, else the job's token."""
+        expected = self.c.options.agent_token
+        if expected is None:
+            self._auth(token, context)
+        elif not token_ok(expected, token):
+            self.c.metrics_rejected("auth")
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "this call needs the agent credential (--agent-token)")
 
     # ---- ranks ----------------------------------------------------------------------------
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        self._auth(request.token, context)
+        if request.via == "agent":  # a rank an agent proved through its link: only an agent says so
+            self._auth_agent(request.token, context)
+        else:
+            self._auth(request.token, context)
         try:
             return self.c.accept_registration(wire.identity_from_pb(request.identity), request.via or "direct")
         except IntakeError as e:
@@ -68,7 +82,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ReportMany(self, request: pb.RelayBatch, context: grpc.ServicerContext) -> pb.RelayReply:
         """A node agent's relayed batches: the relay's token vouches for them (it checked each
         rank's); each batch is bounded and applied exactly as if its rank had sent it."""
-        self._auth(request.token, context)
+        self._auth_agent(request.token, context)
         if len(request.reports) > MAX_REPORTS_PER_RELAY:
             self.c.metrics_rejected("oversized")
             _abort(
@@ -99,15 +113,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     # ---- agents ---------------------------------------------------------------------------
 
     def RegisterAgent(self, request: pb.AgentRegisterRequest, context: grpc.ServicerContext) -> pb.AgentRegisterReply:
-        self._auth(request.token, context)
+        self._auth_agent(request.token, context)
         a = request.agent
         if not a.host:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "agent registration without a host name")
+        if self.c.hub.embedded is not None and a.host == self.c.hub.embedded_host:
+            self.c.metrics_rejected("agent")
+            _abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"host {a.host} is the coordinator's own: its embedded agent serves it and cannot be displaced",
+            )
         agent = self.c.hub.register_remote(a.host, a.pid, a.can_ptrace, a.ptrace_note)
         return pb.AgentRegisterReply(agent_id=agent.agent_id, coordinator_id=self.c.coordinator_id)
 
     def AgentPoll(self, request: pb.AgentPollRequest, context: grpc.ServicerContext) -> pb.AgentPollReply:
-        self._auth(request.token, context)
+        self._auth_agent(request.token, context)
         agent = self.c.hub.remote.get(request.agent_id)
         if agent is None:
             return pb.AgentPollReply(reregister=True)

@@ -1,12 +1,16 @@
 """Incident persistence: SQLite (WAL) in the data directory.
 
-Writes never raise into the coordinator: a full or broken disk is logged loudly, counted, and
-shown in ``status``; the incident stays in memory. A data directory that cannot be opened at
-start is a clear error (``StoreError``).
+Private whatever the umask: the directory is made (or set) 0700 and the database files 0600, for
+stacks hold whatever the ranks' frames show. Writes never raise into the coordinator: a full or
+broken disk is logged loudly, counted, and shown in ``status``; the incident stays in memory and
+is written once the disk takes writes again (``retry``, and every later save). A database that
+is not one (a corrupt page, garbage) is moved aside with one log line and a fresh one started
+(``moved_aside``); a data directory that cannot be used at all is a clear error (``StoreError``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +35,14 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
+def _private_dir(path: Path) -> None:
+    """``path`` made, or kept, readable by its owner only (0700), whatever the umask."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():  # another user's directory is theirs to set
+        os.chmod(path, 0o700)
+
+
 class StoreError(RuntimeError):
     """The data directory cannot be used."""
 
@@ -48,33 +60,77 @@ class IncidentStore:
         self.write_errors = 0
         self.last_error = ""
         self.pruned = 0
+        self.moved_aside = ""  # where a corrupt database was moved at start ("": none was)
+        self.unsaved: dict[str, Incident] = {}  # incidents a failed write left in memory only
         try:
-            Path(data_dir).mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(SCHEMA)
-            self.db.execute("SELECT count(*) FROM incidents").fetchone()
+            _private_dir(Path(data_dir))
+            try:
+                self.db = self._open()
+            except sqlite3.DatabaseError as exc:
+                if isinstance(exc, sqlite3.OperationalError) and "unable to open" in str(exc):
+                    raise
+                self.moved_aside = self._move_aside(exc)
+                self.db = self._open()
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot use data directory {data_dir!s}: {exc}") from exc
 
-    def save(self, incident: Incident) -> bool:
-        body = dict(incident.to_json())
-        body["key"] = incident.key
+    def _open(self) -> sqlite3.Connection:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # made private before SQLite opens it
+        os.close(fd)
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         try:
-            with self.lock:
-                self.db.execute(
-                    "INSERT INTO incidents (id, job, kind, detected_time, body) VALUES (?, ?, ?, ?, ?) "
-                    "ON CONFLICT(id) DO UPDATE SET body = excluded.body, kind = excluded.kind",
-                    (incident.id, incident.job, incident.kind, incident.detected_time, json.dumps(body)),
-                )
-                self._prune(keep=incident.id)
-            return True
-        except sqlite3.Error as exc:
-            self.write_errors += 1
-            self.last_error = f"{time.strftime('%H:%M:%S')} {exc}"
-            log.error("cannot persist incident %s (kept in memory): %s", incident.id, exc)
-            return False
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(SCHEMA)
+            db.execute("SELECT count(*) FROM incidents").fetchone()
+            db.execute("PRAGMA quick_check").fetchone()
+        except sqlite3.Error:
+            db.close()
+            raise
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                os.chmod(f"{self.path}{suffix}", 0o600)
+        return db
+
+    def _move_aside(self, exc: Exception) -> str:
+        """Move a database SQLite cannot read (and its WAL) aside; the coordinator starts on a
+        fresh one instead of failing at every start (a crash loop under systemd)."""
+        aside = f"{self.path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+        log.error(
+            "the incident database %s is unreadable (%s): moved aside to %s; starting a new one", self.path, exc, aside
+        )
+        return aside
+
+    def save(self, incident: Incident) -> bool:
+        """Write ``incident`` (and any a failed write left behind); False if it stays unsaved."""
+        self.unsaved[incident.id] = incident
+        return self.retry() and incident.id not in self.unsaved
+
+    def retry(self) -> bool:
+        """Write the incidents that failed to be written (a full disk has room again); True when
+        none is left unsaved."""
+        for ident, incident in list(self.unsaved.items()):
+            body = dict(incident.to_json())
+            body["key"] = incident.key
+            try:
+                with self.lock:
+                    self.db.execute(
+                        "INSERT INTO incidents (id, job, kind, detected_time, body) VALUES (?, ?, ?, ?, ?) "
+                        "ON CONFLICT(id) DO UPDATE SET body = excluded.body, kind = excluded.kind",
+                        (incident.id, incident.job, incident.kind, incident.detected_time, json.dumps(body)),
+                    )
+                    self._prune(keep=incident.id)
+            except sqlite3.Error as exc:
+                self.write_errors += 1
+                self.last_error = f"{time.strftime('%H:%M:%S')} {exc}"
+                log.error("cannot persist incident %s (kept in memory, retried): %s", incident.id, exc)
+                return False
+            if self.unsaved.get(ident) is incident:
+                del self.unsaved[ident]
+        return True
 
     def used_bytes(self) -> int:
         page_size = self.db.execute("PRAGMA page_size").fetchone()[0]

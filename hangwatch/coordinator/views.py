@@ -98,6 +98,7 @@ def status_json(
         "records_received": job.records_received,
         "relays": sorted({rk["relay"] for rk in ranks if rk["relay"]}),
         "dropped": sum(rk["dropped"] for rk in ranks),
+        "conflicts": list(job.conflicts),  # registrations refused or overridden, newest last
         "time": now,
     }
     info.update(extra_job)

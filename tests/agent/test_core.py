@@ -8,6 +8,7 @@ import pytest
 
 from hangwatch.agent import core as core_module
 from hangwatch.agent.core import NodeAgentCore
+from hangwatch.agent.identity import Proofs
 from hangwatch.records import ProcessStatus, ProcState, StackDump, Target
 
 from .conftest import Spawn, target, wait_until
@@ -72,9 +73,27 @@ def test_dump_and_abort_refuse_unverified(fake: FakeInspector) -> None:
         return StackDump(pid, 0.0, native=native)
 
     core = NodeAgentCore(inspector=fake, dumper=dumper)
+    core.proofs = Proofs(uid_of=lambda pid: 1000)
+    for pid in (10, 11):  # both linked as ranks, started at 500; pid 12 never linked
+        core.proofs.add(pid, 1000, 500.0)
     fake.states[10] = ProcessStatus(10, ProcState.SLEEPING, 1.0, start_time=500.0)
     fake.states[11] = ProcessStatus(11, ProcState.SLEEPING, 1.0, start_time=999.0)
-    dumps = core.dump([Target(0, 10, 500.0), Target(1, 11, 500.0)], native=True, timeout_s=1.0)
+    fake.states[12] = ProcessStatus(12, ProcState.SLEEPING, 1.0, start_time=500.0)
+    dumps = core.dump([Target(0, 10, 500.0), Target(1, 11, 500.0), Target(2, 12, 500.0)], native=True, timeout_s=1.0)
     assert dumped == [10] and dumps[0].ok and dumps[0].native
     assert dumps[1].error is not None and "was reused" in dumps[1].error
+    assert dumps[2].error is not None and "never linked" in dumps[2].error and "own claim" in dumps[2].error
     assert core.abort([Target(1, 11, 500.0), Target(2, 12, 500.0)], grace_s=0.1) == []
+
+
+def test_a_proven_rank_running_as_another_user_now_is_refused(fake: FakeInspector) -> None:
+    uids = {10: 1000}
+    core = NodeAgentCore(inspector=fake, dumper=lambda pid, **kw: StackDump(pid, 0.0))
+    core.proofs = Proofs(uid_of=uids.get)
+    core.proofs.add(10, 1000, 500.0)
+    fake.states[10] = ProcessStatus(10, ProcState.SLEEPING, 1.0, start_time=500.0)
+    assert core.dump([Target(0, 10, 500.0)], timeout_s=1.0)[0].ok
+    uids[10] = 0  # the process changed its uid since it linked (setuid)
+    dump = core.dump([Target(0, 10, 500.0)], timeout_s=1.0)[0]
+    assert dump.error is not None and "uid 0, not uid 1000" in dump.error
+    assert core.abort([Target(0, 10, 500.0)], grace_s=0.1) == []

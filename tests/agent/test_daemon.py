@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -71,10 +72,12 @@ def test_agent_waits_for_coordinator_then_serves_it(
     caplog.set_level(logging.DEBUG, logger="hangwatch.agent.daemon")
     rank = target(spawn(SLEEPER, "rank1"), rank=1)
     port = free_port()
+    core = NodeAgentCore(host="node-b")
+    core.proofs.add(rank.pid, os.getuid(), rank.start_time)  # as its link to the agent would
     agent = threading.Thread(
         target=run_agent,
         args=(f"127.0.0.1:{port}",),
-        kwargs={"token": TOKEN, "stop": stop, "poll_wait_s": 0.3, "core": NodeAgentCore(host="node-b")},
+        kwargs={"token": TOKEN, "stop": stop, "poll_wait_s": 0.3, "core": core},
     )
     agent.start()
     wait_until(lambda: any("retrying" in r.getMessage() for r in caplog.records))  # coordinator down

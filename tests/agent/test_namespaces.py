@@ -42,6 +42,7 @@ def test_rank_in_another_pid_namespace() -> None:
         target = Target(0, int(inner_pid), host.create_time(), namespace)
         assert local_pid(target) == host.pid
         core = NodeAgentCore()
+        core.proofs.add(host.pid, os.getuid(), host.create_time())  # as its link to the agent would
         core.set_targets([target])
         statuses = core.poll(full=True)
         assert [s.pid for s in statuses] == [int(inner_pid)]  # reported as the rank knows itself

@@ -1,9 +1,13 @@
 """The incident store: survives restarts, prunes oldest-first under its cap, fails loudly but
-harmlessly on a full disk, and refuses a corrupt or unusable data directory with a clear error."""
+harmlessly on a full disk and writes what it kept once there is room, moves a corrupt database
+aside and starts afresh, keeps its files private whatever the umask, and refuses an unusable data
+directory with a clear error."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
@@ -42,7 +46,7 @@ def test_prunes_oldest_first_under_the_cap(tmp_path: Path) -> None:
     assert store.used_bytes() <= 64 * 1024
 
 
-def test_full_disk_is_counted_and_loses_nothing_in_memory(tmp_path: Path) -> None:
+def test_full_disk_is_counted_and_written_once_there_is_room(tmp_path: Path) -> None:
     store = IncidentStore(tmp_path)
     assert store.save(incident(1))
     # SQLite's own "database or disk is full", as on a full filesystem
@@ -53,12 +57,52 @@ def test_full_disk_is_counted_and_loses_nothing_in_memory(tmp_path: Path) -> Non
     assert store.write_errors == 1
     assert "full" in store.last_error
     assert big.summary  # the caller's incident object is untouched (the coordinator keeps it in memory)
+    assert list(store.unsaved) == ["inc-0002"] and store.retry() is False  # still full
+    store.db.execute("PRAGMA max_page_count = 1073741823")  # room again
+    assert store.retry() is True and store.unsaved == {}
+    store.close()
+    assert [i.id for i in IncidentStore(tmp_path).load()] == ["inc-0001", "inc-0002"]
 
 
-def test_corrupt_database_is_a_clear_error(tmp_path: Path) -> None:
-    (tmp_path / "hangwatch.sqlite3").write_bytes(b"this is not a database" * 100)
-    with pytest.raises(StoreError, match="cannot use data directory"):
-        IncidentStore(tmp_path)
+def test_a_corrupt_database_is_moved_aside_and_a_fresh_one_started(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    garbage = b"this is not a database" * 100
+    (tmp_path / "hangwatch.sqlite3").write_bytes(garbage)
+    store = IncidentStore(tmp_path)
+    assert store.moved_aside and Path(store.moved_aside).read_bytes() == garbage  # kept for a post-mortem
+    assert store.load() == [] and store.save(incident(1))
+    assert [r.message for r in caplog.records if "moved aside" in r.message]  # one clear line
+
+
+def test_a_database_with_a_corrupt_page_is_moved_aside(tmp_path: Path) -> None:
+    store = IncidentStore(tmp_path)
+    for n in range(1, 40):
+        store.save(incident(n, payload=3000))
+    store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    path = tmp_path / "hangwatch.sqlite3"
+    data = bytearray(path.read_bytes())
+    data[4096 * 3 : 4096 * 3 + 512] = b"\xff" * 512  # one page scribbled over
+    path.write_bytes(bytes(data))
+    again = IncidentStore(tmp_path)
+    assert again.moved_aside and again.save(incident(99))
+
+
+def test_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        data = tmp_path / "data"
+        IncidentStore(data).save(incident(1))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    for path in data.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    IncidentStore(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o700
 
 
 def test_data_dir_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "OFFSET_SAMPLES",
     "PROGRESS_FRESH_S",
     "Changes",
+    "ClaimRefused",
     "IngestResult",
     "JobState",
     "RankState",
@@ -57,6 +58,17 @@ MAX_GROUPS = 16384
 #: The world group: never refused for the cap (a flood of other groups must not blind it).
 WORLD = "0"
 DURATIONS_KEPT = 512
+#: A rank is bound to its first registrant: another process claiming the rank is refused while
+#: the first is alive and was heard from this recently (a rank's process restarted alone is
+#: accepted once its predecessor is gone or silent).
+CLAIM_SILENT_S = 5.0
+CONFLICTS_KEPT = 32
+
+
+class ClaimRefused(ValueError):
+    """A registration that contradicts what the job's run already holds (the message says why)."""
+
+
 ARRIVALS_KEPT = 32
 
 
@@ -88,17 +100,21 @@ class JobState:
         # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time)
         self.arrivals: dict[str, collections.deque[tuple[int, float, int, float]]] = {}
         self._world: tuple[int, ...] = ()
+        #: claims refused or overridden (a second process for a held rank, another world size, an
+        #: older attempt): what ``status`` shows of them, newest last
+        self.conflicts: collections.deque[dict[str, object]] = collections.deque(maxlen=CONFLICTS_KEPT)
 
     # ---- registration ---------------------------------------------------------------------
 
-    def _new_run(self, identity: r.RankIdentity, now: float) -> bool:
+    def _new_run(self, identity: r.RankIdentity, now: float, via: str) -> bool:
         """Whether ``identity`` starts a new run of the job: the launcher restarted it (a higher
         attempt), or every rank of the current run has ended. A run's state is never mixed with
         another's. (Another launch is another job: ``coordinator.jobs``.)"""
         if not self.ranks:
             return False
         if identity.attempt > self.attempt:
-            return True
+            proven = [st for st in self.ranks.values() if st.via == "agent" and st.end is None and st.alive]
+            return via == "agent" or not proven  # an unproven claim never ends a run of proven ranks
         live = [st for st in self.ranks.values() if st.end is None and st.alive]
         previous = self.ranks.get(identity.rank)
         if previous is None or previous.identity.session == identity.session:
@@ -106,7 +122,7 @@ class JobState:
         return not live  # a rank number of a run that is over, in a new process: the next run
 
     def register(self, identity: r.RankIdentity, now: float, via: str = "direct") -> RankState:
-        if self._new_run(identity, now):
+        if self._new_run(identity, now, via):
             runs = self.runs + 1
             self.__init__()  # type: ignore[misc]  # a clean slate: nothing of the last run is kept
             self.runs = runs
@@ -117,14 +133,41 @@ class JobState:
             previous.last_seen = now
             previous.via = via
             return previous
+        self._check_claim(identity, previous, now, via)
         if previous is not None:
             self._forget_session(previous)
         state = RankState(identity=identity, registered_at=now, last_seen=now, last_progress=now, via=via)
         self.ranks[identity.rank] = state
         self.sessions[identity.session] = identity.rank
         self.job_id = identity.job_id or self.job_id
-        self.world_size = max(self.world_size, identity.world_size)
+        self.world_size = self.world_size or identity.world_size  # the launch's, as its first rank said
         return state
+
+    def _check_claim(self, identity: r.RankIdentity, previous: RankState | None, now: float, via: str) -> None:
+        """Refuse (``ClaimRefused``) a registration that contradicts the run: another world size,
+        an older attempt, or a second process for a rank whose first is alive and heard from. A
+        process an agent proved (``via="agent"``) takes the rank from an unproven claim."""
+        why = ""
+        if self.world_size and identity.world_size != self.world_size:
+            why = f"claims world size {identity.world_size}, but this run's ranks have {self.world_size}"
+        elif identity.attempt != self.attempt:  # older, or newer and unproven beside proven ranks
+            why = f"is of attempt {identity.attempt}, but this run is attempt {self.attempt}"
+        elif previous is not None:
+            held = previous.end is None and previous.alive and now - previous.last_seen < CLAIM_SILENT_S
+            holder = f"pid {previous.identity.pid} on {previous.identity.host} ({previous.via})"
+            if held and via == "agent" and previous.via != "agent":
+                self._conflict(identity, now, via, f"took rank {identity.rank} from an unproven claim by {holder}")
+                return
+            if held:
+                why = f"claims rank {identity.rank}, held by {holder}"
+        if why:
+            self._conflict(identity, now, via, f"refused: {why}")
+            raise ClaimRefused(f"rank {identity.rank} (pid {identity.pid} on {identity.host}) {why}")
+
+    def _conflict(self, identity: r.RankIdentity, now: float, via: str, what: str) -> None:
+        self.conflicts.append(
+            {"time": now, "rank": identity.rank, "pid": identity.pid, "host": identity.host, "via": via, "what": what}
+        )
 
     def _forget_session(self, previous: RankState) -> None:
         """A rank registers again with a new session (its process restarted): the old session's

@@ -1,0 +1,69 @@
+"""A rank is bound to its first registrant: what a registration may claim of a job's run.
+
+The real ``JobState``, explicit clock; ``identity`` builds the claims as a client (honest or not)
+would send them."""
+
+from __future__ import annotations
+
+import pytest
+
+from hangwatch import records as r
+from hangwatch.coordinator.state import ClaimRefused, JobState
+from tests.factories import T0, identity
+
+
+def _job(world: int = 2, via: str = "direct") -> JobState:
+    job = JobState()
+    for rk in range(world):
+        job.register(identity(rk, world, session=f"s{rk}"), T0, via)
+    return job
+
+
+def test_a_second_process_claiming_a_live_rank_is_refused_and_shown() -> None:
+    job = _job()
+    with pytest.raises(ClaimRefused, match="claims rank 1, held by pid 4001"):
+        job.register(identity(1, 2, session="impostor", pid=666), T0 + 1)
+    assert job.ranks[1].identity.session == "s1" and "impostor" not in job.sessions
+    (conflict,) = job.conflicts
+    assert (conflict["rank"], conflict["pid"]) == (1, 666) and str(conflict["what"]).startswith("refused")
+
+
+def test_a_rank_whose_process_is_gone_or_silent_can_be_claimed_again() -> None:
+    job = _job()
+    job.ranks[1].proc = r.ProcessStatus(4001, r.ProcState.DEAD, T0 + 1)
+    job.register(identity(1, 2, session="restarted", pid=5001), T0 + 2)  # its process restarted alone
+    assert job.ranks[1].identity.pid == 5001
+    job.register(identity(0, 2, session="later", pid=5000), T0 + 60)  # rank 0 silent for a minute
+    assert job.ranks[0].identity.pid == 5000 and not job.conflicts
+
+
+def test_a_process_an_agent_proved_takes_the_rank_from_an_unproven_claim() -> None:
+    """An impostor registered first, over the network; the real rank links to its node's agent."""
+    job = JobState()
+    job.register(identity(0, 2, session="impostor", pid=666), T0)
+    job.register(identity(0, 2, session="real"), T0 + 0.5, via="agent")
+    assert job.ranks[0].identity.session == "real" and job.ranks[0].via == "agent"
+    assert "took rank 0 from an unproven claim" in str(job.conflicts[-1]["what"])
+    with pytest.raises(ClaimRefused):  # and an unproven claim cannot take it back
+        job.register(identity(0, 2, session="impostor-2", pid=667), T0 + 1)
+
+
+def test_world_size_and_attempt_come_from_the_run_not_from_one_registration() -> None:
+    job = _job()
+    with pytest.raises(ClaimRefused, match="world size 1048576"):
+        job.register(identity(5, 1048576, session="huge"), T0 + 1)
+    assert job.world_size == 2 and sorted(job.ranks) == [0, 1]
+    restarted = _job(via="agent")
+    restarted.register(identity(0, 2, session="a1", attempt=1), T0 + 1, via="agent")  # torchrun restarted it
+    assert restarted.attempt == 1
+    with pytest.raises(ClaimRefused, match="attempt 0"):  # a straggler of the old attempt
+        restarted.register(identity(1, 2, session="old"), T0 + 2, via="agent")
+
+
+def test_an_unproven_claim_of_a_new_attempt_does_not_end_a_run_of_proven_ranks() -> None:
+    job = _job(via="agent")
+    run = job.run
+    for rank in (0, 1):
+        with pytest.raises(ClaimRefused, match="attempt 9"):
+            job.register(identity(rank, 2, session=f"x{rank}", pid=666, attempt=9), T0 + 1)
+    assert job.run == run and job.ranks[0].identity.session == "s0"
