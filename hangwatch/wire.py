@@ -170,6 +170,25 @@ class WireError(ValueError):
     """A message that is well-formed protobuf but not a valid hangwatch message."""
 
 
+#: Longest strings kept, by kind of field: a longer one is cut at ingest and ends with
+#: ``TRUNCATED``, so each record the coordinator keeps is bounded in bytes, not only in count
+#: (an 8 MiB call site in every batch once took it from 47 to 634 MiB in 8 s).
+MAX_NAME = 256  # op, group, dtype, host, ids, versions
+MAX_SITE = 1024  # call sites ("file:line in function"), a rank's current frame
+MAX_TEXT = 4096  # error messages, exception details, marker details
+TRUNCATED = "...[cut]"
+truncated = 0  # strings cut since start (``status``' ``rejected.truncated``, /metrics)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters with ``TRUNCATED`` after the cut."""
+    global truncated
+    if len(text) <= limit:
+        return text
+    truncated += 1
+    return text[:limit] + TRUNCATED
+
+
 MAX_DIMS = 16
 MAX_TENSORS = 4096
 MAX_GPUS = 64  # per process status: more than any node has
@@ -178,7 +197,7 @@ MAX_GPUS = 64  # per process status: more than any node has
 def tensor_from_pb(msg: pb.TensorMeta) -> r.TensorMeta:
     if len(msg.shape) > MAX_DIMS:
         raise WireError(f"tensor with {len(msg.shape)} dimensions (limit {MAX_DIMS})")
-    return r.TensorMeta(tuple(msg.shape), msg.dtype, msg.device or "cpu")
+    return r.TensorMeta(tuple(msg.shape), clip(msg.dtype, MAX_NAME), clip(msg.device, MAX_NAME) or "cpu")
 
 
 def call_from_pb(rank: int, msg: pb.Call) -> r.CallRecord:
@@ -189,28 +208,33 @@ def call_from_pb(rank: int, msg: pb.Call) -> r.CallRecord:
     return r.CallRecord(
         rank=rank,
         call_id=msg.call_id,
-        op=msg.op,
-        group=msg.group,
+        op=clip(msg.op, MAX_NAME),
+        group=clip(msg.group, MAX_NAME),
         seq=msg.seq,
         inputs=tuple(tensor_from_pb(t) for t in msg.inputs),
         outputs=tuple(tensor_from_pb(t) for t in msg.outputs),
-        reduce_op=msg.reduce_op or None,
+        reduce_op=clip(msg.reduce_op, MAX_NAME) or None,
         root=msg.root if msg.HasField("root") else None,
         peer=msg.peer if msg.HasField("peer") else None,
         async_op=msg.async_op,
         step=msg.step,
-        call_site=msg.call_site,
+        call_site=clip(msg.call_site, MAX_SITE),
         enter_time=msg.enter_time,
         exit_time=msg.exit_time if msg.HasField("exit_time") else None,
-        source=msg.source or "python",
-        error=msg.error or None,
+        source=clip(msg.source, MAX_NAME) or "python",
+        error=clip(msg.error, MAX_TEXT) or None,
         seq_count=msg.seq_count or 1,
-        extra=dict(msg.extra),
+        extra={clip(k, MAX_NAME): clip(v, MAX_TEXT) for k, v in list(msg.extra.items())[:MAX_EXTRA]},
     )
 
 
+MAX_EXTRA = 32  # op-specific fields of one call
+
+
 def group_from_pb(msg: pb.Group) -> r.GroupInfo:
-    return r.GroupInfo(msg.name, tuple(msg.ranks), msg.backend, msg.index, msg.desc)
+    return r.GroupInfo(
+        clip(msg.name, MAX_NAME), tuple(msg.ranks), clip(msg.backend, MAX_NAME), msg.index, clip(msg.desc, MAX_NAME)
+    )
 
 
 def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
@@ -219,19 +243,21 @@ def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
         return call_from_pb(rank, msg.call)
     if which == "done":
         d = msg.done
-        return r.CallExit(rank, d.call_id, d.exit_time, d.error or None, d.seq_count or 1)
+        return r.CallExit(rank, d.call_id, d.exit_time, clip(d.error, MAX_TEXT) or None, d.seq_count or 1)
     if which == "group":
         g = msg.group
         try:
             kind = r.GroupEventKind(g.kind)
         except ValueError:
             raise WireError(f"unknown group event kind {g.kind!r}") from None
-        return r.GroupEvent(rank, kind, group_from_pb(g.group), g.time, g.call_site)
+        return r.GroupEvent(rank, kind, group_from_pb(g.group), g.time, clip(g.call_site, MAX_SITE))
     if which == "step":
         return r.StepEvent(rank, msg.step.step, msg.step.time)
     if which == "marker":
         m = msg.marker
-        return r.MarkerEvent(rank, m.name, m.time, m.detail, m.call_site, m.step)
+        return r.MarkerEvent(
+            rank, clip(m.name, MAX_NAME), m.time, clip(m.detail, MAX_TEXT), clip(m.call_site, MAX_SITE), m.step
+        )
     if which == "end":
         e = msg.end
         try:
@@ -242,8 +268,8 @@ def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
             rank,
             end_kind,
             e.time,
-            e.detail,
-            e.call_site,
+            clip(e.detail, MAX_TEXT),
+            clip(e.call_site, MAX_SITE),
             e.exit_code if e.HasField("exit_code") else None,
             e.step,
         )
@@ -255,26 +281,34 @@ def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
         if not p.group:
             raise WireError("progress without a group")
         return r.GroupProgress(
-            rank, p.group, p.enqueued, p.started, p.completed, p.time, p.completed_time, p.timeout_ms, p.started_time
+            rank,
+            clip(p.group, MAX_NAME),
+            p.enqueued,
+            p.started,
+            p.completed,
+            p.time,
+            p.completed_time,
+            p.timeout_ms,
+            p.started_time,
         )
     raise WireError("empty event")
 
 
 def identity_from_pb(msg: pb.RankIdentity) -> r.RankIdentity:
     return r.RankIdentity(
-        job_id=msg.job_id,
+        job_id=clip(msg.job_id, MAX_NAME),
         rank=msg.rank,
         world_size=msg.world_size,
-        host=msg.host,
+        host=clip(msg.host, MAX_NAME),
         pid=msg.pid,
         local_rank=msg.local_rank,
         start_time=msg.start_time,
-        session=msg.session,
-        backend=msg.backend,
-        torch_version=msg.torch_version,
-        hook_version=msg.hook_version,
-        pid_namespace=msg.pid_namespace,
-        launch=msg.launch[:256],
+        session=clip(msg.session, MAX_NAME),
+        backend=clip(msg.backend, MAX_NAME),
+        torch_version=clip(msg.torch_version, MAX_NAME),
+        hook_version=clip(msg.hook_version, MAX_NAME),
+        pid_namespace=clip(msg.pid_namespace, MAX_NAME),
+        launch=clip(msg.launch, MAX_NAME),
         attempt=msg.attempt,
     )
 

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hangwatch import config, tls
+from hangwatch import config, tls, wire
 from hangwatch import records as r
 from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
@@ -360,8 +360,8 @@ class Coordinator:
                 relay=relay,
                 queued=batch.queued,
                 dropped=batch.dropped,
-                where=batch.where,
-                where_user=batch.where_user,
+                where=wire.clip(batch.where, wire.MAX_SITE),
+                where_user=wire.clip(batch.where_user, wire.MAX_SITE),
             )
             if result is None:
                 return None
@@ -534,7 +534,7 @@ class Coordinator:
                     "unsaved": len(self.store.unsaved),  # kept in memory until the disk takes writes
                     "moved_aside": self.store.moved_aside or None,  # a corrupt database set aside at start
                 },
-                "rejected": dict(self.rejected),
+                "rejected": {**self.rejected, "truncated": wire.truncated},  # strings cut at ingest
             }
             status = status_json(job, now, self.options.silence_after, extra, open_incidents)
             open_by_run: dict[str, int] = {}

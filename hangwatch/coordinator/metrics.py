@@ -11,6 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
+from hangwatch import wire
 from hangwatch.coordinator.incidents import KINDS
 from hangwatch.coordinator.views import rank_state
 
@@ -65,7 +66,7 @@ def render(c: Coordinator, rate: _Rate) -> str:
             open_count += inc.status == "open"
         received = c.jobs.records_retired + sum(job.records_received for job in c.jobs)
         dropped = sum(st.dropped for st in ranks)
-        rejected = dict(c.rejected)
+        rejected = {**c.rejected, "truncated": wire.truncated}
         write_errors = c.store.write_errors
     metric(
         "hangwatch_ranks",

@@ -4,15 +4,19 @@ embedded agent's. A real coordinator on port 0, called over gRPC as a hostile cl
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
+from hangwatch import records as r
 from hangwatch import wire
+from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import Coordinator
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+from tests import factories
 from tests.factories import identity
 
 JOB, AGENT = "job-token", "agent-token"
@@ -74,3 +78,22 @@ def test_the_coordinator_s_own_host_cannot_be_taken_by_a_remote_agent(
     assert code == grpc.StatusCode.PERMISSION_DENIED
     other = pb.AgentIdentity(host="node-7", pid=1)
     assert _code(lambda: stub.RegisterAgent(pb.AgentRegisterRequest(token=JOB, agent=other), timeout=5)) is None
+
+
+def test_huge_strings_are_cut_at_ingest_and_counted(coordinator_factory: Callable[..., Coordinator]) -> None:
+    """A call site of 8 MiB (and an op name of 1 MiB) in every batch: each record keeps a bounded
+    cut of it with a marker, and the cut is counted in status."""
+    c = coordinator_factory(embedded_agent=False)
+    t = Transport(f"127.0.0.1:{c.port}", None)
+    ident = r.RankIdentity("job", 0, 1, "host-a", 4242, session="big")
+    t.register(ident)
+    huge = "x" * (8 * 1024 * 1024)
+    for seq in range(1, 4):
+        record = factories.call(0, seq, "all_reduce", call_id=seq, call_site=huge, enter_time=time.time())
+        t.report(ident, seq, [record], 0, 0)
+    history = c.job.ranks[0].history["0"]
+    assert len(history) == 3
+    assert all(len(call.call_site) == wire.MAX_SITE + len(wire.TRUNCATED) for call in history)
+    assert history[0].call_site.endswith(wire.TRUNCATED)
+    assert c.status()["job"]["rejected"]["truncated"] >= 3
+    t.close()
