@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 SCENARIO ?= early_stop
 
-.PHONY: setup demo test lint typecheck unit protos clean
+.PHONY: setup demo test lint typecheck unit soak protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ unit: setup
 # mostly wait (on detection thresholds, on gloo), so two at once fit 2 cores (8 min vs 12 serial).
 test: setup lint typecheck
 	$(BIN)/pytest -q -ra -n 2 --dist loadfile --durations=15
+
+# The property tests and floods, the longest included (CI skips the 1,024-rank flood and the
+# 10-minute simulated job: see tests/coordinator/test_bounded_memory.py).
+soak: setup
+	HANGWATCH_LONG_SOAK=1 $(BIN)/pytest -q -n 2 -m soak
 
 clean:
 	rm -rf $(VENV) build dist

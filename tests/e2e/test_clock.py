@@ -36,7 +36,7 @@ for step in range(1000):
     if rank == 1 and step == 10:
         # rank 1's node's clock steps back 20 s
         ctypes.c_longlong.in_dll(ctypes.CDLL(None), "hw_clock_offset_ns").value = -20 * 10**9
-    if rank == 0 and step == 90:
+    if rank == 0 and step == 50:
         time.sleep(600)  # then a real hang: rank 0 stops coming
     dist.all_reduce(t)
     time.sleep(0.1)
@@ -60,7 +60,7 @@ def test_a_clock_stepped_back_20_s_raises_no_false_hang(
     try:
         inc = wait_incident(c, "stuck_collective", timeout=90)
         incs = c.incidents_json()
-        assert [i["kind"] for i in incs] == ["stuck_collective"], _brief(incs)  # nothing during the 8 s after the step
+        assert [i["kind"] for i in incs] == ["stuck_collective"], _brief(incs)  # nothing during the 4 s after the step
         assert (inc["culprit_ranks"], inc["waiting_ranks"]) == ([0], [1])
         # told on time: the stepped rank's wait is not 20 s longer than it was
         assert 2.5 <= inc["detected_time"] - inc["onset_time"] < 8, _brief(incs)
