@@ -111,9 +111,16 @@ def add_service(
 
 def is_loopback(host: str) -> bool:
     """Whether listening on ``host`` keeps a server to this machine (else it needs a token)."""
+    host = host.strip("[]")  # "[::1]", as an address is written with a port
     if host in ("localhost", ""):
         return host == "localhost"
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC and URLs take it: an IPv6 address in brackets (``[::1]:29600``)."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"

@@ -180,13 +180,27 @@ TRUNCATED = "...[cut]"
 truncated = 0  # strings cut since start (``status``' ``rejected.truncated``, /metrics)
 
 
+#: Control characters (ANSI escapes among them) that would reach a terminal through ``report``:
+#: each is shown as U+FFFD. Newlines and tabs are kept in texts (tracebacks), not in names.
+_CONTROLS = {c: "\ufffd" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0))}
+_TEXT_CONTROLS = {c: r for c, r in _CONTROLS.items() if c not in (0x09, 0x0A)}
+
+
 def clip(text: str, limit: int) -> str:
-    """``text``, cut to ``limit`` characters with ``TRUNCATED`` after the cut."""
+    """``text`` with control characters replaced, cut to ``limit`` characters with
+    ``TRUNCATED`` after the cut."""
     global truncated
+    if not text.isprintable():
+        text = text.translate(_TEXT_CONTROLS if limit >= MAX_TEXT else _CONTROLS)
     if len(text) <= limit:
         return text
     truncated += 1
     return text[:limit] + TRUNCATED
+
+
+def _finite(*times: float) -> None:
+    if not all(math.isfinite(t) for t in times):
+        raise WireError("a time that is not a finite number")
 
 
 MAX_DIMS = 16
@@ -205,6 +219,7 @@ def call_from_pb(rank: int, msg: pb.Call) -> r.CallRecord:
         raise WireError("call without op")
     if len(msg.inputs) + len(msg.outputs) > MAX_TENSORS:
         raise WireError("call with too many tensors")
+    _finite(msg.enter_time, msg.exit_time)
     return r.CallRecord(
         rank=rank,
         call_id=msg.call_id,
@@ -243,6 +258,7 @@ def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
         return call_from_pb(rank, msg.call)
     if which == "done":
         d = msg.done
+        _finite(d.exit_time)
         return r.CallExit(rank, d.call_id, d.exit_time, clip(d.error, MAX_TEXT) or None, d.seq_count or 1)
     if which == "group":
         g = msg.group
@@ -250,11 +266,14 @@ def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
             kind = r.GroupEventKind(g.kind)
         except ValueError:
             raise WireError(f"unknown group event kind {g.kind!r}") from None
+        _finite(g.time)
         return r.GroupEvent(rank, kind, group_from_pb(g.group), g.time, clip(g.call_site, MAX_SITE))
     if which == "step":
+        _finite(msg.step.time)
         return r.StepEvent(rank, msg.step.step, msg.step.time)
     if which == "marker":
         m = msg.marker
+        _finite(m.time)
         return r.MarkerEvent(
             rank, clip(m.name, MAX_NAME), m.time, clip(m.detail, MAX_TEXT), clip(m.call_site, MAX_SITE), m.step
         )
@@ -264,6 +283,7 @@ def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
             end_kind = r.EndKind(e.kind)
         except ValueError:
             raise WireError(f"unknown end kind {e.kind!r}") from None
+        _finite(e.time)
         return r.RankEnd(
             rank,
             end_kind,

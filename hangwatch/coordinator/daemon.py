@@ -31,7 +31,7 @@ from hangwatch.coordinator.state import ClaimRefused, JobState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import job_line, status_json
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.serving import is_loopback
+from hangwatch.serving import host_port, is_loopback
 from hangwatch.signatures import CallDecoder
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class Coordinator:
             )
         server = RpcServer(
             CoordinatorServicer(self),
-            f"{self.options.host}:{self.options.port}",
+            host_port(self.options.host, self.options.port),
             credentials=credentials,
             blocking=BLOCKING,
             blocking_workers=self.options.max_workers,
@@ -191,9 +191,9 @@ class Coordinator:
     @property
     def addr(self) -> str:
         host = self.options.host
-        if host in ("0.0.0.0", "::", ""):
+        if host.strip("[]") in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
-        return f"{host}:{self.port}"
+        return host_port(host, self.port)
 
     def _spawn(self, target: Any, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)

@@ -6,6 +6,7 @@ server is the standard library's, on its own daemon thread.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 from hangwatch import wire
 from hangwatch.coordinator.incidents import KINDS
 from hangwatch.coordinator.views import rank_state
+from hangwatch.serving import token_ok
 
 if TYPE_CHECKING:
     from hangwatch.coordinator.daemon import Coordinator
@@ -115,7 +117,14 @@ def render(c: Coordinator, rate: _Rate) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _V6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class MetricsServer:
+    """``/metrics`` for Prometheus; with a token set, scrapes present it as a bearer token
+    (``authorization: {credentials: ...}`` in the scrape config)."""
+
     def __init__(self, coordinator: Coordinator, host: str, port: int) -> None:
         rate = _Rate()
 
@@ -123,6 +132,14 @@ class MetricsServer:
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics here")
+                    return
+                token = coordinator.options.token
+                presented = self.headers.get("Authorization", "")
+                if token and not token_ok(token, presented.removeprefix("Bearer ")):
+                    coordinator.metrics_rejected("auth")
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Bearer realm="hangwatch"')
+                    self.end_headers()
                     return
                 body = render(coordinator, rate).encode()
                 self.send_response(200)
@@ -134,7 +151,9 @@ class MetricsServer:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        bare = host.strip("[]")
+        server_class = _V6Server if ":" in bare else ThreadingHTTPServer
+        self.httpd = server_class((bare, port), Handler)
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="hangwatch-metrics", daemon=True)

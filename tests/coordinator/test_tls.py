@@ -110,3 +110,24 @@ def test_tls_client_certificates_required(
     monkeypatch.setenv(config.ENV_TLS_CLIENT_KEY, str(pki / "client.key"))
     Transport(f"127.0.0.1:{c.port}", None).register(_ident())
     assert list(c.job.ranks) == [0]
+
+
+def test_the_cli_tells_a_tls_mismatch_from_a_coordinator_that_is_down(
+    pki: Path, coordinator_factory: Callable[..., Coordinator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hangwatch.cli.client import CoordinatorUnreachable, query
+
+    c = coordinator_factory(embedded_agent=False, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"))
+    addr = f"127.0.0.1:{c.port}"
+    with pytest.raises(CoordinatorUnreachable, match=r"did not answer plaintext gRPC.*HANGWATCH_TLS_CA"):
+        query(addr, "GetStatus", timeout=3)
+    monkeypatch.setenv(config.ENV_TLS_CA, str(pki / "client.pem"))  # a certificate, not the CA that signed it
+    with pytest.raises(CoordinatorUnreachable, match=r"TLS with the coordinator .* failed"):
+        query(addr, "GetStatus", timeout=3)
+    monkeypatch.setenv(config.ENV_TLS_CA, str(pki / "missing.pem"))
+    with pytest.raises(CoordinatorUnreachable, match=r"cannot read CA bundle .*missing\.pem"):
+        query(addr, "GetStatus", timeout=3)
+    monkeypatch.delenv(config.ENV_TLS_CA)
+    c.stop()
+    with pytest.raises(CoordinatorUnreachable, match="is it running"):
+        query(addr, "GetStatus", timeout=3)

@@ -3,6 +3,7 @@ embedded agent's. A real coordinator on port 0, called over gRPC as a hostile cl
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -97,3 +98,63 @@ def test_huge_strings_are_cut_at_ingest_and_counted(coordinator_factory: Callabl
     assert history[0].call_site.endswith(wire.TRUNCATED)
     assert c.status()["job"]["rejected"]["truncated"] >= 3
     t.close()
+
+
+def test_non_finite_times_are_refused_and_status_stays_json(coordinator_factory: Callable[..., Coordinator]) -> None:
+    c = coordinator_factory(embedded_agent=False)
+    channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
+    stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    stub.Register(_register(""), timeout=5)
+    batch = pb.ReportBatch(session="s0direct", rank=0, sent_time=time.time())
+    for t in (float("nan"), float("inf")):
+        wire.call_to_pb(factories.call(0, 1, enter_time=t), batch.events.add().call)
+    batch.events.add().step.CopyFrom(pb.Step(step=3, time=float("nan")))
+    stub.Report(batch, timeout=5)
+    assert c.job.ranks[0].history == {} and c.job.ranks[0].step == 0
+    assert c.rejected.get("malformed") == 3
+    json.loads(json.dumps(c.status(), allow_nan=False))  # valid JSON: no NaN anywhere
+    channel.close()
+
+
+def test_control_characters_never_reach_a_terminal() -> None:
+    """An op name or call site with ANSI escapes (a fake coloured line in ``report``)."""
+    msg = pb.Call(op="all_reduce\x1b[31m", call_site="train.py:1 in f\x1b[2J\nFAKE LINE", error="line 1\nline 2\x07")
+    call = wire.call_from_pb(0, msg)
+    assert "\x1b" not in call.op + call.call_site and "\n" not in call.call_site
+    assert call.error == "line 1\nline 2\ufffd"  # a traceback keeps its lines
+
+
+def test_metrics_need_the_token_when_one_is_set(coordinator_factory: Callable[..., Coordinator]) -> None:
+    import urllib.error
+    import urllib.request
+
+    from tests.coordinator.test_service import _free_port
+
+    c = coordinator_factory(token=JOB, metrics_port=_free_port(), embedded_agent=False)
+    assert c.metrics is not None
+    url = f"http://127.0.0.1:{c.metrics.port}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=5)
+    assert refused.value.code == 401
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {JOB}"})
+    assert "hangwatch_incidents_open" in urllib.request.urlopen(request, timeout=5).read().decode()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_loopback_is_a_loopback(coordinator_factory: Callable[..., Coordinator], host: str) -> None:
+    c = coordinator_factory(host=host, embedded_agent=False)  # no token needed: loopback
+    assert c.addr == f"[::1]:{c.port}"
+    channel = grpc.insecure_channel(c.addr)
+    stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    assert json.loads(stub.GetStatus(pb.QueryRequest(), timeout=5).json)["job"]["registered"] == 0
+    channel.close()
