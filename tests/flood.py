@@ -116,6 +116,9 @@ class Flood:
         ]
 
     def _register(self, k: int, now: float) -> RankState:
+        previous = self.sim.job.ranks.get(k)
+        if previous is not None:  # a rank restarted alone: its old process is gone first
+            previous.proc = r.ProcessStatus(previous.identity.pid, r.ProcState.DEAD, now)
         self.sessions_made += 1
         ident = identity(
             k,

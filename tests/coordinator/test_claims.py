@@ -67,3 +67,10 @@ def test_an_unproven_claim_of_a_new_attempt_does_not_end_a_run_of_proven_ranks()
         with pytest.raises(ClaimRefused, match="attempt 9"):
             job.register(identity(rank, 2, session=f"x{rank}", pid=666, attempt=9), T0 + 1)
     assert job.run == run and job.ranks[0].identity.session == "s0"
+
+
+def test_the_same_process_registering_a_new_session_keeps_its_rank() -> None:
+    """destroy_process_group() then init_process_group() again: a new session, the same process."""
+    job = _job()
+    job.register(identity(1, 2, session="again"), T0 + 1)
+    assert job.ranks[1].identity.session == "again" and not job.conflicts

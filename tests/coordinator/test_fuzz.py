@@ -191,7 +191,7 @@ def test_adversarial_interned_calls(
     """Signatures that are malformed or redefined, columns of different lengths, ids never
     defined, NaN and infinite times: a clear status, and the coordinator keeps diagnosing."""
     t = Transport(f"127.0.0.1:{server.port}", None)
-    ident = r.RankIdentity("fuzz", 1, 4, "h", 9100, session=uuid.uuid4().hex)
+    ident = r.RankIdentity("fuzz", 1, 4, "h", 9001, session=uuid.uuid4().hex)
     t.register(ident)
     batch = pb.ReportBatch(rank=1, session=ident.session, sent_time=time.time())
     for sid, event in signatures:

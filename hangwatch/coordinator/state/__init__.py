@@ -153,7 +153,12 @@ class JobState:
         elif identity.attempt != self.attempt:  # older, or newer and unproven beside proven ranks
             why = f"is of attempt {identity.attempt}, but this run is attempt {self.attempt}"
         elif previous is not None:
-            held = previous.end is None and previous.alive and now - previous.last_seen < CLAIM_SILENT_S
+            same = (previous.identity.host, previous.identity.pid, previous.identity.start_time) == (
+                identity.host,
+                identity.pid,
+                identity.start_time,
+            )  # the same process, a new session (it initialised its process group again)
+            held = not same and previous.end is None and previous.alive and now - previous.last_seen < CLAIM_SILENT_S
             holder = f"pid {previous.identity.pid} on {previous.identity.host} ({previous.via})"
             if held and via == "agent" and previous.via != "agent":
                 self._conflict(identity, now, via, f"took rank {identity.rank} from an unproven claim by {holder}")
