@@ -22,7 +22,7 @@ def rank_state(st: RankState, now: float, silence_after: float) -> tuple[str, fl
     if not st.alive:
         return "died", st.last_seen
     if now - st.last_seen > silence_after:
-        return "frozen", st.last_seen
+        return "frozen", st.last_seen  # (or its relay went: see detectors.frozen.relay_lost)
     blocked = st.oldest_open()
     if blocked is not None:
         return "waiting", blocked.enter_time

@@ -5,6 +5,8 @@ would send them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hangwatch import records as r
@@ -74,3 +76,13 @@ def test_the_same_process_registering_a_new_session_keeps_its_rank() -> None:
     job = _job()
     job.register(identity(1, 2, session="again"), T0 + 1)
     assert job.ranks[1].identity.session == "again" and not job.conflicts
+
+
+def test_a_batch_sent_again_is_counted_once() -> None:
+    from tests.factories import call
+
+    job = _job()
+    batch = [call(0, seq, call_id=seq) for seq in (1, 2, 3)]
+    for _ in range(2):  # its reply was lost: the rank sends it again
+        job.ingest("s0", 0, [dataclasses.replace(c) for c in batch], now=T0 + 1)
+    assert (job.records_received, job.duplicates) == (3, 3)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.state import JobState
+from hangwatch.coordinator.state import JobState, RankState
 from hangwatch.wording import format_ranks
 
 _STATE_TEXT = {
@@ -39,6 +39,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         # process is stopped or in uninterruptible sleep makes one of them frozen then. Their
         # collectives will tell if they hang.
         silent = [st for st in silent if st.proc is not None and st.proc.state in _EVIDENCE]
+    silent = [st for st in silent if not relay_lost(job, st, ctx.now, ctx.silence_after)]
     blocked = sorted(o.rank for o in job.ranks.values() if o.open_calls and o.end is None) if silent else []
     for st in silent:
         silent_for = ctx.now - st.last_seen
@@ -89,3 +90,13 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             )
         )
     return findings
+
+
+def relay_lost(job: JobState, st: RankState, now: float, silence_after: float) -> bool:
+    """``st`` came through a relaying agent whose every other rank fell silent too: the relay
+    went (killed, its node's network), not the ranks; unless that agent's own word says the
+    process is stopped or in uninterruptible sleep, it is not frozen."""
+    if not st.relay or (st.proc is not None and st.proc.state in _EVIDENCE):
+        return False
+    carried = [o for o in job.ranks.values() if o.relay == st.relay and o.end is None and o.alive]
+    return len(carried) >= 2 and all(now - o.last_seen >= silence_after for o in carried)

@@ -323,12 +323,15 @@ class JobState:
         if call_id < ENTRY_CALL_IDS:
             if call_id > state.last_call_id:
                 state.last_call_id = call_id
+                self.records_received += 1
+            else:  # a batch sent again (its reply was lost): applied again, the same, counted once
+                self.duplicates += 1
         elif seq <= state.entry_seqs.get(group, 0):
             self.duplicates += 1  # made again from the same entry (an agent took over the ring)
             return
         else:
             state.entry_seqs[group] = seq
-        self.records_received += 1
+            self.records_received += 1
         shifts = state.seq_shifts.get(group) if state.seq_shifts else None
         if shifts and call.kind is not r.OpKind.P2P:
             seq = call.seq = seq - _shift_at(shifts, seq)  # torch's numbering, lined up again

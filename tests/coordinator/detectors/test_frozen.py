@@ -107,3 +107,26 @@ def test_many_silent_ranks_on_many_hosts_need_an_agents_word() -> None:
     sim.beat(T0 + 20, ranks=list(range(0, 8)) + list(range(16, 20)))  # only node 1 (ranks 8-15) silent
     found = frozen.detect(sim.job, sim.ctx(T0 + 20))
     assert sorted(f.culprit_ranks[0] for f in found) == list(range(8, 16))
+
+
+def test_ranks_whose_relay_went_silent_are_not_frozen() -> None:
+    """The agent relaying node 1's ranks is killed: all eight fall silent together. That is the
+    relay, not eight frozen ranks; a rank the same node's agent had seen stopped still is; and a
+    rank silent alone behind a relay that still carries its neighbours is frozen."""
+    sim = SimJob(24)
+    sim.collective(1, T0 + 1)
+    for st in sim.job.ranks.values():
+        st.relay = f"node{st.rank // 8}"
+    sim.beat(T0 + 2)
+    others = [rk for rk in range(24) if not 8 <= rk < 16]
+    sim.beat(T0 + 20, ranks=others)
+    for rk in range(24):
+        sim.job.ranks[rk].relay = f"node{rk // 8}"  # (beat records the header's relay: none)
+    assert frozen.detect(sim.job, sim.ctx(T0 + 20)) == []
+    sim.proc(9, ProcState.STOPPED, T0 + 20)
+    assert only(frozen.detect(sim.job, sim.ctx(T0 + 20)), "rank_frozen").culprit_ranks == [9]
+    sim.beat(T0 + 20, ranks=[rk for rk in range(8, 16) if rk != 12])
+    for rk in range(24):
+        sim.job.ranks[rk].relay = f"node{rk // 8}"
+    found = sorted(f.culprit_ranks[0] for f in frozen.detect(sim.job, sim.ctx(T0 + 20)))
+    assert found == [12]  # its neighbours' heartbeats come through the relay: rank 12 froze
