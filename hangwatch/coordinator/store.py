@@ -75,6 +75,7 @@ class IncidentStore:
             raise StoreError(f"cannot use data directory {data_dir!s}: {exc}") from exc
 
     def _open(self) -> sqlite3.Connection:
+        self._check_wal()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # made private before SQLite opens it
         os.close(fd)
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -91,6 +92,22 @@ class IncidentStore:
             with contextlib.suppress(OSError):
                 os.chmod(f"{self.path}{suffix}", 0o600)
         return db
+
+    def _check_wal(self) -> None:
+        """SQLite ignores a write-ahead log whose header is not one, and the incidents in it with
+        it, without a word: such a log is moved aside, said once, and kept for a post-mortem."""
+        wal = Path(f"{self.path}-wal")
+        try:
+            with open(wal, "rb") as f:
+                header = f.read(4)
+        except OSError:
+            return
+        if not header or header in (b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83"):
+            return
+        aside = f"{wal}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(wal, aside)
+        self.moved_aside = aside
+        log.error("the incident database's write-ahead log %s is not one: moved aside to %s", wal, aside)
 
     def _move_aside(self, exc: Exception) -> str:
         """Move a database SQLite cannot read (and its WAL) aside; the coordinator starts on a

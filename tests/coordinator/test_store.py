@@ -116,3 +116,14 @@ def test_wal_mode(tmp_path: Path) -> None:
     IncidentStore(tmp_path).save(incident(1))
     mode = sqlite3.connect(tmp_path / "hangwatch.sqlite3").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
+
+
+def test_a_garbage_write_ahead_log_is_moved_aside_not_silently_dropped(tmp_path: Path) -> None:
+    store = IncidentStore(tmp_path)
+    store.save(incident(1))
+    store.close()
+    wal = tmp_path / "hangwatch.sqlite3-wal"
+    wal.write_bytes(b"garbage " * 512)
+    again = IncidentStore(tmp_path)
+    assert again.moved_aside.startswith(str(wal)) and Path(again.moved_aside).exists()
+    assert [i.id for i in again.load()] == ["inc-0001"]  # what the database itself held is kept
