@@ -790,3 +790,20 @@ def test_command_line_is_accepted_by_the_cli(command: Command) -> None:
                 pytest.fail(
                     f"{command.where}: `hangwatch {' '.join(command.argv)}` rejected by the CLI:\n{stderr.getvalue()}"
                 )
+
+
+def test_the_agent_credential_reaches_coordinator_and_agents_never_ranks() -> None:
+    for doc in (_find("Deployment", COORDINATOR_SERVICE), _find("DaemonSet")):
+        for c in _containers(doc):
+            ref = _env(c).get(config.ENV_AGENT_TOKEN, {}).get("valueFrom", {}).get("secretKeyRef")
+            assert ref == {"name": TOKEN_SECRET, "key": "agent-token"}, c.get("name")
+    for path, doc in _k8s_docs():
+        if doc.get("kind") in ("Deployment", "DaemonSet"):
+            continue
+        for c in _containers(doc):
+            assert config.ENV_AGENT_TOKEN not in _env(c), f"{path.name}: a training pod must not hold it"
+    sbatch = (DEPLOY / "slurm" / "hangwatch.sbatch").read_text()
+    agent = sbatch.index("hangwatch agent --coordinator")
+    assert sbatch.index("export HANGWATCH_AGENT_TOKEN") < agent < sbatch.index("unset HANGWATCH_AGENT_TOKEN")
+    assert sbatch.index("unset HANGWATCH_AGENT_TOKEN") < sbatch.index("torchrun --nnodes")
+    assert "HANGWATCH_AGENT_TOKEN=" in (DEPLOY / "systemd" / "hangwatch.env").read_text()
