@@ -42,8 +42,8 @@ unit: setup
 test: setup lint typecheck
 	$(BIN)/pytest -q -ra -n 2 --dist loadfile --durations=15
 
-# The property tests and floods, the longest included (CI skips the 1,024-rank flood and the
-# 10-minute simulated job: see tests/coordinator/test_bounded_memory.py).
+# The property tests and floods, the longest included (CI skips the 128- and 1,024-rank floods
+# and the 10-minute simulated job: see tests/coordinator/test_bounded_memory.py).
 soak: setup
 	HANGWATCH_LONG_SOAK=1 $(BIN)/pytest -q -n 2 -m soak
 
