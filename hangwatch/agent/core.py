@@ -123,7 +123,15 @@ class NodeAgentCore:
     def abort(self, targets: Sequence[Target], grace_s: float = 10.0) -> list[int]:
         """Terminate the proven, verified ``targets`` (SIGTERM, then SIGKILL after ``grace_s``);
         pids signalled."""
+        return self.abort_outcome(targets, grace_s)[0]
+
+    def abort_outcome(self, targets: Sequence[Target], grace_s: float = 10.0) -> tuple[list[int], dict[int, str]]:
+        """``abort``, and why each target it would not signal was refused (by rank)."""
         proven, refused = self._proven(targets)
         for rank, why in refused.items():
             log.warning("abort of rank %d refused: %s", rank, why)
-        return _abort.abort(proven, grace_s=grace_s, inspector=self.inspector)
+        signalled = _abort.abort(proven, grace_s=grace_s, inspector=self.inspector)
+        for target in proven:
+            if target.pid not in signalled:
+                refused[target.rank] = f"pid {target.pid} was gone or not the rank's process any more"
+        return signalled, refused

@@ -133,7 +133,10 @@ class _Agent:
                     stack_dump_to_pb(dump, rank, result.stacks.add())
             elif which == "abort":
                 a = cmd.abort
-                result.aborted_pids.extend(self.core.abort(_targets(a.targets), a.grace_s or DEFAULT_GRACE_S))
+                signalled, refused = self.core.abort_outcome(_targets(a.targets), a.grace_s or DEFAULT_GRACE_S)
+                result.aborted_pids.extend(signalled)
+                for rank, why in refused.items():
+                    result.refused[rank] = why
             else:
                 result.error = f"unsupported command {which!r}"
         except Exception as e:  # a command must never take the agent down

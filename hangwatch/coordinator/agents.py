@@ -24,6 +24,7 @@ from hangwatch import records as r
 log = logging.getLogger("hangwatch.coordinator")
 
 StacksCallback = Callable[[dict[int, r.StackDump]], None]
+AbortCallback = Callable[[list[int], dict[int, str]], None]
 DUMP_TIMEOUT_S = 10.0
 #: A remote agent that has not polled for this long is considered gone (it polls every ~2 s).
 AGENT_SILENT_S = 6.0
@@ -42,6 +43,7 @@ class RemoteAgent:
     ptrace_note: str = ""
     commands: queue.Queue[Any] = field(default_factory=queue.Queue)
     waiting: dict[int, tuple[StacksCallback, list[r.Target]]] = field(default_factory=dict)
+    aborting: dict[int, AbortCallback] = field(default_factory=dict)  # abort commands sent, by id
 
 
 class AgentHub:
@@ -170,18 +172,43 @@ class AgentHub:
             results.setdefault(t.rank, r.StackDump(t.pid, time.time(), error="timed out waiting for the agent"))
         return results
 
-    def abort(self, targets: list[r.Target], hosts: dict[int, str], grace_s: float = 10.0) -> None:
+    def abort(
+        self,
+        targets: list[r.Target],
+        hosts: dict[int, str],
+        grace_s: float = 10.0,
+        on_result: AbortCallback | None = None,
+    ) -> None:
+        """Abort ``targets`` through their hosts' agents; ``on_result(signalled pids, refused:
+        rank -> why)`` is called once per host with what its agent did."""
         by_host: dict[str, list[r.Target]] = {}
         for target in targets:
             by_host.setdefault(hosts.get(target.rank, self.embedded_host), []).append(target)
+        report = on_result or (lambda signalled, refused: None)
         for host, host_targets in by_host.items():
             agent = self.agent_for(host)
             if agent is not None:
-                agent.commands.put(("abort", next(self._ids), host_targets, grace_s))
+                command_id = next(self._ids)
+                agent.aborting[command_id] = report
+                agent.commands.put(("abort", command_id, host_targets, grace_s))
             elif self.embedded is not None and host == self.embedded_host:
-                self.pool.submit(self.embedded.abort, host_targets, grace_s)
+                self.pool.submit(self._abort_embedded, self.embedded, host_targets, grace_s, report)
             else:
                 log.error("cannot abort ranks on %s: no agent there", host)
+                report([], {t.rank: f"no hangwatch agent is connected on host {host}" for t in host_targets})
+
+    @staticmethod
+    def _abort_embedded(embedded: Any, targets: list[r.Target], grace_s: float, report: AbortCallback) -> None:
+        try:
+            report(*embedded.abort_outcome(targets, grace_s))
+        except Exception:
+            log.exception("the embedded agent's abort failed")
+
+    def aborted(self, agent: RemoteAgent, command_id: int, signalled: list[int], refused: dict[int, str]) -> None:
+        """A remote agent's answer to an abort command."""
+        callback = agent.aborting.pop(command_id, None)
+        if callback is not None:
+            callback(signalled, refused)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

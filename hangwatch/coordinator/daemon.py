@@ -485,7 +485,15 @@ class Coordinator:
                 targets = [st.target() for st in job.ranks.values() if st.end is None]
             if targets:
                 log.warning("--abort-on-hang: terminating %d rank(s) after incident %s", len(targets), incident.id)
-                self.hub.abort(targets, self._hosts(targets))
+                self.hub.abort(targets, self._hosts(targets), on_result=record)
+
+        def record(signalled: list[int], refused: dict[int, str]) -> None:
+            """What the agents did, in the incident: pids signalled, ranks refused and why."""
+            with self.lock:
+                told = incident.details.setdefault("abort", {"signalled_pids": [], "refused": {}})
+                told["signalled_pids"] = sorted({*told["signalled_pids"], *signalled})
+                told["refused"].update({str(rank): why for rank, why in refused.items()})
+                self.store.save(incident)
 
         threading.Thread(target=abort_after_stacks, name="hangwatch-abort", daemon=True).start()
 

@@ -137,6 +137,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if statuses:
             self.c.apply_process_statuses(agent.host, statuses)
         for result in request.results:
+            if result.id in agent.aborting:
+                self.c.hub.aborted(agent, result.id, list(result.aborted_pids), dict(result.refused))
+                continue
             dumps = {d.rank: wire.stack_dump_from_pb(d) for d in result.stacks}
             self.c.hub.complete(agent, result.id, dumps)
         reply = pb.AgentPollReply()

@@ -490,16 +490,25 @@ class Command(_message.Message):
     def __init__(self, id: _Optional[int] = ..., dump: _Optional[_Union[DumpCommand, _Mapping]] = ..., abort: _Optional[_Union[AbortCommand, _Mapping]] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("id", "stacks", "error", "aborted_pids")
+    __slots__ = ("id", "stacks", "error", "aborted_pids", "refused")
+    class RefusedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ABORTED_PIDS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     id: int
     stacks: _containers.RepeatedCompositeFieldContainer[StackDumpMsg]
     error: str
     aborted_pids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[StackDumpMsg, _Mapping]]] = ..., error: _Optional[str] = ..., aborted_pids: _Optional[_Iterable[int]] = ...) -> None: ...
+    refused: _containers.ScalarMap[int, str]
+    def __init__(self, id: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[StackDumpMsg, _Mapping]]] = ..., error: _Optional[str] = ..., aborted_pids: _Optional[_Iterable[int]] = ..., refused: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class AgentPollRequest(_message.Message):
     __slots__ = ("token", "agent_id", "processes", "results", "wait_s")

@@ -82,6 +82,10 @@ def test_a_fake_rank_is_neither_dumped_nor_killed(
     assert "secret_function_name" not in str(stored)
     for rank in range(1, world):
         assert "own claim" in stored["stack_notes"][str(rank)], stored["stack_notes"]
+    # and the abort the agent refused is told in the incident, rank by rank
+    told = wait_for(lambda: (c.incident_json(inc["id"]) or {})["details"].get("abort"), 15, 0.1, "the abort's outcome")
+    assert told["signalled_pids"] == [] and sorted(told["refused"]) == [str(rk) for rk in range(world)]
+    assert all("own claim" in why for why in told["refused"].values())
     stop.set()
     beating.join(5)
     t.close()

@@ -158,3 +158,24 @@ def test_an_ipv6_loopback_is_a_loopback(coordinator_factory: Callable[..., Coord
     stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
     assert json.loads(stub.GetStatus(pb.QueryRequest(), timeout=5).json)["job"]["registered"] == 0
     channel.close()
+
+
+def test_a_remote_agent_s_refusal_to_abort_comes_back_to_whoever_asked(
+    coordinator_factory: Callable[..., Coordinator],
+) -> None:
+    """The abort command goes out with an agent's poll; its answer (signalled pids, refused
+    ranks and why) comes back with the next poll and reaches the abort's caller."""
+    c = coordinator_factory(embedded_agent=False)
+    channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
+    stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    agent_id = stub.RegisterAgent(pb.AgentRegisterRequest(agent=pb.AgentIdentity(host="node-7", pid=1)), timeout=5)
+    outcome: list[tuple[list[int], dict[int, str]]] = []
+    target = r.Target(0, 4242, 1.0)
+    c.hub.abort([target], {0: "node-7"}, on_result=lambda pids, refused: outcome.append((pids, refused)))
+    reply = stub.AgentPoll(pb.AgentPollRequest(agent_id=agent_id.agent_id, wait_s=1.0), timeout=5)
+    (command,) = reply.commands
+    assert command.WhichOneof("body") == "abort"
+    answer = pb.CommandResult(id=command.id, refused={0: "pid 4242 never linked to this node's agent"})
+    stub.AgentPoll(pb.AgentPollRequest(agent_id=agent_id.agent_id, results=[answer], wait_s=0.0), timeout=5)
+    assert outcome == [([], {0: "pid 4242 never linked to this node's agent"})]
+    channel.close()
