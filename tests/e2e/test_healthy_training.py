@@ -215,3 +215,44 @@ for step in range(9):
 
 def test_rank0_evaluates_alone_below_threshold(coordinator: Coordinator, torchrun: Callable[..., Job]) -> None:
     run_healthy(coordinator, torchrun, SOLO_EVAL, nproc=2, name="solo_eval")
+
+
+# --------------------------------------------------------------------------------------------
+# 10. The healthy look-alikes of a DDP rank skipping its backward: gradient accumulation under
+# no_sync() (forwards without an all-reduce, on every rank), rank 0 evaluating alone through the
+# DDP model under no_grad (forwards on one rank only), and a bad batch skipped by every rank
+# together (the skip flag all-reduced first, as the hint says).
+
+DDP_SKIPS_TOGETHER = (
+    """
+import contextlib
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(12):
+    for micro in range(2):
+        sync = contextlib.nullcontext() if micro == 1 else model.no_sync()
+        with sync:
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            bad = torch.tensor([float(step == 5 and rank == 1)])  # rank 1 alone sees a NaN loss
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if bad.item():
+                continue  # every rank skips this micro-batch together
+            loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if rank == 0 and step % 4 == 3:
+        with torch.no_grad():
+            model(torch.randn(16, 8))  # evaluation through the DDP model, rank 0 only
+    time.sleep(0.05)
+"""
+    + FINISH
+)
+
+
+def test_ddp_skips_agreed_accumulation_and_solo_eval_forwards(
+    coordinator: Coordinator, torchrun: Callable[..., Job]
+) -> None:
+    run_healthy(coordinator, torchrun, DDP_SKIPS_TOGETHER, nproc=2, name="ddp_skips_together")
