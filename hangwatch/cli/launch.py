@@ -75,6 +75,8 @@ def run_torchrun(
     coordinator.start()
     _printer(coordinator)
     env = dict(os.environ)
+    for secret in (config.ENV_AGENT_TOKEN, config.ENV_AGENT_TOKEN_FILE):
+        env.pop(secret, None)  # the agents' credential is never a rank's
     env[config.ENV_ADDR] = f"127.0.0.1:{coordinator.port}"
     if options.token:
         env[config.ENV_TOKEN] = options.token
