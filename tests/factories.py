@@ -142,12 +142,13 @@ class SimJob:
 
     # ---- ranks and batches ------------------------------------------------------------------
 
-    def register(self, rank: int, now: float, ident: r.RankIdentity | None = None) -> RankState:
-        """(Re-)register ``rank``: a new session unless ``ident`` names one."""
+    def register(self, rank: int, now: float, ident: r.RankIdentity | None = None, via: str = "agent") -> RankState:
+        """(Re-)register ``rank``: a new session unless ``ident`` names one; registered by its node
+        agent (``via="agent"``, a proven rank, as on a node with an agent) unless ``via`` says not."""
         self.sessions_made += 1
         if ident is None:
             ident = identity(rank, self.world, job_id=self.job_id, session=f"session-{rank}-{self.sessions_made}")
-        state = self.states[rank] = self.job.register(ident, now)
+        state = self.states[rank] = self.job.register(ident, now, via)
         return state
 
     def deliver(

@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from hangwatch import config, tls, wire
 from hangwatch import records as r
+from hangwatch.agent.identity import START_TIME_TOLERANCE_S
 from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
-from hangwatch.coordinator.engine import Engine
+from hangwatch.coordinator.engine import UNPROVEN, Engine
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.jobs import Jobs, JobsFull
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.server import BindError, RpcServer
 from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, IntakeError
-from hangwatch.coordinator.state import ClaimRefused, JobState
+from hangwatch.coordinator.state import ClaimRefused, JobState, RankState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import job_line, status_json
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -380,9 +381,20 @@ class Coordinator:
         whatever was learnt of how it ended."""
         ended = (r.ProcState.DEAD, r.ProcState.ZOMBIE)
         with self.lock:
-            by_pid = {st.identity.pid: st for st in self.jobs.ranks() if st.identity.host == host}
+            # by pid and start time: two containers on one node may each run a pid 42
+            by_pid: dict[int, list[RankState]] = {}
+            for held in self.jobs.ranks():
+                if held.identity.host == host:
+                    by_pid.setdefault(held.identity.pid, []).append(held)
             for status in statuses:
-                st = by_pid.get(status.pid)
+                st = next(
+                    (
+                        held
+                        for held in by_pid.get(status.pid, ())
+                        if abs(held.identity.start_time - status.start_time) <= START_TIME_TOLERANCE_S
+                    ),
+                    None,
+                )
                 if st is None:
                     continue
                 before = st.proc
@@ -436,10 +448,13 @@ class Coordinator:
             return None
         with self.lock:
             chosen = sorted(job.ranks) if ranks is None else [rk for rk in ranks if rk in job.ranks]
-            targets = [job.ranks[rk].target() for rk in chosen]
-        if not targets:
+            targets = [job.ranks[rk].target() for rk in chosen if job.ranks[rk].via == "agent"]
+            unproven = [rk for rk in chosen if job.ranks[rk].via != "agent"]
+        if not chosen:
             return None
-        dumps = self.hub.dump_now(targets, self._hosts(targets), native)
+        dumps = self.hub.dump_now(targets, self._hosts(targets), native) if targets else {}
+        for rk in unproven:
+            dumps[rk] = r.StackDump(job.ranks[rk].identity.pid, time.time(), error=UNPROVEN)
         return {
             str(rk): {
                 "pid": d.pid,
@@ -482,7 +497,15 @@ class Coordinator:
                 if job is None:
                     return
                 job.aborted_at = time.time()
-                targets = [st.target() for st in job.ranks.values() if st.end is None]
+                live = [st for st in job.ranks.values() if st.end is None]
+                targets = [st.target() for st in live if st.via == "agent"]  # only proven ranks
+                unproven = {
+                    st.rank: UNPROVEN.replace("not dumped", "not signalled") for st in live if st.via != "agent"
+                }
+                if unproven:
+                    told = incident.details.setdefault("abort", {"signalled_pids": [], "refused": {}})
+                    told["refused"].update({str(rank): why for rank, why in unproven.items()})
+                    self.store.save(incident)
             if targets:
                 log.warning("--abort-on-hang: terminating %d rank(s) after incident %s", len(targets), incident.id)
                 self.hub.abort(targets, self._hosts(targets), on_result=record)

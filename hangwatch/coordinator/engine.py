@@ -35,6 +35,13 @@ SLOT_KINDS = (IncidentKind.STUCK_COLLECTIVE, IncidentKind.EARLY_EXIT, IncidentKi
 #: Incidents whose ranks' later deaths are their aftermath (torch's watchdog aborts hung ranks).
 HANG_FAMILIES = (KeyFamily.STUCK.value, KeyFamily.EARLY.value, KeyFamily.STALL.value)
 
+#: Why a rank that registered itself over the network is never dumped or signalled: only a node
+#: agent's registration (from the rank's own link, ``SO_PEERCRED``) ties a pid to a rank of a job.
+UNPROVEN = (
+    "not dumped: this rank registered itself over the network, so its pid is only its own claim "
+    "(hangwatch reads and signals only ranks a node agent proved through their link to it)"
+)
+
 StackRequester = Callable[[list[r.Target], bool, Callable[[dict[int, r.StackDump]], None]], None]
 IncidentListener = Callable[[Incident], None]
 
@@ -317,6 +324,9 @@ class Engine:
                 st = job.ranks.get(rank)
                 if st is None:
                     incident.stack_notes[rank] = "rank never registered"
+                    continue
+                if st.via != "agent":
+                    incident.stack_notes[rank] = UNPROVEN
                     continue
                 targets.append(st.target())
 

@@ -19,10 +19,11 @@ would exceed ``MAX_JOBS`` live jobs is refused (``JobsFull``), never merged into
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterator
 
 from hangwatch import records as r
-from hangwatch.coordinator.state import JobState, RankState
+from hangwatch.coordinator.state import SILENT_GONE_S, JobState, RankState
 from hangwatch.serving import is_loopback
 
 #: Jobs one coordinator follows at once (live or over); beyond it the oldest over job goes.
@@ -118,7 +119,11 @@ class Jobs:
         return (live or jobs or [JobState()])[-1]
 
     def find(self, selector: str) -> list[JobState]:
-        """Jobs a ``--job`` selector names: a key, a job id, a run, or a prefix of one."""
+        """Jobs a ``--job`` selector names: a key, a job id or a run, exactly; else a prefix of
+        one (``train`` never selects ``train-big`` when a job ``train`` exists)."""
+        exact = [job for key, job in self.by_key.items() if selector in (key, job.job_id, job.run)]
+        if exact:
+            return exact
         return [
             job
             for key, job in self.by_key.items()
@@ -149,7 +154,7 @@ class Jobs:
         a new endpoint and a new run id: only the ended job's being over tells it apart from a
         job running beside it."""
         for key, job in list(self.by_key.items()):
-            if not over(job) or job is keep:
+            if not over(job, now) or job is keep:
                 continue
             if rerun_of is not None:
                 self._retire(
@@ -163,7 +168,7 @@ class Jobs:
         for key, job in list(self.by_key.items()):
             if len(self.by_key) < MAX_JOBS:
                 break
-            if over(job) and job is not keep:
+            if over(job, now) and job is not keep:
                 self._retire(key, "the job ended")
 
     def _retire(self, key: str, why: str) -> None:
@@ -179,9 +184,13 @@ class Jobs:
             self.ended_runs.popitem(last=False)
 
 
-def over(job: JobState) -> bool:
-    """Every rank of the job has ended or is gone (a job with no rank yet is not over)."""
-    return bool(job.ranks) and all(st.end is not None or not st.alive for st in job.ranks.values())
+def over(job: JobState, now: float | None = None) -> bool:
+    """Every rank of the job has ended, is gone, or has been silent for ``SILENT_GONE_S`` (a job
+    with no rank yet is not over)."""
+    now = time.time() if now is None else now
+    return bool(job.ranks) and all(
+        st.end is not None or not st.alive or now - st.last_seen > SILENT_GONE_S for st in job.ranks.values()
+    )
 
 
 def last_seen(job: JobState) -> float:

@@ -145,3 +145,35 @@ def test_a_rank_registering_after_the_first_has_already_ended_joins_its_run() ->
     run = sim.job.run
     sim.register(1, T0 + 0.2, identity(1, 2, session="s1"))
     assert sim.job.run == run and sorted(sim.job.ranks) == [0, 1]
+
+
+def test_ranks_silent_for_long_are_gone_for_the_job_s_end_and_the_next_run() -> None:
+    """Ranks SIGKILLed with no agent on their nodes never say they ended: after SILENT_GONE_S of
+    silence their job is over (it neither holds a slot of MAX_JOBS nor blocks its resubmission)."""
+    from hangwatch.coordinator.state import SILENT_GONE_S
+
+    jobs = Jobs()
+    launch = "10.0.0.1:29500"
+    old, _ = jobs.register(identity(0, 2, session="old0", launch=launch), T0)
+    jobs.register(identity(1, 2, session="old1", launch=launch), T0)
+    later = T0 + SILENT_GONE_S + 60
+    new, _ = jobs.register(identity(0, 4, session="new0", launch=launch), later)  # resubmitted, 4 ranks
+    assert new is old and new.run != "" and new.world_size == 4 and sorted(new.ranks) == [0]
+
+
+def test_destroy_then_init_again_keeps_the_job_live() -> None:
+    jobs = Jobs()
+    job, st = jobs.register(identity(0, 1, session="s", launch="10.0.0.1:1"), T0)
+    job.ingest("s", 0, [r.RankEnd(0, r.EndKind.DESTROYED, T0 + 1)], now=T0 + 1)
+    assert jobs_mod.over(job, T0 + 1)
+    job.ingest("s", 0, [group_event(0, "0", (0,), T0 + 2)], now=T0 + 2)  # init_process_group again
+    assert st.end is None and not jobs_mod.over(job, T0 + 2)
+    jobs.register(identity(0, 1, session="other", launch="10.0.0.2:1"), T0 + 3)  # another job begins
+    assert job in list(jobs)  # not retired
+
+
+def test_a_job_selector_prefers_an_exact_name() -> None:
+    jobs = Jobs()
+    train, _ = jobs.register(identity(0, 1, session="a", job_id="train", launch="10.0.0.1:1"), T0)
+    big, _ = jobs.register(identity(0, 1, session="b", job_id="train-big", launch="10.0.0.2:1"), T0)
+    assert jobs.find("train") == [train] and jobs.find("train-b") == [big]

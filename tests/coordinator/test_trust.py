@@ -179,3 +179,17 @@ def test_a_remote_agent_s_refusal_to_abort_comes_back_to_whoever_asked(
     stub.AgentPoll(pb.AgentPollRequest(agent_id=agent_id.agent_id, results=[answer], wait_s=0.0), timeout=5)
     assert outcome == [([], {0: "pid 4242 never linked to this node's agent"})]
     channel.close()
+
+
+def test_a_process_status_lands_on_its_own_job_s_rank_not_on_a_pid_twin(
+    coordinator_factory: Callable[..., Coordinator],
+) -> None:
+    """Two pods of one image on a node: both ranks are pid 42 in their own namespaces."""
+    c = coordinator_factory(embedded_agent=False)
+    a = r.RankIdentity("A", 0, 1, "node1", 42, start_time=1000.0, session="a", launch="10.0.0.1:1")
+    b = r.RankIdentity("B", 0, 1, "node1", 42, start_time=1050.0, session="b", launch="10.0.0.2:1")
+    for ident in (a, b):
+        c.register_rank(ident, via="agent")
+    c.apply_process_statuses("node1", [r.ProcessStatus(42, r.ProcState.DEAD, 1100.0, start_time=1000.0)])
+    job_a, job_b = c.jobs.find("A")[0], c.jobs.find("B")[0]
+    assert not job_a.ranks[0].alive and job_b.ranks[0].alive

@@ -274,7 +274,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         }
         skip = explain_skipped_call(history, absent[0], waiting)
         backward = None
-        if skip is None:
+        if skip is None and present[absent[0]].end is not None:  # it ran out of calls: not merely busy
             forwards = {rk: list(st.forwards) for rk in [absent[0], *waiting] if (st := job.ranks.get(rk))}
             backward = explain_skipped_backward(forwards, absent[0], waiting, slot.group)
         if skip is not None or backward is not None:

@@ -41,6 +41,7 @@ __all__ = [
     "CLOCK_STEP_S",
     "OFFSET_SAMPLES",
     "PROGRESS_FRESH_S",
+    "SILENT_GONE_S",
     "Changes",
     "ClaimRefused",
     "IngestResult",
@@ -63,6 +64,10 @@ DURATIONS_KEPT = 512
 #: accepted once its predecessor is gone or silent).
 CLAIM_SILENT_S = 5.0
 CONFLICTS_KEPT = 32
+#: A rank silent this long counts as gone (killed with no agent on its node to see it): its job
+#: can end, and a new run of it begin. Longer than any hang hangwatch reports (torch's own NCCL
+#: timeout is 10 minutes).
+SILENT_GONE_S = 900.0
 
 
 class ClaimRefused(ValueError):
@@ -115,7 +120,7 @@ class JobState:
         if identity.attempt > self.attempt:
             proven = [st for st in self.ranks.values() if st.via == "agent" and st.end is None and st.alive]
             return via == "agent" or not proven  # an unproven claim never ends a run of proven ranks
-        live = [st for st in self.ranks.values() if st.end is None and st.alive]
+        live = [st for st in self.ranks.values() if st.end is None and st.alive and now - st.last_seen <= SILENT_GONE_S]
         previous = self.ranks.get(identity.rank)
         if previous is None or previous.identity.session == identity.session:
             return False  # a rank of this run registering at its own pace (the others may be done)
@@ -260,6 +265,8 @@ class JobState:
     # ---- events ---------------------------------------------------------------------------
 
     def apply(self, state: RankState, event: r.RankEvent, now: float) -> None:
+        if state.end is not None and state.end.kind is r.EndKind.DESTROYED and _active(event):
+            state.end = None  # destroy_process_group(), then init_process_group() again: it goes on
         if isinstance(event, r.CallRecord):
             self._enter(state, event, now)
         elif isinstance(event, r.CallExit):
@@ -573,3 +580,10 @@ class JobState:
             return None
         data = sorted(self.wait_durations)
         return data[min(len(data) - 1, int(q * len(data)))]
+
+
+def _active(event: r.RankEvent) -> bool:
+    """An event only a rank with a process group makes (not an exit of an earlier call)."""
+    if isinstance(event, (r.CallRecord, r.StepEvent)):
+        return True
+    return isinstance(event, r.GroupEvent) and event.kind is r.GroupEventKind.CREATED

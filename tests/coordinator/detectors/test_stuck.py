@@ -268,3 +268,18 @@ def test_two_unrelated_hangs_are_two_incidents() -> None:
     sim.beat(T0 + 30)
     opened = sim.engine().tick(T0 + 30)
     assert sorted((i.group, tuple(i.culprit_ranks)) for i in opened) == [("1", (1,)), ("2", (3,))]
+
+
+def test_a_busy_rank_is_not_told_as_having_skipped_a_backward() -> None:
+    """Rank 1's DDP forwards show the gap of a skipped backward (or of one extra forward with no
+    backward: a logged prediction), but it is busy in user code, not out of calls: the story is
+    the plain one ("busy"), never "will never make it"."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2)
+    sim.states[0].forwards.extend([(1, "0", 0, 0), (2, "0", 1, 1)])
+    sim.states[1].forwards.extend([(1, "0", 0, 0), (2, "0", 0, 0)])  # its second forward at the same seq
+    sim.beat(T0 + 12.5, where_user="train.py:88 in save_checkpoint")
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective")
+    assert f.culprit_ranks == [1] and "skipped" not in f.details
+    assert "never make it" not in f.summary and "busy in train.py:88 in save_checkpoint" in f.summary
