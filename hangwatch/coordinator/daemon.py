@@ -448,8 +448,8 @@ class Coordinator:
             return None
         with self.lock:
             chosen = sorted(job.ranks) if ranks is None else [rk for rk in ranks if rk in job.ranks]
-            targets = [job.ranks[rk].target() for rk in chosen if job.ranks[rk].via == "agent"]
-            unproven = [rk for rk in chosen if job.ranks[rk].via != "agent"]
+            targets = [job.ranks[rk].target() for rk in chosen if job.ranks[rk].proven]
+            unproven = [rk for rk in chosen if not job.ranks[rk].proven]
         if not chosen:
             return None
         dumps = self.hub.dump_now(targets, self._hosts(targets), native) if targets else {}
@@ -498,10 +498,8 @@ class Coordinator:
                     return
                 job.aborted_at = time.time()
                 live = [st for st in job.ranks.values() if st.end is None]
-                targets = [st.target() for st in live if st.via == "agent"]  # only proven ranks
-                unproven = {
-                    st.rank: UNPROVEN.replace("not dumped", "not signalled") for st in live if st.via != "agent"
-                }
+                targets = [st.target() for st in live if st.proven]  # only proven ranks
+                unproven = {st.rank: UNPROVEN.replace("not dumped", "not signalled") for st in live if not st.proven}
                 if unproven:
                     told = incident.details.setdefault("abort", {"signalled_pids": [], "refused": {}})
                     told["refused"].update({str(rank): why for rank, why in unproven.items()})

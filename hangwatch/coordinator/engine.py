@@ -325,7 +325,7 @@ class Engine:
                 if st is None:
                     incident.stack_notes[rank] = "rank never registered"
                     continue
-                if st.via != "agent":
+                if not st.proven:
                     incident.stack_notes[rank] = UNPROVEN
                     continue
                 targets.append(st.target())

@@ -177,3 +177,15 @@ def test_a_job_selector_prefers_an_exact_name() -> None:
     train, _ = jobs.register(identity(0, 1, session="a", job_id="train", launch="10.0.0.1:1"), T0)
     big, _ = jobs.register(identity(0, 1, session="b", job_id="train-big", launch="10.0.0.2:1"), T0)
     assert jobs.find("train") == [train] and jobs.find("train-b") == [big]
+
+
+def test_a_flight_recorder_record_read_after_a_destroy_does_not_revive_the_rank() -> None:
+    """The agent's last read of an ended rank's ring ships C++-issued calls made before its end."""
+    from tests.factories import call
+
+    jobs = Jobs()
+    job, st = jobs.register(identity(0, 1, session="s", launch="10.0.0.1:1"), T0)
+    job.ingest("s", 0, [r.RankEnd(0, r.EndKind.DESTROYED, T0 + 5)], now=T0 + 5)
+    late = call(0, 3, call_id=2**40, enter_time=T0 + 4, source="flight_recorder")
+    job.ingest("s", 0, [late], now=T0 + 6)
+    assert st.end is not None and jobs_mod.over(job, T0 + 6)

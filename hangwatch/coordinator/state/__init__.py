@@ -118,7 +118,7 @@ class JobState:
         if not self.ranks:
             return False
         if identity.attempt > self.attempt:
-            proven = [st for st in self.ranks.values() if st.via == "agent" and st.end is None and st.alive]
+            proven = [st for st in self.ranks.values() if st.proven and st.end is None and st.alive]
             return via == "agent" or not proven  # an unproven claim never ends a run of proven ranks
         live = [st for st in self.ranks.values() if st.end is None and st.alive and now - st.last_seen <= SILENT_GONE_S]
         previous = self.ranks.get(identity.rank)
@@ -137,11 +137,14 @@ class JobState:
         if previous is not None and previous.identity.session == identity.session:
             previous.last_seen = now
             previous.via = via
+            previous.proven = previous.proven or via == "agent"  # the same process, whichever path ships it
             return previous
         self._check_claim(identity, previous, now, via)
         if previous is not None:
             self._forget_session(previous)
-        state = RankState(identity=identity, registered_at=now, last_seen=now, last_progress=now, via=via)
+        state = RankState(
+            identity=identity, registered_at=now, last_seen=now, last_progress=now, via=via, proven=via == "agent"
+        )
         self.ranks[identity.rank] = state
         self.sessions[identity.session] = identity.rank
         self.job_id = identity.job_id or self.job_id
@@ -165,7 +168,7 @@ class JobState:
             )  # the same process, a new session (it initialised its process group again)
             held = not same and previous.end is None and previous.alive and now - previous.last_seen < CLAIM_SILENT_S
             holder = f"pid {previous.identity.pid} on {previous.identity.host} ({previous.via})"
-            if held and via == "agent" and previous.via != "agent":
+            if held and via == "agent" and not previous.proven:
                 self._conflict(identity, now, via, f"took rank {identity.rank} from an unproven claim by {holder}")
                 return
             if held:
@@ -265,7 +268,7 @@ class JobState:
     # ---- events ---------------------------------------------------------------------------
 
     def apply(self, state: RankState, event: r.RankEvent, now: float) -> None:
-        if state.end is not None and state.end.kind is r.EndKind.DESTROYED and _active(event):
+        if state.end is not None and state.end.kind is r.EndKind.DESTROYED and _active(event, state.end.time):
             state.end = None  # destroy_process_group(), then init_process_group() again: it goes on
         if isinstance(event, r.CallRecord):
             self._enter(state, event, now)
@@ -582,8 +585,12 @@ class JobState:
         return data[min(len(data) - 1, int(q * len(data)))]
 
 
-def _active(event: r.RankEvent) -> bool:
-    """An event only a rank with a process group makes (not an exit of an earlier call)."""
-    if isinstance(event, (r.CallRecord, r.StepEvent)):
-        return True
-    return isinstance(event, r.GroupEvent) and event.kind is r.GroupEventKind.CREATED
+def _active(event: r.RankEvent, since: float) -> bool:
+    """An event of a process group made after ``since`` (rank clock): a Python call or a step, or
+    a group created. (A Flight Recorder read after the rank's end still ships calls made before
+    it: those are no sign of a new process group.)"""
+    if isinstance(event, r.CallRecord):
+        return event.source == "python" and event.enter_time > since
+    if isinstance(event, r.StepEvent):
+        return event.time > since
+    return isinstance(event, r.GroupEvent) and event.kind is r.GroupEventKind.CREATED and event.time > since

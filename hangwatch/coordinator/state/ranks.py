@@ -67,6 +67,9 @@ class RankState:
     where_user: str = ""
     relay: str = ""  # the node agent relaying this rank's batches, if any
     via: str = "direct"  # "agent": a node agent reads the rank's ring and registered it (kernel-proven pid)
+    #: a node agent registered this session from the rank's own link (its pid is the kernel's
+    #: word): only such a rank is ever dumped or signalled, whichever path ships it later
+    proven: bool = False
     queued: int = 0
     dropped: int = 0
     markers: collections.deque[r.MarkerEvent] = field(default_factory=lambda: collections.deque(maxlen=16))
