@@ -316,50 +316,37 @@ def _early_exit(
         sorted(waiting),
         group,
     )
-    if skip is not None:
+    waiters = format_ranks(sorted(waiting))
+    details: dict[str, object] = {"exit": {"kind": end.kind.value, "call_site": end.call_site, "step": first.step}}
+    kind, hint, step = IncidentKind.EARLY_EXIT, EARLY_EXIT_HINT, first.step
+    summary = (
+        f"rank {first.rank} left the training loop after step {first.step} and {action}{where}, while "
+        f"rank{'s' if len(waiting) > 1 else ''} {waiters} entered {op} "
+        f"(group {group}, seq {seq}) of the next step and never got an answer"
+    )
+    if skip is not None:  # it did not leave the loop: it skipped a backward and ran out of calls
         text, skipped = skip
-        return [
-            Finding(
-                kind=IncidentKind.STUCK_COLLECTIVE,
-                key=incident_key(KeyFamily.EARLY_END, session=first.identity.session),
-                culprit_ranks=[first.rank],
-                waiting_ranks=sorted(waiting),
-                summary=(
-                    f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(sorted(waiting))} wait"
-                    f"{'' if len(waiting) > 1 else 's'} in {op} (group {group}, seq {seq}) and rank {first.rank} "
-                    f"will never make it: {text}; rank {first.rank} then {action}{where}"
-                ),
-                hint=SKIPPED_HINT,
-                onset_time=first_time,
-                op=op,
-                group=group,
-                seq=seq,
-                step=skipped["step"],
-                details={
-                    "skipped": {"rank": first.rank, "op": "all_reduce", "group": group, **skipped},
-                    "exit": {"kind": end.kind.value, "call_site": end.call_site, "step": first.step},
-                },
-                stack_ranks=sorted(waiting)[:2],
-            )
-        ]
+        kind, hint, step = IncidentKind.STUCK_COLLECTIVE, SKIPPED_HINT, skipped["step"]
+        details["skipped"] = {"rank": first.rank, "op": "all_reduce", "group": group, **skipped}
+        summary = (
+            f"rank{'s' if len(waiting) > 1 else ''} {waiters} wait{'' if len(waiting) > 1 else 's'} in {op} "
+            f"(group {group}, seq {seq}) and rank {first.rank} will never make it: {text}; rank {first.rank} "
+            f"then {action}{where}"
+        )
     return [
         Finding(
-            kind=IncidentKind.EARLY_EXIT,
+            kind=kind,
             key=incident_key(KeyFamily.EARLY_END, session=first.identity.session),
             culprit_ranks=[first.rank],
             waiting_ranks=sorted(waiting),
-            summary=(
-                f"rank {first.rank} left the training loop after step {first.step} and {action}{where}, while "
-                f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(sorted(waiting))} entered {op} "
-                f"(group {group}, seq {seq}) of the next step and never got an answer"
-            ),
-            hint=EARLY_EXIT_HINT,
+            summary=summary,
+            hint=hint,
             onset_time=first_time,
             op=op,
             group=group,
             seq=seq,
-            step=first.step,
-            details={"exit": {"kind": end.kind.value, "call_site": end.call_site, "step": first.step}},
+            step=step,
+            details=details,
             stack_ranks=sorted(waiting)[:2],
         )
     ]
