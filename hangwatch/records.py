@@ -80,6 +80,8 @@ class CallRecord:
     #: coordinator only: when the host thread returned from a call whose work is still under way
     #: on the device (NCCL: enqueued, not completed); the call stays open until it completes
     returned_time: float | None = None
+    #: coordinator only: the bytes charged for it in each table that holds it (``budget``)
+    cost: int = field(default=0, compare=False, repr=False)
 
     @property
     def kind(self) -> OpKind:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hangwatch import records as r
@@ -167,9 +167,20 @@ def _shared(value: Any) -> Any:
 class CallDecoder:
     """The coordinator's side for one rank session: its signature table."""
 
-    def __init__(self, capacity: int = MAX_SIGNATURES) -> None:
+    def __init__(
+        self,
+        capacity: int = MAX_SIGNATURES,
+        *,
+        cost: Callable[[r.CallRecord], int] | None = None,
+        charge: Callable[[int], bool] | None = None,
+    ) -> None:
+        """``cost`` sizes a signature in bytes and ``charge(n)`` asks for ``n`` more (negative:
+        gives back) from the coordinator's memory budget; a signature it refuses is rejected."""
         self.capacity = capacity
         self.table: dict[int, r.CallRecord] = {}
+        self.cost = cost
+        self.charge = charge
+        self.bytes = 0  # what the table holds, as charged
 
     def decode(self, rank: int, batch: pb.ReportBatch) -> tuple[list[r.RankEvent], int, int]:
         """Records in the order the coordinator applies them (see the proto), the number of
@@ -184,10 +195,18 @@ class CallDecoder:
                 template = wire.call_from_pb(rank, sig.call)
                 template.inputs = _shared(template.inputs)
                 template.outputs = _shared(template.outputs)
-                self.table[sig.id] = template
             except (wire.WireError, ValueError, OverflowError):
-                self.table.pop(sig.id, None)
+                self._drop(sig.id)
                 rejected += 1
+                continue
+            self._drop(sig.id)
+            if self.cost is not None and self.charge is not None:
+                template.cost = self.cost(template)
+                if not self.charge(template.cost):
+                    rejected += 1
+                    continue
+                self.bytes += template.cost
+            self.table[sig.id] = template
         first: list[r.RankEvent] = []
         rest: list[r.RankEvent] = []
         in_columns: set[int] | None = None  # call ids in this batch's columns, built on the first exit
@@ -209,6 +228,19 @@ class CallDecoder:
                 rest.append(ev)
         calls, bad, folded = self._columns(rank, batch.calls)
         return first + calls + rest, rejected + bad, folded
+
+    def _drop(self, sid: int) -> None:
+        old = self.table.pop(sid, None)
+        if old is not None and old.cost and self.charge is not None:
+            self.bytes -= old.cost
+            self.charge(-old.cost)
+
+    def release(self) -> None:
+        """Give back everything the table holds (its session is over)."""
+        if self.bytes and self.charge is not None:
+            self.charge(-self.bytes)
+        self.bytes = 0
+        self.table.clear()
 
     def _columns(self, rank: int, cols: pb.CallColumns) -> tuple[list[r.RankEvent], int, int]:
         n = len(cols.signature)

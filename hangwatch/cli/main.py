@@ -18,6 +18,7 @@ from typing import Any
 from hangwatch import __version__, config, tls
 from hangwatch.cli import render
 from hangwatch.cli.client import CoordinatorUnreachable, query
+from hangwatch.coordinator import budget
 
 
 def _env_default_float(name: str) -> float | None:
@@ -69,6 +70,18 @@ def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True
         help=f"cap of the incident store in MiB; the oldest incidents are pruned first "
         f"(default ${config.ENV_MAX_DATA_MB}, then {config.DEFAULT_MAX_DATA_MB:.0f})",
     )
+    for flag, default, what in (
+        ("--rank-budget-mb", budget.DEFAULT_RANK_MB, "one rank's calls, history and tables"),
+        ("--job-budget-mb", budget.DEFAULT_JOB_MB, "one job's"),
+        ("--memory-budget-mb", budget.DEFAULT_TOTAL_MB, "every job's together"),
+    ):
+        p.add_argument(
+            flag,
+            type=float,
+            default=float(default),
+            help=f"memory budget in MiB for {what} (default {default}); calls beyond it are refused and "
+            "counted in status and /metrics",
+        )
     p.add_argument(
         "--token",
         default=None,
@@ -353,6 +366,9 @@ def _coordinator_options(args: argparse.Namespace, host: str, port: int) -> Any:
         allow_insecure_bind=args.allow_insecure_bind,
         metrics_port=args.metrics_port,
         max_data_mb=args.max_data_mb,
+        rank_budget_mb=args.rank_budget_mb,
+        job_budget_mb=args.job_budget_mb,
+        memory_budget_mb=args.memory_budget_mb,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,

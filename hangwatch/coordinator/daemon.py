@@ -14,12 +14,14 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hangwatch import config, tls, wire
 from hangwatch import records as r
 from hangwatch.agent.identity import START_TIME_TOLERANCE_S
+from hangwatch.coordinator import budget
 from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
 from hangwatch.coordinator.engine import UNPROVEN, Engine
@@ -72,6 +74,11 @@ class CoordinatorOptions:
     tls_client_ca: str | None = None  # require client certificates signed by this CA
     alert_webhook: str | None = None
     agent_socket: str | None = None  # the embedded agent's socket for rank links (default: config)
+    #: memory budgets in MiB: what one rank, one job and the whole coordinator may hold
+    #: (``coordinator.budget``); calls beyond them are refused and counted
+    rank_budget_mb: float = budget.DEFAULT_RANK_MB
+    job_budget_mb: float = budget.DEFAULT_JOB_MB
+    memory_budget_mb: float = budget.DEFAULT_TOTAL_MB
 
 
 def report_interval_for(world_size: int) -> float:
@@ -94,7 +101,12 @@ class Coordinator:
         self.options = options
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.lock = threading.RLock()
-        self.jobs = Jobs()
+        limits = budget.Budget.of_mb(options.rank_budget_mb, options.job_budget_mb, options.memory_budget_mb)
+        try:
+            limits.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.jobs = Jobs(budget.Ledger(limits))
         self.decoders: dict[str, CallDecoder] = {}  # session -> its interned call signatures
         self.store = IncidentStore(options.data_dir, max_bytes=int(options.max_data_mb * 1024 * 1024))
         embedded = None
@@ -293,8 +305,13 @@ class Coordinator:
             if (len(self.jobs.ended_runs), len(self.jobs)) != known:  # a run ended or a job began
                 log.info("job %s: run %s (%s)", identity.job_id, job.run, self.jobs.key_of(job))
             # sessions of ended runs and of a rank's earlier process are over
-            self.decoders = {s: d for s, d in self.decoders.items() if self.jobs.for_session(s) is not None}
-            self.decoders[identity.session] = CallDecoder()  # the rank's table starts empty too
+            kept = {s: d for s, d in self.decoders.items() if self.jobs.for_session(s) is not None}
+            for session, gone in self.decoders.items():
+                if session not in kept:
+                    gone.release()
+            self.decoders = kept
+            # the rank's table starts empty too; its signatures count against the memory budget
+            self.decoders[identity.session] = CallDecoder(cost=budget.call_bytes, charge=self._charge_table(state))
             last_call_id = state.last_call_id
             interval = report_interval_for(job.world_size)
         log.info(
@@ -336,6 +353,22 @@ class Coordinator:
         if rejected:
             self.metrics_rejected("malformed", rejected)
         return pb.ReportReply(server_time=time.time(), accepted=accepted + folded)
+
+    def _charge_table(self, state: RankState) -> Callable[[int], bool]:
+        """How a rank's signature table asks for memory: within a quarter of the rank's budget
+        and the coordinator's total (not a job's: the table is the session's, not the run's)."""
+        ledger = self.jobs.ledger
+
+        def charge(n: int) -> bool:
+            with self.lock:
+                if n > 0 and (state.table_bytes + n > ledger.budget.rank // 4 or ledger.held + n > ledger.budget.total):
+                    ledger.refuse("rank" if state.table_bytes + n > ledger.budget.rank // 4 else "total")
+                    return False
+                state.table_bytes += n
+                ledger.held += n
+                return True
+
+        return charge
 
     def decoder_for(self, session: str) -> CallDecoder | None:
         """The signature table of a registered session (None: the rank must register)."""
@@ -564,6 +597,7 @@ class Coordinator:
                     "moved_aside": self.store.moved_aside or None,  # a corrupt database set aside at start
                 },
                 "rejected": {**self.rejected, "truncated": wire.truncated},  # strings cut at ingest
+                "budget": {**self.jobs.ledger.view(), "job_held_bytes": job.held, "job_refused": job.refused},
             }
             status = status_json(job, now, self.options.silence_after, extra, open_incidents)
             open_by_run: dict[str, int] = {}

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 
 from hangwatch import records as r
+from hangwatch.coordinator.budget import Ledger
 from hangwatch.coordinator.state import SILENT_GONE_S, JobState, RankState
 from hangwatch.serving import is_loopback
 
@@ -53,7 +54,9 @@ def job_key(identity: r.RankIdentity) -> str:
 class Jobs:
     """Every job this coordinator follows, by key, in the order they began."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: Ledger | None = None) -> None:
+        #: what every job holds against the coordinator's memory budgets (``budget``)
+        self.ledger = ledger or Ledger()
         self.by_key: collections.OrderedDict[str, JobState] = collections.OrderedDict()
         self.keys: dict[int, str] = {}  # id(JobState) -> its key
         self.sessions: dict[str, JobState] = {}  # session id -> its job
@@ -65,7 +68,7 @@ class Jobs:
     @classmethod
     def of(cls, job: JobState) -> Jobs:
         """One job, already made (the detector tests' ``SimJob``)."""
-        jobs = cls()
+        jobs = cls(job.ledger)
         jobs._add(job.job_id or "job", job)
         return jobs
 
@@ -93,7 +96,7 @@ class Jobs:
             if len(self.by_key) >= MAX_JOBS:
                 self.refused += 1
                 raise JobsFull(f"this coordinator already follows {MAX_JOBS} live jobs")
-            job = JobState()
+            job = JobState(self.ledger)
             self._add(key, job)
         run = job.run
         state = job.register(identity, now, via)
@@ -116,7 +119,7 @@ class Jobs:
         rank, else the latest to begin (an empty state when there is none)."""
         jobs = list(self.by_key.values())
         live = [j for j in jobs if not over(j)]
-        return (live or jobs or [JobState()])[-1]
+        return (live or jobs or [JobState(Ledger(self.ledger.budget))])[-1]
 
     def find(self, selector: str) -> list[JobState]:
         """Jobs a ``--job`` selector names: a key, a job id or a run, exactly; else a prefix of
@@ -175,6 +178,7 @@ class Jobs:
         job = self.by_key.pop(key)
         self.keys.pop(id(job), None)
         self.records_retired += job.records_received
+        self.ledger.held -= job.held  # all it held goes with it
         self.sessions = {s: j for s, j in self.sessions.items() if j is not job}
         self._ended(job.run, why)
 

@@ -70,6 +70,13 @@ def render(c: Coordinator, rate: _Rate) -> str:
         dropped = sum(st.dropped for st in ranks)
         rejected = {**c.rejected, "truncated": wire.truncated}
         write_errors = c.store.write_errors
+        ledger = c.jobs.ledger
+        held: list[tuple[str, float]] = [(f'{{job="{c.jobs.key_of(job)}"}}', job.held) for job in c.jobs]
+        limits: list[tuple[str, float]] = [
+            (f'{{scope="{k}"}}', getattr(ledger.budget, k)) for k in ("rank", "job", "total")
+        ]
+        refused: list[tuple[str, float]] = [(f'{{scope="{k}"}}', n) for k, n in sorted(ledger.refused_by.items())]
+        trimmed = ledger.trimmed
     metric(
         "hangwatch_ranks",
         "gauge",
@@ -107,6 +114,20 @@ def render(c: Coordinator, rate: _Rate) -> str:
         "counter",
         "Messages refused, by reason.",
         [(f'{{reason="{_escape(k)}"}}', n) for k, n in sorted(rejected.items())],
+    )
+    metric("hangwatch_budget_held_bytes", "gauge", "Bytes each job's tables hold (estimated upward).", held)
+    metric("hangwatch_budget_limit_bytes", "gauge", "Memory budgets: per rank, per job, in all.", limits)
+    metric(
+        "hangwatch_budget_refused_total",
+        "counter",
+        "Calls, groups and registrations refused because a memory budget was spent, by budget.",
+        refused,
+    )
+    metric(
+        "hangwatch_budget_trimmed_total",
+        "counter",
+        "History records let go early to make room in a rank's budget.",
+        [("", trimmed)],
     )
     metric(
         "hangwatch_store_write_errors_total",

@@ -121,4 +121,5 @@ def job_line(job: JobState, key: str, now: float, silence_after: float) -> dict[
         "registered": len(job.ranks),
         "states": counts,
         "started": job.started,
+        "held_bytes": job.held,  # what its tables hold, as charged against the memory budget
     }

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from hangwatch import catalogue
 from hangwatch import records as r
+from hangwatch.coordinator import budget as b
 from hangwatch.coordinator.state.ranks import (
     CLOCK_JUMP_S,
     CLOCK_STEP_S,
@@ -78,7 +79,11 @@ ARRIVALS_KEPT = 32
 
 
 class JobState:
-    def __init__(self) -> None:
+    def __init__(self, ledger: b.Ledger | None = None) -> None:
+        #: the coordinator's account of memory held, against its budgets (``budget``)
+        self.ledger = ledger or b.Ledger()
+        self.held = 0  # bytes this run's tables hold (its ranks' included)
+        self.refused = 0  # calls and groups refused for a memory budget
         #: this run of the job: a fresh id for each run (a rerun, a restart by the launcher, the
         #: coordinator restarted), so one run's incidents are never taken for another's
         self.run = uuid.uuid4().hex[:8]
@@ -104,6 +109,7 @@ class JobState:
         self.dropped_calls = 0  # calls and group announcements refused because they would exceed MAX_GROUPS
         # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time)
         self.arrivals: dict[str, collections.deque[tuple[int, float, int, float]]] = {}
+        self.group_owner: dict[str, int] = {}  # group -> the rank whose announcement made it
         self._world: tuple[int, ...] = ()
         #: claims refused or overridden (a second process for a held rank, another world size, an
         #: older attempt): what ``status`` shows of them, newest last
@@ -128,8 +134,9 @@ class JobState:
 
     def register(self, identity: r.RankIdentity, now: float, via: str = "direct") -> RankState:
         if self._new_run(identity, now, via):
-            runs = self.runs + 1
-            self.__init__()  # type: ignore[misc]  # a clean slate: nothing of the last run is kept
+            runs, ledger = self.runs + 1, self.ledger
+            ledger.held -= self.held
+            self.__init__(ledger)  # type: ignore[misc]  # a clean slate: nothing of the last run is kept
             self.runs = runs
         if not self.ranks:
             self.launch, self.attempt = identity.launch, identity.attempt
@@ -140,11 +147,15 @@ class JobState:
             previous.proven = previous.proven or via == "agent"  # the same process, whichever path ships it
             return previous
         self._check_claim(identity, previous, now, via)
+        if not self._room(None, b.RANK_BYTES):
+            self._conflict(identity, now, via, "refused: the coordinator's memory budget is spent")
+            raise ClaimRefused(f"rank {identity.rank}: no room left in the coordinator's memory budget")
         if previous is not None:
             self._forget_session(previous)
         state = RankState(
             identity=identity, registered_at=now, last_seen=now, last_progress=now, via=via, proven=via == "agent"
         )
+        self._charge(state, b.RANK_BYTES)
         self.ranks[identity.rank] = state
         self.sessions[identity.session] = identity.rank
         self.job_id = identity.job_id or self.job_id
@@ -190,6 +201,7 @@ class JobState:
         for call in previous.open_calls.values():
             self._unslot(call)
             self.p2p_open.pop((previous.rank, call.call_id), None)
+        self._charge(None, -previous.held)  # its tables go with it (its calls in slots stay charged)
 
     def rank_for_session(self, session: str) -> RankState | None:
         rank = self.sessions.get(session)
@@ -291,7 +303,11 @@ class JobState:
                     state.forward_count += 1
                     state.forwards.append((state.forward_count, group, int(seq), event.step))
             else:
-                state.markers.append(event)
+                cost = b.marker_bytes(event)
+                if self._room(state, cost):
+                    freed = b.marker_bytes(state.markers[0]) if len(state.markers) == state.markers.maxlen else 0
+                    state.markers.append(event)
+                    self._charge(state, cost - freed)
             state.last_progress = now
         elif isinstance(event, r.GroupProgress):
             self._progress(state, event, now)
@@ -300,7 +316,9 @@ class JobState:
         self.groups_changed = True
         info, name = event.group, event.group.name
         if event.kind is not r.GroupEventKind.CREATED:
-            state.groups.pop(name, None)
+            held = state.groups.pop(name, None)
+            if held is not None and held is not self.groups.get(name):
+                self._charge(state, -b.group_bytes(held))
             if name != "0" and not any(name in st.groups for st in self.ranks.values()):
                 self._forget_group(name)  # every member destroyed it
             return
@@ -309,17 +327,96 @@ class JobState:
             if len(self.groups) >= MAX_GROUPS and name != WORLD:
                 self.dropped_calls += 1
                 return
+            if not self._room(state, b.group_bytes(info) + b.JOB_GROUP_BYTES):
+                return
             canonical = self.groups[name] = info
+            self._charge(None, b.group_bytes(info) + b.JOB_GROUP_BYTES)
+            state.slotted += b.group_bytes(info) + b.JOB_GROUP_BYTES  # the creator's share of the job
+            self.group_owner[name] = state.rank
         # one membership tuple per group, not one per rank (the world group is O(world) long)
-        state.groups[name] = canonical if canonical.ranks == info.ranks else info
+        before = state.groups.get(name)
+        if before is not None and before is not canonical:
+            self._charge(state, -b.group_bytes(before))
+        if canonical.ranks == info.ranks:
+            state.groups[name] = canonical
+        elif self._room(state, b.group_bytes(info)):
+            state.groups[name] = info
+            self._charge(state, b.group_bytes(info))
+        else:
+            state.groups.pop(name, None)
 
     def _forget_group(self, name: str) -> None:
-        self.groups.pop(name, None)
-        self.slots.pop(name, None)
+        info = self.groups.pop(name, None)
+        if info is not None:
+            self._charge(None, -b.group_bytes(info) - b.JOB_GROUP_BYTES)
+            owner = self.ranks.get(self.group_owner.pop(name, -1))
+            if owner is not None:
+                owner.slotted = max(0, owner.slotted - b.group_bytes(info) - b.JOB_GROUP_BYTES)
+        for slot in (self.slots.pop(name, None) or {}).values():
+            self._free_slot(slot)
         self.arrivals.pop(name, None)
         self.changed_slots = {key for key in self.changed_slots if key[0] != name}
         for st in self.ranks.values():
-            st.history.pop(name, None)
+            hist = st.history.pop(name, None)
+            if hist is not None:
+                self._charge(st, -b.RANK_GROUP_BYTES - sum(c.cost for c in hist))
+
+    # ---- memory budget ----------------------------------------------------------------------
+
+    def _charge(self, state: RankState | None, n: int) -> None:
+        """Account ``n`` bytes (negative: released) to ``state``'s tables, the job and the
+        coordinator."""
+        if state is not None:
+            state.held += n
+        self.held += n
+        self.ledger.held += n
+
+    def _room(self, state: RankState | None, n: int) -> bool:
+        """Whether ``n`` more bytes for ``state`` (None: a rank not yet made) fit its, the job's
+        and the coordinator's budgets, its oldest history let go first if that makes room;
+        counted when not."""
+        budget, ledger = self.ledger.budget, self.ledger
+        mine = 0 if state is None else state.held + state.slotted
+        over = max(mine + n - budget.rank, self.held + n - budget.job, ledger.held + n - budget.total)
+        if over <= 0:
+            return True
+        if state is not None:
+            self._trim(state, over)
+            mine = state.held + state.slotted
+        for which, excess in (
+            ("rank", mine + n - budget.rank),
+            ("job", self.held + n - budget.job),
+            ("total", ledger.held + n - budget.total),
+        ):
+            if excess > 0:
+                self.refused += 1
+                ledger.refuse(which)
+                return False
+        return True
+
+    def _trim(self, state: RankState, need: int) -> None:
+        """Let go of ``state``'s oldest history records (the longest history first) until
+        ``need`` bytes are freed or none is left: history only feeds the rules' explanations."""
+        freed = 0
+        while freed < need:
+            hist = max(state.history.values(), key=len, default=None)
+            if not hist:
+                break
+            freed += hist.popleft().cost
+            self.ledger.trimmed += 1
+        self._charge(state, -freed)
+
+    def _free_slot(self, slot: Slot) -> None:
+        for rank, call in slot.calls.items():
+            self._unslot_charge(rank, call)
+        self._charge(None, -b.SLOT_BYTES)
+
+    def _unslot_charge(self, rank: int, call: r.CallRecord) -> None:
+        n = call.cost + b.SLOT_ENTRY_BYTES
+        self._charge(None, -n)
+        st = self.ranks.get(rank)
+        if st is not None:
+            st.slotted = max(0, st.slotted - n)
 
     def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
         # the hot path of ingest (every call of every rank): locals, one kind lookup, no scans
@@ -342,6 +439,12 @@ class JobState:
         else:
             state.entry_seqs[group] = seq
             self.records_received += 1
+        cost = call.cost = b.call_bytes(call)
+        need = 2 * cost + b.OPEN_BYTES + (b.RANK_GROUP_BYTES if hist is None else 0)
+        if call.kind is r.OpKind.COLLECTIVE:
+            need += cost + b.SLOT_ENTRY_BYTES + b.SLOT_BYTES
+        if not self._room(state, need):
+            return  # over a memory budget: dropped, and counted (``budget``)
         shifts = state.seq_shifts.get(group) if state.seq_shifts else None
         if shifts and call.kind is not r.OpKind.P2P:
             seq = call.seq = seq - _shift_at(shifts, seq)  # torch's numbering, lined up again
@@ -369,6 +472,8 @@ class JobState:
                 self.dropped_calls += 1
                 return
             hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
+            self._charge(state, b.RANK_GROUP_BYTES)
+        self._charge(state, cost - (hist[0].cost if len(hist) == HISTORY_PER_GROUP else 0))
         hist.append(call)
         open_calls = state.open_calls
         kind = call.kind
@@ -384,10 +489,15 @@ class JobState:
                     open_here = state.open_collectives[group] = {}
                 open_here[call.call_id] = call
         if not done:
+            before = open_calls.get(call.call_id)
+            if before is not None:  # the same call sent again
+                self._charge(state, -before.cost - b.OPEN_BYTES)
             open_calls[call.call_id] = call
+            self._charge(state, cost + b.OPEN_BYTES)
             if len(open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
                 # by time, not id: ids made from Flight Recorder entries (bit 62) are not newer
                 oldest = open_calls.pop(min(open_calls, key=lambda k: open_calls[k].enter_time))
+                self._charge(state, -oldest.cost - b.OPEN_BYTES)
                 self._unslot(oldest)
                 self._drop_open(state, oldest)
         if kind is r.OpKind.P2P:
@@ -402,13 +512,19 @@ class JobState:
         slot = slots.get(seq)
         if slot is None:
             slot = slots[seq] = Slot(group, seq, first_enter=enter, last_enter=enter)
+            self._charge(None, b.SLOT_BYTES)
             while len(slots) > MAX_SLOTS_PER_GROUP:
-                slots.popitem(last=False)
+                self._free_slot(slots.popitem(last=False)[1])
         elif enter > slot.last_enter:
             slot.last_enter = enter
         elif enter < slot.first_enter:
             slot.first_enter = enter
+        before_here = slot.calls.get(state.rank)
+        if before_here is not None:
+            self._unslot_charge(state.rank, before_here)
         slot.add(call)
+        self._charge(None, cost + b.SLOT_ENTRY_BYTES)
+        state.slotted += cost + b.SLOT_ENTRY_BYTES
         self.changed_slots.add((group, seq))
         members = self.members(group)
         if len(slot.calls) == len(members) > 1:
@@ -471,9 +587,13 @@ class JobState:
 
     def _progress(self, state: RankState, event: r.GroupProgress, now: float) -> None:
         group = event.group
-        if group not in state.progress and len(state.progress) >= MAX_GROUPS:
-            self.dropped_calls += 1
-            return
+        if group not in state.progress:
+            if len(state.progress) >= MAX_GROUPS:
+                self.dropped_calls += 1
+                return
+            if not self._room(state, b.PROGRESS_BYTES + b.text_bytes(group)):
+                return
+            self._charge(state, b.PROGRESS_BYTES + b.text_bytes(group))
         local = dataclasses.replace(
             event,
             time=state.to_local(event.time),
@@ -505,6 +625,7 @@ class JobState:
         for state in self.ranks.values():
             if not state.progress or now - state.progress_seen <= PROGRESS_FRESH_S:
                 continue
+            self._charge(state, -sum(b.PROGRESS_BYTES + b.text_bytes(g) for g in state.progress))
             state.progress.clear()
             for call in list(state.open_calls.values()):
                 if call.returned_time is not None:
@@ -517,8 +638,21 @@ class JobState:
             if slot is not None and slot.calls.get(call.rank) is call:
                 slot.open -= 1
         call.exit_time = when
+        if state.open_calls.pop(call.call_id, None) is not None:
+            self._charge(state, -call.cost - b.OPEN_BYTES)
+        if error is not None and call.error is None:
+            # the error's text is held wherever the call is: charged in each table holding it
+            extra = b.text_bytes(error)
+            slots = self.slots.get(call.group)
+            slot = None if slots is None else slots.get(call.seq)
+            if slot is not None and slot.calls.get(call.rank) is call:
+                self._charge(None, extra)
+                state.slotted += extra
+            hist = state.history.get(call.group)
+            if hist is not None and any(c is call for c in hist):
+                self._charge(state, extra)
+            call.cost += extra
         call.error = error
-        state.open_calls.pop(call.call_id, None)
         self._drop_open(state, call)
         if call.kind is r.OpKind.COLLECTIVE and error is None:
             self.wait_durations.append(max(0.0, when - call.enter_time))
@@ -534,8 +668,11 @@ class JobState:
 
     def _unslot(self, call: r.CallRecord) -> None:
         slots = self.slots.get(call.group)
-        if slots is not None and call.seq in slots:
-            slots[call.seq].remove(call.rank)
+        slot = None if slots is None else slots.get(call.seq)
+        held = None if slot is None else slot.calls.get(call.rank)
+        if slot is not None and held is not None:
+            self._unslot_charge(call.rank, held)
+            slot.remove(call.rank)
 
     def _prune(self, group: str, seq: int, members: tuple[int, ...] | None = None) -> None:
         """Drop slots older than ``seq`` whose calls have all completed, keeping a short tail."""
@@ -549,7 +686,7 @@ class JobState:
             if first_seq > seq + 8 and not first.open:
                 # older than every slot after it, yet numbered ahead: left by a run whose
                 # numbering restarted (torchelastic restarts every worker; seqs start from 1)
-                slots.popitem(last=False)
+                self._free_slot(slots.popitem(last=False)[1])
                 continue
             if first_seq >= seq - 8:
                 break
@@ -557,7 +694,7 @@ class JobState:
                 break
             if members and len(first.calls) < len(members) and first_seq >= seq - 256:
                 break  # someone has not arrived yet: keep it for the detectors
-            slots.popitem(last=False)
+            self._free_slot(slots.popitem(last=False)[1])
 
     # ---- queries --------------------------------------------------------------------------
 

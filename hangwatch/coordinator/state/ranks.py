@@ -93,6 +93,11 @@ class RankState:
     #: enqueue to its completion, not to the host thread's return (``JobState.awaits_completion``)
     progress: dict[str, r.GroupProgress] = field(default_factory=dict)
     progress_seen: float = 0.0
+    #: bytes this rank's own tables hold (history, open calls, per-group tables: ``budget``), and
+    #: what its calls hold in the job's slots (kept apart: a slot may outlive this process)
+    held: int = 0
+    slotted: int = 0
+    table_bytes: int = 0  # its session's signature table (the coordinator's decoder), as charged
 
     @property
     def rank(self) -> int:

@@ -1,0 +1,116 @@
+"""Memory budgets in bytes: per rank, per job and for the whole coordinator (issue 15).
+
+Counts alone do not bound memory: a cap of 16,384 groups per job, 64 calls of history per group
+and 4,096 slots per group let one hostile (or broken) rank hold gigabytes, each record's strings
+already cut at ingest (``wire.clip``). So ``JobState`` charges what it holds to a ``Ledger``:
+each record kept in a rank's history, open-call table or a slot, each slot, group and per-group
+table, at its estimated size, released when it is let go. A charge that would take the rank,
+its job or the coordinator over its budget is refused before anything is stored: the rank's
+oldest history goes first (it only feeds the rules' explanations), then the call is dropped
+and counted (``status``: ``budget``; ``/metrics``: ``hangwatch_budget_*``).
+
+The estimates are upper bounds, calibrated against ``tracemalloc`` (``tests/coordinator/
+test_budget.py`` fails when one falls below what Python really allocates): a record held in
+three places is charged three times, so a real job uses well under what it is charged. The
+defaults leave room for a 1,024-rank job many times over (measured in that test: about 2 KB
+charged per call of a healthy job, history and slot together).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from hangwatch import records as r
+
+MIB = 1024 * 1024
+DEFAULT_RANK_MB = 64
+DEFAULT_JOB_MB = 2048
+DEFAULT_TOTAL_MB = 4096
+
+#: A CallRecord (slots dataclass) with its tuples of TensorMeta and the dict for ``extra``,
+#: before its strings: measured 500-700 bytes with tracemalloc, rounded up.
+CALL_BYTES = 1024
+TENSOR_BYTES = 160  # one TensorMeta with its shape tuple (strings interned by the decoder or not)
+#: A slot (its dataclass, its calls dict, the OrderedDict entry) and one rank's entry in it.
+SLOT_BYTES = 640
+SLOT_ENTRY_BYTES = 128
+#: A rank's per-group tables: its history deque (64 slots), open-collectives dict, entry seq and
+#: progress entries, and the job's arrivals deque for the group.
+RANK_GROUP_BYTES = 1600
+JOB_GROUP_BYTES = 4096
+#: One open call: its entries in the rank's open-call tables and the job's p2p table.
+OPEN_BYTES = 256
+#: One group's device progress (NCCL) in a rank's table.
+PROGRESS_BYTES = 512
+#: A rank's own state before any call: its dataclass, deques and tables, markers at their cap.
+RANK_BYTES = 8192
+
+
+def text_bytes(text: str | None) -> int:
+    return 0 if text is None else sys.getsizeof(text)  # exact for a str, wide characters included
+
+
+def call_bytes(call: r.CallRecord) -> int:
+    """An upper bound of what ``call`` takes in memory, its strings and tensors included."""
+    n = CALL_BYTES + text_bytes(call.op) + text_bytes(call.group) + text_bytes(call.call_site)
+    n += text_bytes(call.error) + text_bytes(call.reduce_op) + text_bytes(call.source)
+    for meta in call.inputs + call.outputs:
+        n += TENSOR_BYTES + 40 * len(meta.shape) + text_bytes(meta.dtype) + text_bytes(meta.device)
+    for key, value in call.extra.items():
+        n += 128 + text_bytes(key) + text_bytes(value)
+    return n
+
+
+def marker_bytes(marker: r.MarkerEvent) -> int:
+    return 256 + text_bytes(marker.name) + text_bytes(marker.detail) + text_bytes(marker.call_site)
+
+
+def group_bytes(info: r.GroupInfo) -> int:
+    """A group's membership as held (one tuple of ints)."""
+    return 256 + 40 * len(info.ranks) + text_bytes(info.name) + text_bytes(info.backend) + text_bytes(info.desc)
+
+
+@dataclasses.dataclass
+class Budget:
+    """What the coordinator may hold, in bytes."""
+
+    rank: int = DEFAULT_RANK_MB * MIB
+    job: int = DEFAULT_JOB_MB * MIB
+    total: int = DEFAULT_TOTAL_MB * MIB
+
+    @classmethod
+    def of_mb(cls, rank: float, job: float, total: float) -> Budget:
+        return cls(int(rank * MIB), int(job * MIB), int(total * MIB))
+
+    def check(self) -> None:
+        if min(self.rank, self.job, self.total) <= 0:
+            raise ValueError("memory budgets must be positive")
+
+
+UNLIMITED = Budget(1 << 62, 1 << 62, 1 << 62)
+
+
+class Ledger:
+    """The coordinator's account of what every job holds, against its budget. One lock (the
+    coordinator's) guards it with the job states that charge it."""
+
+    def __init__(self, budget: Budget | None = None) -> None:
+        self.budget = budget or UNLIMITED
+        self.held = 0  # bytes charged by every job followed
+        self.refused = 0  # calls, groups or slots refused for a budget
+        self.trimmed = 0  # history records let go early to make room
+        self.refused_by: dict[str, int] = {"rank": 0, "job": 0, "total": 0}
+
+    def refuse(self, which: str) -> None:
+        self.refused += 1
+        self.refused_by[which] = self.refused_by.get(which, 0) + 1
+
+    def view(self) -> dict[str, object]:
+        return {
+            "held_bytes": self.held,
+            "limit_bytes": {"rank": self.budget.rank, "job": self.budget.job, "total": self.budget.total},
+            "refused": self.refused,
+            "refused_by": dict(self.refused_by),
+            "trimmed": self.trimmed,
+        }

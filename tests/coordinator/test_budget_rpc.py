@@ -1,0 +1,194 @@
+"""The property the budget exists for (issue 15): no input sequence through the public RPCs makes
+the coordinator exceed its configured byte budget (measured with ``tracemalloc``) or crash.
+
+Each example starts a real coordinator on port 0 with small budgets and sends it, over real
+gRPC, a hypothesis-chosen mix of what a hostile or broken client can send: registrations of
+many ranks in several jobs, thousands of groups, open calls that never end, interned signatures
+with the longest strings ``wire`` lets in, markers, device progress. Python's traced memory
+after it all (less that of the same coordinator idle) must stay within the budget plus what
+the coordinator holds outside job state (gRPC's own buffers, the incident store), and the
+coordinator must still answer ``status``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hangwatch import records as r
+from hangwatch import wire
+from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.soak
+
+MIB = 1024 * 1024
+RANK_MB, JOB_MB, TOTAL_MB = 0.5, 2.0, 4.0
+#: What the coordinator may allocate beyond job state during a flood: gRPC's and protobuf's
+#: transient objects, logging, incidents the engine raised (bounded by count, not this budget).
+SLACK = 6 * MIB
+
+
+@pytest.fixture
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    c = Coordinator(
+        CoordinatorOptions(
+            port=0,
+            data_dir=str(tmp_path_factory.mktemp("budget")),
+            embedded_agent=False,
+            rank_budget_mb=RANK_MB,
+            job_budget_mb=JOB_MB,
+            memory_budget_mb=TOTAL_MB,
+        )
+    )
+    c.start()
+    yield c
+    c.stop(0.2)
+
+
+def _identity(job: str, rank: int, world: int) -> r.RankIdentity:
+    return r.RankIdentity(job, rank, world, "h", 7000 + rank, session=uuid.uuid4().hex, launch=f"10.0.0.1:{len(job)}")
+
+
+LONG = wire.MAX_SITE * 4  # cut to MAX_SITE at ingest
+floods = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # job
+        st.integers(0, 7),  # rank
+        st.integers(0, 3000),  # groups announced
+        st.integers(0, 2000),  # calls
+        st.integers(1, 300),  # signatures
+        st.booleans(),  # calls left open
+        st.integers(0, 50),  # markers
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def _flood(
+    stub: pb_grpc.CoordinatorStub, job: int, rank: int, groups: int, calls: int, sigs: int, open_: bool, markers: int
+) -> None:
+    ident = _identity(f"flood{job}", rank, 8)
+    req = pb.RegisterRequest()
+    wire.identity_to_pb(ident, req.identity)
+    try:
+        stub.Register(req, timeout=10)
+    except grpc.RpcError as exc:
+        assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), exc
+        return
+    now = time.time()
+    batch = pb.ReportBatch(rank=rank, session=ident.session, sent_time=now)
+    for g in range(groups):
+        group = pb.Group(name=f"{g}-" + "n" * 200, ranks=[0, rank])
+        batch.events.add(group=pb.GroupChange(kind="created", group=group))
+    for s in range(sigs):
+        sig = batch.signatures.add(id=s)
+        sig.call.op = "all_reduce" if s % 3 else "send"
+        sig.call.group = f"{s % max(1, groups)}-" + "n" * 200
+        sig.call.call_site = f"{s}" + "é" * LONG
+        sig.call.inputs.add(shape=list(range(2**40, 2**40 + 24)), dtype="x" * 300)
+        if s % 3 == 0:
+            sig.call.peer = (rank + 1) % 8
+    nan = float("nan")
+    for i in range(calls):
+        batch.calls.signature.append(i % sigs)
+        batch.calls.call_id.append(i + 1)
+        batch.calls.seq.append(i + 1)
+        batch.calls.step.append(i)
+        batch.calls.enter_time.append(now)
+        batch.calls.exit_time.append(nan if open_ else now + 0.001)
+    for m in range(markers):
+        batch.events.add(marker=pb.Marker(name="m" * 300, time=now, detail=f"{m}" + "d" * 8000))
+    try:
+        stub.Report(batch, timeout=30)
+    except grpc.RpcError as exc:
+        assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), exc
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=floods)
+def test_no_rpc_sequence_takes_the_coordinator_over_its_budget(
+    tmp_path_factory: pytest.TempPathFactory, plan: list[tuple[int, int, int, int, int, bool, int]]
+) -> None:
+    c = Coordinator(
+        CoordinatorOptions(
+            port=0,
+            data_dir=str(tmp_path_factory.mktemp("budget")),
+            embedded_agent=False,
+            rank_budget_mb=RANK_MB,
+            job_budget_mb=JOB_MB,
+            memory_budget_mb=TOTAL_MB,
+        )
+    )
+    gc.collect()
+    tracemalloc.start()
+    try:
+        c.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
+        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        stub.GetStatus(pb.QueryRequest(), timeout=10)  # the coordinator idle, every thread started
+        gc.collect()
+        idle = tracemalloc.get_traced_memory()[0]
+        for step in plan:
+            _flood(stub, *step)
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - idle
+        status = c.status()
+        assert status is not None
+        held = status["job"]["budget"]["held_bytes"]
+        assert held <= TOTAL_MB * MIB, status["job"]["budget"]
+        assert used <= TOTAL_MB * MIB + SLACK, f"traced {used / MIB:.1f} MiB past idle; budget {status['budget']}"
+        channel.close()
+    finally:
+        tracemalloc.stop()
+        c.stop(0.2)
+
+
+def test_the_issues_group_flood_is_refused_at_the_rank_budget(coordinator: Coordinator) -> None:
+    """The issue's reproduction, through the RPCs: one rank opening 16,384 groups, each with a
+    call. Before the budget the coordinator grew by hundreds of MiB; now the rank stops at its
+    budget, the refusals are counted in ``status`` and ``/metrics``' source, and another job's
+    ranks still register and report."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
+    stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    for chunk in range(8):
+        ident = _identity("flood", 0, 2) if chunk == 0 else ident  # noqa: F821
+        if chunk == 0:
+            req = pb.RegisterRequest()
+            wire.identity_to_pb(ident, req.identity)
+            stub.Register(req, timeout=10)
+        batch = pb.ReportBatch(rank=0, session=ident.session, sent_time=time.time())
+        for g in range(chunk * 2048, (chunk + 1) * 2048):
+            name = f"flood{g}"
+            batch.events.add(group=pb.GroupChange(kind="created", group=pb.Group(name=name, ranks=[0, 1])))
+            batch.events.add(call=pb.Call(call_id=g + 1, op="all_reduce", group=name, seq=1, enter_time=time.time()))
+        stub.Report(batch, timeout=30)
+    status = coordinator.status("flood")
+    assert status is not None
+    assert status["job"]["budget"]["refused_by"]["rank"] > 1000
+    assert status["job"]["budget"]["held_bytes"] <= RANK_MB * MIB + 64 * 1024
+    other = _identity("other", 0, 1)
+    req = pb.RegisterRequest()
+    wire.identity_to_pb(other, req.identity)
+    stub.Register(req, timeout=10)
+    reply = stub.Report(
+        pb.ReportBatch(
+            rank=0,
+            session=other.session,
+            sent_time=time.time(),
+            events=[pb.Event(call=pb.Call(call_id=1, op="all_reduce", group="0", seq=1, enter_time=time.time()))],
+        ),
+        timeout=10,
+    )
+    assert reply.accepted == 1
+    channel.close()
