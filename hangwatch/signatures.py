@@ -284,6 +284,8 @@ class CallDecoder:
                     None,
                     count or 1,
                     t.extra,
+                    None,
+                    t.cost,  # what its template's strings and tensors take (the budget's charge)
                 )
             )
         return calls, rejected, folded

@@ -439,7 +439,7 @@ class JobState:
         else:
             state.entry_seqs[group] = seq
             self.records_received += 1
-        cost = call.cost = b.call_bytes(call)
+        cost = call.cost = call.cost or b.call_bytes(call)  # decoded calls carry their signature's
         need = 2 * cost + b.OPEN_BYTES + (b.RANK_GROUP_BYTES if hist is None else 0)
         if call.kind is r.OpKind.COLLECTIVE:
             need += cost + b.SLOT_ENTRY_BYTES + b.SLOT_BYTES
