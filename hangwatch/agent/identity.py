@@ -69,6 +69,31 @@ class Proof:
     pid: int
     uid: int
     start_time: float
+    #: the process that started it, as it was when it linked (pid, start time): the job's
+    #: launcher (torchrun's agent, srun's step daemon); None when unknown or init
+    launcher: tuple[int, float] | None = None
+
+
+def parent_of(pid: int) -> tuple[int, float] | None:
+    """``pid``'s parent and the parent's start time (None: gone, unreadable, or init)."""
+    try:
+        parent = psutil.Process(pid).parent()
+        if parent is None or parent.pid <= 1:
+            return None
+        return parent.pid, float(parent.create_time())
+    except Exception:
+        return None
+
+
+def start_time_of(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except Exception:
+        return None
+
+
+#: How far up the process tree a launcher is looked for.
+MAX_LINEAGE = 64
 
 
 #: Proofs kept (one per rank process that ever linked; the oldest go first).
@@ -81,15 +106,24 @@ class Proofs:
     dumps the stacks of, or signals, only a process that linked to it itself (``hangwatch.link``),
     still with the start time and the uid it had then. Thread-safe."""
 
-    def __init__(self, uid_of: Callable[[int], int | None] = process_uid) -> None:
-        self._uid_of = uid_of  # a seam for tests: a process's uid now
+    def __init__(
+        self,
+        uid_of: Callable[[int], int | None] = process_uid,
+        parent: Callable[[int], tuple[int, float] | None] = parent_of,
+        started: Callable[[int], float | None] = start_time_of,
+    ) -> None:
+        # seams for tests: a process's uid now, its parent (pid, start time), its start time
+        self._uid_of = uid_of
+        self._parent = parent
+        self._started = started
         self._lock = threading.Lock()
         self._by_pid: collections.OrderedDict[int, Proof] = collections.OrderedDict()
 
     def add(self, pid: int, uid: int, start_time: float) -> None:
+        launcher = self._parent(pid)
         with self._lock:
             self._by_pid.pop(pid, None)
-            self._by_pid[pid] = Proof(pid, uid, start_time)
+            self._by_pid[pid] = Proof(pid, uid, start_time, launcher)
             while len(self._by_pid) > PROOFS_KEPT:
                 self._by_pid.popitem(last=False)
 
@@ -108,7 +142,29 @@ class Proofs:
         uid = self._uid_of(target.pid)
         if uid is not None and uid != proof.uid:
             return f"pid {target.pid} now runs as uid {uid}, not uid {proof.uid} it linked with"
-        return None
+        return self._lineage(proof)
+
+    def _lineage(self, proof: Proof) -> str | None:
+        """Why ``proof``'s process is no longer its launcher's descendant while that launcher
+        still runs (None: it is, or the launcher is gone and the link's proof stands alone)."""
+        if proof.launcher is None:
+            return None
+        launcher, launched = proof.launcher
+        now = self._started(launcher)
+        if now is None or abs(now - launched) > START_TIME_TOLERANCE_S:
+            return None  # the launcher is gone (its pid free or reused): nothing to check against
+        pid = proof.pid
+        for _ in range(MAX_LINEAGE):
+            parent = self._parent(pid)
+            if parent is None:
+                break
+            if parent[0] == launcher and abs(parent[1] - launched) <= START_TIME_TOLERANCE_S:
+                return None
+            pid = parent[0]
+        return (
+            f"pid {proof.pid} is no longer a descendant of pid {launcher}, the process that launched it "
+            f"(which still runs)"
+        )
 
 
 def proven_start_time(pid: int) -> float | None:

@@ -287,7 +287,8 @@ class Sender:
         was linked before (its agent went away), the ring is read from its start, the calls the
         coordinator already holds are skipped (its registration reply says up to which), Flight
         Recorder is read from here from now on, and the loop hands back to the linked one as
-        soon as an agent answers (returns False); True when the thread is to stop."""
+        soon as an agent answers, also one that started after this rank (returns False); True
+        when the thread is to stop."""
         from hangwatch.ring import RingReader
 
         session = self.session
@@ -381,10 +382,12 @@ class Sender:
                 transport.close()
                 reader.close()
                 return True
-            if resumed and now >= relink_at and pending is None:
+            if session.agent_socket and now >= relink_at and pending is None:
+                # an agent again, or for the first time (the rank started before its node's
+                # agent): it reads the ring from its start and skips what we sent
                 relink_at = now + RELINK_EVERY_S
-                if session.relink():  # an agent again: it reads the ring (and skips what we sent)
-                    log.info("hangwatch: linked to a node agent again")
+                if session.relink():
+                    log.info("hangwatch: linked to a node agent%s", " again" if resumed else "")
                     transport.close()
                     reader.close()
                     self.registered = False

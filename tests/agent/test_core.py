@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -73,7 +74,7 @@ def test_dump_and_abort_refuse_unverified(fake: FakeInspector) -> None:
         return StackDump(pid, 0.0, native=native)
 
     core = NodeAgentCore(inspector=fake, dumper=dumper)
-    core.proofs = Proofs(uid_of=lambda pid: 1000)
+    core.proofs = Proofs(uid_of=lambda pid: 1000, parent=lambda pid: None)
     for pid in (10, 11):  # both linked as ranks, started at 500; pid 12 never linked
         core.proofs.add(pid, 1000, 500.0)
     fake.states[10] = ProcessStatus(10, ProcState.SLEEPING, 1.0, start_time=500.0)
@@ -89,7 +90,7 @@ def test_dump_and_abort_refuse_unverified(fake: FakeInspector) -> None:
 def test_a_proven_rank_running_as_another_user_now_is_refused(fake: FakeInspector) -> None:
     uids = {10: 1000}
     core = NodeAgentCore(inspector=fake, dumper=lambda pid, **kw: StackDump(pid, 0.0))
-    core.proofs = Proofs(uid_of=uids.get)
+    core.proofs = Proofs(uid_of=uids.get, parent=lambda pid: None)
     core.proofs.add(10, 1000, 500.0)
     fake.states[10] = ProcessStatus(10, ProcState.SLEEPING, 1.0, start_time=500.0)
     assert core.dump([Target(0, 10, 500.0)], timeout_s=1.0)[0].ok
@@ -97,3 +98,43 @@ def test_a_proven_rank_running_as_another_user_now_is_refused(fake: FakeInspecto
     dump = core.dump([Target(0, 10, 500.0)], timeout_s=1.0)[0]
     assert dump.error is not None and "uid 0, not uid 1000" in dump.error
     assert core.abort([Target(0, 10, 500.0)], grace_s=0.1) == []
+
+
+def test_a_proven_rank_no_longer_under_its_running_launcher_is_refused(fake: FakeInspector) -> None:
+    """Where the job's launcher is known (the rank's parent when it linked) and still runs, a
+    process that is no longer its descendant is not touched; once the launcher is gone the
+    link's proof stands alone (an orphaned hung rank can still be stopped)."""
+    parents = {10: (7, 300.0), 7: (3, 100.0)}
+    started = {7: 300.0}
+    core = NodeAgentCore(inspector=fake, dumper=lambda pid, **kw: StackDump(pid, 0.0))
+    core.proofs = Proofs(uid_of=lambda pid: 1000, parent=parents.get, started=started.get)
+    core.proofs.add(10, 1000, 500.0)
+    fake.states[10] = ProcessStatus(10, ProcState.SLEEPING, 1.0, start_time=500.0)
+    assert core.dump([Target(0, 10, 500.0)], timeout_s=1.0)[0].ok
+    parents[10] = (8, 400.0)  # now under another process, while its launcher (7) still runs
+    dump = core.dump([Target(0, 10, 500.0)], timeout_s=1.0)[0]
+    assert dump.error is not None and "no longer a descendant of pid 7" in dump.error
+    assert core.abort([Target(0, 10, 500.0)], grace_s=0.1) == []
+    parents[8] = (7, 300.0)  # a grandchild of the launcher is its descendant all the same
+    assert core.dump([Target(0, 10, 500.0)], timeout_s=1.0)[0].ok
+    del parents[8]
+    started[7] = 900.0  # the launcher's pid now belongs to another process: the launcher is gone
+    assert core.dump([Target(0, 10, 500.0)], timeout_s=1.0)[0].ok
+
+
+def test_a_real_rank_under_its_real_launcher_passes() -> None:
+    """The real process tree: this test is the launcher of a ``sleep`` that is proven."""
+    import subprocess
+
+    from hangwatch.agent.identity import proven_start_time
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        started = proven_start_time(child.pid)
+        assert started is not None
+        proofs = Proofs()
+        proofs.add(child.pid, os.getuid(), started)
+        assert proofs.check(Target(0, child.pid, started)) is None
+    finally:
+        child.kill()
+        child.wait(5)

@@ -6,6 +6,8 @@ and a real 2-rank gloo job linked to it. The agent is SIGKILLed: within ``FALLBA
 ranks ship their own records (``via`` direct), long past the coordinator's 5 s of silence no
 incident opens and the ranks' calls keep arriving; a new agent on the same socket takes the
 ranks back (``via`` agent) without sending the coordinator a call twice; the job ends cleanly.
+A job that starts before its node's agent (a DaemonSet pod still pulling its image) links to it
+once it is up, the same way.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ LOOP = """
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 t = torch.ones(4)
 start = time.time()
+SECONDS = float(os.environ.get("LOOP_SECONDS", "30"))
 while True:
     dist.all_reduce(t)
     time.sleep(0.02)
     # the ranks agree on when to stop (each deciding alone by its own clock is a real mismatch:
     # one rank in the final barrier, the other in one more all_reduce)
-    done = torch.tensor([float(time.time() - start >= 30)])
+    done = torch.tensor([float(time.time() - start >= SECONDS)])
     dist.all_reduce(done, op=dist.ReduceOp.MAX)
     if done.item():
         break
@@ -116,3 +119,50 @@ def test_ranks_outlive_their_agent_and_come_back_to_the_next(
             twice = [seq for seq, n in seqs.items() if n > 1]
             assert twice == [], f"rank {rank}: calls held twice: {twice[:10]}"
             assert c.job.duplicates == 0
+
+
+def _held_twice(c: Coordinator) -> dict[int, list[int]]:
+    with c.lock:
+        out = {}
+        for rank, st in c.job.ranks.items():
+            seqs = collections.Counter(call.seq for hist in st.history.values() for call in hist)
+            out[rank] = [seq for seq, n in seqs.items() if n > 1][:10]
+        return out
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_start_before_their_agent_link_to_it_once_it_is_up(
+    coordinator_factory: Callable[..., Coordinator],
+    torchrun: Callable[..., Job],
+    agent: Callable[[int], subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """Before, a rank that found no agent at start shipped its own records for good (it only
+    tried again after losing a link): its node's agent never read its ring, and it could never
+    be dumped or aborted (only agent-proven ranks are)."""
+    c = coordinator_factory(embedded_agent=False)
+    job = torchrun(
+        LOOP,
+        addr=f"127.0.0.1:{c.port}",
+        env={
+            config.ENV_AGENT_SOCKET: str(tmp_path / "node.sock"),
+            "HANGWATCH_NODE_NAME": "node-a",
+            "LOOP_SECONDS": "20",
+        },
+        name="early",
+    )
+    wait_for(lambda: _via(c) == {0: "direct", 1: "direct"}, 60, 0.1, "both ranks shipping alone")
+    wait_for(lambda: _last_seq(c, 0) > 20, 30, 0.1, "calls shipped directly")
+    agent(c.port)
+    up = time.monotonic()
+    wait_for(
+        lambda: _via(c) == {0: "agent", 1: "agent"}, RELINK_EVERY_S + 15, 0.2, "both ranks linked to the late agent"
+    )
+    assert time.monotonic() - up < RELINK_EVERY_S + 10
+    with c.lock:
+        assert all(st.proven for st in c.job.ranks.values()), "linked ranks are proven by their agent"
+    assert job.wait(90) == 0, job.output()[-3000:]
+    wait_for(lambda: all(st.end is not None for st in c.job.ranks.values()), 15, 0.2, "both ranks' ends")
+    assert c.incidents_json() == [], [i["summary"] for i in c.incidents_json()]
+    assert _held_twice(c) == {0: [], 1: []}
+    assert c.job.duplicates == 0
