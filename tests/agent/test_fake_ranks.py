@@ -19,7 +19,7 @@ import pytest
 from hangwatch import records as r
 from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import Coordinator
-from hangwatch.testing import wait_for
+from hangwatch.testing import Job, wait_for
 from tests import factories
 
 pytestmark = pytest.mark.slow
@@ -89,3 +89,73 @@ def test_a_fake_rank_is_neither_dumped_nor_killed(
     stop.set()
     beating.join(5)
     t.close()
+
+
+VICTIM = """
+dist.init_process_group("gloo")
+t = torch.ones(4)
+for _ in range(600):  # a healthy rank of another job, linked to the node's agent (so proven)
+    dist.all_reduce(t)
+    time.sleep(0.05)
+"""
+
+
+def test_a_claim_of_another_jobs_proven_rank_is_still_a_claim(
+    coordinator_factory: Callable[..., Coordinator], torchrun: Callable[..., Job]
+) -> None:
+    """A real rank of job A links to the embedded agent and is proven. A client registers job
+    B, whose "rank 0" carries that rank's pid and start time, and makes job B hang. The agent
+    proved the pid, but not for job B's rank: job B's abort and dump must not touch it."""
+    c = coordinator_factory(stuck_after=2.0, abort_on_hang=True)
+    job = torchrun(VICTIM, addr=f"127.0.0.1:{c.port}", nproc=1, name="victim")
+
+    def proven_victim() -> r.RankIdentity | None:
+        with c.lock:
+            for st in c.jobs.ranks():
+                if st.proven:
+                    return st.identity
+        return None
+
+    real = wait_for(proven_victim, 60, 0.1, "job A's rank linked and proven")
+    t = Transport(f"127.0.0.1:{c.port}", None)
+    waiter = subprocess.Popen(["sleep", "120"])  # job B's "rank 1": some live process
+    fake = [
+        r.RankIdentity("b", 0, 2, real.host, real.pid, start_time=real.start_time, session="b0"),
+        r.RankIdentity(
+            "b", 1, 2, real.host, waiter.pid, start_time=psutil.Process(waiter.pid).create_time(), session="b1"
+        ),
+    ]
+    for ident in fake:
+        t.register(ident)
+    t.report(fake[1], 1, [factories.call(1, 1, call_id=1, enter_time=time.time())], 0, 0)
+    stop = threading.Event()
+
+    def heartbeats() -> None:
+        n = 1
+        while not stop.wait(0.3):
+            n += 1
+            for ident in fake:
+                t.report(ident, n, [], 0, 0)
+
+    beating = threading.Thread(target=heartbeats, daemon=True)
+    beating.start()
+    try:
+        inc = wait_for(lambda: next((i for i in c.incidents_json() if i["job"] == "b"), None), 15, 0.1, "job B's hang")
+        assert inc["culprit_ranks"] == [0]
+        told = wait_for(
+            lambda: (c.incident_json(inc["id"]) or {})["details"].get("abort"), 20, 0.1, "job B's abort outcome"
+        )
+        assert told["signalled_pids"] == [], told
+        assert "0" in told["refused"], told
+        time.sleep(2.0)  # a SIGTERM would have landed by now
+        assert job.proc.poll() is None, "job A's rank was killed by job B's abort"
+        notes = (c.incident_json(inc["id"]) or {})["stack_notes"]
+        assert "0" in notes and (c.incident_json(inc["id"]) or {})["stacks"] == {}, notes
+        assert all(i["job"] == "b" for i in c.incidents_json()), "job A raised an incident"
+    finally:
+        stop.set()
+        beating.join(5)
+        t.close()
+        job.kill()
+        waiter.kill()
+        waiter.wait(5)
