@@ -407,9 +407,18 @@ class JobState:
         self._charge(state, -freed)
 
     def _free_slot(self, slot: Slot) -> None:
+        # inlined: every pruned slot of every call passes here (the ingest hot path)
+        total = b.SLOT_BYTES
+        ranks = self.ranks
+        entry = b.SLOT_ENTRY_BYTES
         for rank, call in slot.calls.items():
-            self._unslot_charge(rank, call)
-        self._charge(None, -b.SLOT_BYTES)
+            n = call.cost + entry
+            total += n
+            st = ranks.get(rank)
+            if st is not None:
+                st.slotted = st.slotted - n if st.slotted > n else 0
+        self.held -= total
+        self.ledger.held -= total
 
     def _unslot_charge(self, rank: int, call: r.CallRecord) -> None:
         n = call.cost + b.SLOT_ENTRY_BYTES
