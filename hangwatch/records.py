@@ -82,6 +82,8 @@ class CallRecord:
     returned_time: float | None = None
     #: coordinator only: the bytes charged for it in each table that holds it (``budget``)
     cost: int = field(default=0, compare=False, repr=False)
+    #: coordinator only: how many of the job state's tables hold it (charged once, while > 0)
+    holds: int = field(default=0, compare=False, repr=False)
 
     @property
     def kind(self) -> OpKind:

@@ -155,11 +155,21 @@ _SHARED: dict[object, object] = {}
 MAX_SHARED = 65536
 
 
+#: Only lists this small are shared (a call's usual few tensors): the table holds a bounded
+#: number of bounded values, whatever a client sends.
+SHARED_TENSORS = 8
+SHARED_DIMS = 8
+
+
 def _shared(value: Any) -> Any:
     found = _SHARED.get(value)
     if found is not None:
         return found
-    if len(_SHARED) < MAX_SHARED:
+    if (
+        len(_SHARED) < MAX_SHARED
+        and len(value) <= SHARED_TENSORS
+        and all(len(m.shape) <= SHARED_DIMS and len(m.dtype) <= 32 and len(m.device) <= 32 for m in value)
+    ):
         _SHARED[value] = value
     return value
 
@@ -193,8 +203,6 @@ class CallDecoder:
                 continue
             try:
                 template = wire.call_from_pb(rank, sig.call)
-                template.inputs = _shared(template.inputs)
-                template.outputs = _shared(template.outputs)
             except (wire.WireError, ValueError, OverflowError):
                 self._drop(sig.id)
                 rejected += 1
@@ -206,6 +214,8 @@ class CallDecoder:
                     rejected += 1
                     continue
                 self.bytes += template.cost
+            template.inputs = _shared(template.inputs)  # only once admitted
+            template.outputs = _shared(template.outputs)
             self.table[sig.id] = template
         first: list[r.RankEvent] = []
         rest: list[r.RankEvent] = []

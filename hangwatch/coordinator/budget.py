@@ -41,10 +41,17 @@ RANK_GROUP_BYTES = 1600
 JOB_GROUP_BYTES = 4096
 #: One open call: its entries in the rank's open-call tables and the job's p2p table.
 OPEN_BYTES = 256
+#: What a call may add to the tables beyond itself: its open-call entry, its slot entry, a new
+#: slot (the admission check's bound).
+CALL_TABLES_BYTES = OPEN_BYTES + SLOT_ENTRY_BYTES + SLOT_BYTES
+#: One DDP forward pass kept (its tuple; the group's name, cut to ``wire.MAX_NAME``, on top).
+FORWARD_BYTES = 256 + 4 * 256 + 80
+#: One monitored-barrier renumbering kept for a group.
+SHIFT_BYTES = 128
 #: One group's device progress (NCCL) in a rank's table.
 PROGRESS_BYTES = 512
 #: A rank's own state before any call: its dataclass, deques and tables, markers at their cap.
-RANK_BYTES = 8192
+RANK_BYTES = 8192 + 2 * (80 + 4 * 1024)  # and its latest ``where`` and ``where_user`` (cut to 1 KiB)
 
 
 def text_bytes(text: str | None) -> int:
@@ -81,11 +88,10 @@ class Budget:
 
     @classmethod
     def of_mb(cls, rank: float, job: float, total: float) -> Budget:
+        for mb in (rank, job, total):
+            if not (0 < mb < 1 << 40):  # NaN, infinite, zero or negative
+                raise ValueError(f"memory budgets must be positive numbers of MiB, not {mb}")
         return cls(int(rank * MIB), int(job * MIB), int(total * MIB))
-
-    def check(self) -> None:
-        if min(self.rank, self.job, self.total) <= 0:
-            raise ValueError("memory budgets must be positive")
 
 
 UNLIMITED = Budget(1 << 62, 1 << 62, 1 << 62)

@@ -101,9 +101,8 @@ class Coordinator:
         self.options = options
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.lock = threading.RLock()
-        limits = budget.Budget.of_mb(options.rank_budget_mb, options.job_budget_mb, options.memory_budget_mb)
         try:
-            limits.check()
+            limits = budget.Budget.of_mb(options.rank_budget_mb, options.job_budget_mb, options.memory_budget_mb)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.jobs = Jobs(budget.Ledger(limits))
@@ -307,7 +306,7 @@ class Coordinator:
             # sessions of ended runs and of a rank's earlier process are over
             kept = {s: d for s, d in self.decoders.items() if self.jobs.for_session(s) is not None}
             for session, gone in self.decoders.items():
-                if session not in kept:
+                if session not in kept or session == identity.session:  # a session registering again starts afresh
                     gone.release()
             self.decoders = kept
             # the rank's table starts empty too; its signatures count against the memory budget

@@ -29,6 +29,8 @@ from hangwatch.serving import is_loopback
 
 #: Jobs one coordinator follows at once (live or over); beyond it the oldest over job goes.
 MAX_JOBS = 64
+#: A job that has no rank (every registration refused) this long is over.
+EMPTY_JOB_S = 60.0
 #: How long an over job's state is kept for ``status`` before it is retired.
 OVER_KEPT_S = 3600.0
 #: Runs whose end is remembered (why their incidents were resolved).
@@ -92,6 +94,7 @@ class Jobs:
         job = self.by_key.get(key)
         if identity.session not in self.sessions:  # a new process: over jobs of its id are reruns
             self.retire_over(now, rerun_of=identity.job_id, keep=job)
+        made = job is None
         if job is None:
             if len(self.by_key) >= MAX_JOBS:
                 self.refused += 1
@@ -99,7 +102,16 @@ class Jobs:
             job = JobState(self.ledger)
             self._add(key, job)
         run = job.run
-        state = job.register(identity, now, via)
+        previous = job.ranks.get(identity.rank)
+        try:
+            state = job.register(identity, now, via)
+        except Exception:
+            if made:  # its first registration refused: no job was begun
+                self.by_key.pop(key, None)
+                self.keys.pop(id(job), None)
+            raise
+        if previous is not None and previous.identity.session != identity.session:
+            self.sessions.pop(previous.identity.session, None)  # that process's session is over
         if job.run != run:
             self._ended(run, "the job's run ended (a new run of it began)")
             self.sessions = {s: j for s, j in self.sessions.items() if j is not job or s in job.sessions}
@@ -190,9 +202,11 @@ class Jobs:
 
 def over(job: JobState, now: float | None = None) -> bool:
     """Every rank of the job has ended, is gone, or has been silent for ``SILENT_GONE_S`` (a job
-    with no rank yet is not over)."""
+    left with no rank, its registrations refused, is over after a minute)."""
     now = time.time() if now is None else now
-    return bool(job.ranks) and all(
+    if not job.ranks:
+        return now - job.started > EMPTY_JOB_S
+    return all(
         st.end is not None or not st.alive or now - st.last_seen > SILENT_GONE_S for st in job.ranks.values()
     )
 

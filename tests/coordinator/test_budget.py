@@ -26,27 +26,47 @@ KB = 1024
 # ---- the audit: every charge recomputed from what is held --------------------------------------
 
 
-def _rank_expected(job: JobState, st: RankState) -> int:
+def _tables(job: JobState, st: RankState) -> int:
+    """What a rank's own tables are charged, counted from scratch."""
     n = b.RANK_BYTES
-    n += sum(b.RANK_GROUP_BYTES + sum(c.cost for c in hist) for hist in st.history.values())
-    n += sum(c.cost + b.OPEN_BYTES for c in st.open_calls.values())
-    n += sum(b.marker_bytes(m) for m in st.markers)
+    n += b.RANK_GROUP_BYTES * len(st.history) + b.OPEN_BYTES * len(st.open_calls)
+    n += sum(b.marker_bytes(m) for m in st.markers) + b.FORWARD_BYTES * len(st.forwards)
+    n += b.SHIFT_BYTES * sum(len(shifts) for shifts in st.seq_shifts.values())
     n += sum(b.PROGRESS_BYTES + b.text_bytes(g) for g in st.progress)
     n += sum(b.group_bytes(info) for name, info in st.groups.items() if info is not job.groups.get(name))
     return n
 
 
 def audit(job: JobState) -> None:
-    """What ``job`` is charged equals what it holds, counted from scratch."""
+    """What ``job`` is charged equals what it holds, counted from scratch: each rank's tables,
+    every call held anywhere (once, however many tables hold it), slots and groups."""
+    held: dict[int, r.CallRecord] = {}
+    holders: dict[int, int] = {}
+
+    def saw(c: r.CallRecord) -> None:
+        held[id(c)] = c
+        holders[id(c)] = holders.get(id(c), 0) + 1
+
     for rs in job.ranks.values():
-        assert rs.held == _rank_expected(job, rs), f"rank {rs.rank}"
-    slots = sum(
-        b.SLOT_BYTES + sum(c.cost + b.SLOT_ENTRY_BYTES for c in slot.calls.values())
-        for per_group in job.slots.values()
-        for slot in per_group.values()
-    )
+        assert rs.held == _tables(job, rs), f"rank {rs.rank}"
+        for hist in rs.history.values():
+            for c in hist:
+                saw(c)
+        for c in rs.open_calls.values():
+            saw(c)
+        if rs.last_call is not None:
+            saw(rs.last_call)
+    slots = 0
+    for per_group in job.slots.values():
+        for slot in per_group.values():
+            slots += b.SLOT_BYTES + b.SLOT_ENTRY_BYTES * len(slot.calls)
+            for c in slot.calls.values():
+                saw(c)
+    for key, c in held.items():
+        assert c.holds == holders[key], f"{c.op} seq {c.seq} of rank {c.rank}: {c.holds} holds, {holders[key]} tables"
     groups = sum(b.group_bytes(info) + b.JOB_GROUP_BYTES for info in job.groups.values())
-    assert job.held == sum(st.held for st in job.ranks.values()) + slots + groups
+    calls = sum(c.cost for c in held.values())
+    assert job.held == sum(rs.held for rs in job.ranks.values()) + calls + slots + groups
 
 
 # ---- a random job, step by step -----------------------------------------------------------------
@@ -67,6 +87,10 @@ actions = st.lists(
             st.just("newrun"),
         ),
         st.tuples(st.just("p2p"), st.integers(0, 2), st.integers(0, 2)),
+        # a call id used again on another group while the first call is open (found by review)
+        st.tuples(st.just("reuse"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40)),
+        st.tuples(st.just("forward"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40)),
+        st.tuples(st.just("monitored"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40)),
     ),
     max_size=60,
 )
@@ -134,10 +158,26 @@ def test_charges_match_what_is_held(steps: list[tuple[object, ...]], rank_kb: in
             _, rk, peer = step
             assert isinstance(rk, int) and isinstance(peer, int)
             job.apply(job.ranks[rk], call(rk, 1, "send", peer=peer, enter_time=t), t)
+        elif kind == "reuse" and opened:
+            _, rk, group, seq = step
+            assert isinstance(group, str) and isinstance(seq, int)
+            old = opened[-1]
+            again = call(old.rank, seq, group=group, call_id=old.call_id, enter_time=t, call_site="y" * site)
+            job.apply(job.ranks[old.rank], again, t)
+            opened.append(again)
+        elif kind == "forward":
+            _, rk, group, seq = step
+            assert isinstance(rk, int)
+            job.apply(job.ranks[rk], r.MarkerEvent(rk, r.DDP_FORWARD, t, detail=f"{group}:{seq}"), t)
+        elif kind == "monitored":
+            _, rk, group, seq = step
+            assert isinstance(rk, int) and isinstance(group, str) and isinstance(seq, int)
+            done = call(rk, seq, "monitored_barrier", group=group, enter_time=t, exit_time=t + 0.1, seq_count=5)
+            job.apply(job.ranks[rk], done, t)
         audit(job)
         assert ledger.held == job.held
         for st_ in job.ranks.values():
-            assert st_.held + st_.slotted <= ledger.budget.rank or not st_.history, "over the rank budget"
+            assert st_.held + st_.calls <= ledger.budget.rank or not st_.history, "over the rank budget"
         assert job.held <= ledger.budget.job + b.RANK_BYTES * 3
 
 
@@ -228,13 +268,13 @@ def test_one_rank_opening_thousands_of_groups_stops_at_its_budget_and_the_others
         name = f"flood{g}"
         job.apply(hostile, group_event(0, name, (0, 1), T0), T0)
         job.apply(hostile, call(0, 1, group=name, enter_time=T0, call_site="s" * 1024), T0)
-    assert hostile.held + hostile.slotted <= ledger.budget.rank
+    assert hostile.held + hostile.calls <= ledger.budget.rank
     assert job.refused > 10_000 and ledger.refused_by["rank"] == job.refused
     for seq in range(1, 50):
         for rs in (hostile, other):
             job.apply(rs, call(rs.rank, seq, enter_time=T0 + seq, exit_time=T0 + seq + 0.1), T0 + seq)
     assert [c.seq for c in other.history["0"]][-1] == 49  # the other rank's calls are all held
-    assert hostile.held + hostile.slotted <= ledger.budget.rank  # still within its budget after them
+    assert hostile.held + hostile.calls <= ledger.budget.rank  # still within its budget after them
     audit(job)
 
 
@@ -245,7 +285,7 @@ def test_history_trimmed_before_a_call_is_refused() -> None:
     for seq in range(1, 500):
         group = f"g{seq % 20}"
         job.apply(st, call(0, seq, group=group, enter_time=T0 + seq, exit_time=T0 + seq + 0.1), T0 + seq)
-    assert st.held + st.slotted <= 256 * KB
+    assert st.held + st.calls <= 256 * KB
     assert ledger.trimmed > 100
     assert job.refused == 0  # trimming made room every time: nothing refused
     assert len(st.history) == 20 and max(len(h) for h in st.history.values()) < HISTORY_PER_GROUP
@@ -264,3 +304,54 @@ def test_coordinator_total_budget_refuses_a_new_rank() -> None:
     else:
         raise AssertionError("a rank past the coordinator's budget was registered")
     assert ledger.refused_by["total"] == 1
+
+
+def test_jobs_forget_sessions_and_refused_jobs() -> None:
+    """Review findings: a process registering again with a new session leaves no stale session
+    behind, and a job whose first registration is refused is not begun (it would hold one of
+    the 64 job places for good)."""
+    ledger = Ledger(Budget(1 << 40, 1 << 40, b.RANK_BYTES))
+    jobs = Jobs(ledger)
+    for n in range(50):
+        jobs.register(identity(0, 1, session=f"s{n}"), T0 + n)
+    assert len(jobs.sessions) == 1
+    try:
+        jobs.register(identity(0, 1, session="x", job_id="other", launch="10.0.0.9:1"), T0 + 100)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a registration past the total budget was accepted")
+    assert len(jobs) == 1
+
+
+def test_flight_recorder_calls_refused_leave_no_trace() -> None:
+    """A refused call must not be remembered anywhere: its group's entry seq was kept before the
+    budget was asked (a flood of new groups grew that table without bound)."""
+    from hangwatch.flight_entries import ENTRY_CALL_IDS
+
+    ledger = Ledger(Budget(64 * KB, 1 << 40, 1 << 40))
+    job = JobState(ledger)
+    st = job.register(identity(0, 1, session="a"), T0)
+    for g in range(5000):
+        job.apply(st, call(0, 1, group=f"fr{g}" + "n" * 200, call_id=ENTRY_CALL_IDS + g, enter_time=T0), T0)
+    assert job.refused > 4000
+    assert len(st.entry_seqs) == len(st.history) < 100
+    audit(job)
+
+
+def test_a_call_id_used_again_on_another_group_keeps_the_books_straight() -> None:
+    """The review's drift: a call id sent again on another group while the first call was open
+    left the first in its group's open table; closing it later released the new call's bytes."""
+    job = JobState(Ledger())
+    st = job.register(identity(0, 2, session="s"), T0)
+    t = T0
+    for i in range(200):
+        t += 1
+        base = 10 * i
+        job.apply(st, call(0, 2 * i + 1, group="g1", call_id=base + 1, enter_time=t, call_site="a"), t)
+        big = call(
+            0, 2 * i + 1, group="g2", call_id=base + 1, enter_time=t, call_site="b" * 1024, extra={"k": "v" * 4000}
+        )
+        job.apply(st, big, t)
+        job.apply(st, call(0, 2 * i + 2, group="g1", call_id=base + 2, enter_time=t, exit_time=t + 0.1), t)
+        audit(job)

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from hangwatch import catalogue
+from hangwatch import catalogue, wire
 from hangwatch import records as r
 from hangwatch.coordinator import budget as b
 from hangwatch.coordinator.state.ranks import (
@@ -147,7 +147,7 @@ class JobState:
             previous.proven = previous.proven or via == "agent"  # the same process, whichever path ships it
             return previous
         self._check_claim(identity, previous, now, via)
-        if not self._room(None, b.RANK_BYTES):
+        if not self._room(None, b.RANK_BYTES - (previous.held if previous is not None else 0)):
             self._conflict(identity, now, via, "refused: the coordinator's memory budget is spent")
             raise ClaimRefused(f"rank {identity.rank}: no room left in the coordinator's memory budget")
         if previous is not None:
@@ -201,7 +201,17 @@ class JobState:
         for call in previous.open_calls.values():
             self._unslot(call)
             self.p2p_open.pop((previous.rank, call.call_id), None)
-        self._charge(None, -previous.held)  # its tables go with it (its calls in slots stay charged)
+        # its tables go with it: their calls are let go (those still in slots stay charged), then
+        # what is charged to it alone (per-group tables, markers...)
+        for call in previous.open_calls.values():
+            self._unhold(previous, call)
+        for hist in previous.history.values():
+            for call in hist:
+                self._unhold(previous, call)
+        if previous.last_call is not None:
+            self._unhold(previous, previous.last_call)
+        self._charge(None, -previous.held)  # its own tables, exactly (what calls it left in slots stay the job's)
+        previous.held = 0
 
     def rank_for_session(self, session: str) -> RankState | None:
         rank = self.sessions.get(session)
@@ -299,9 +309,11 @@ class JobState:
         elif isinstance(event, r.MarkerEvent):
             if event.name == r.DDP_FORWARD:
                 group, _, seq = event.detail.rpartition(":")
-                if group and seq.isdigit():
+                if group and seq.isdigit() and len(group) <= wire.MAX_NAME and self._room(state, b.FORWARD_BYTES):
                     state.forward_count += 1
+                    freed = b.FORWARD_BYTES if len(state.forwards) == state.forwards.maxlen else 0
                     state.forwards.append((state.forward_count, group, int(seq), event.step))
+                    self._charge(state, b.FORWARD_BYTES - freed)
             else:
                 cost = b.marker_bytes(event)
                 if self._room(state, cost):
@@ -330,8 +342,9 @@ class JobState:
             if not self._room(state, b.group_bytes(info) + b.JOB_GROUP_BYTES):
                 return
             canonical = self.groups[name] = info
+            # the job's, charged to the rank that made it (as its calls are: it may outlive it)
             self._charge(None, b.group_bytes(info) + b.JOB_GROUP_BYTES)
-            state.slotted += b.group_bytes(info) + b.JOB_GROUP_BYTES  # the creator's share of the job
+            state.calls += b.group_bytes(info) + b.JOB_GROUP_BYTES
             self.group_owner[name] = state.rank
         # one membership tuple per group, not one per rank (the world group is O(world) long)
         before = state.groups.get(name)
@@ -348,10 +361,11 @@ class JobState:
     def _forget_group(self, name: str) -> None:
         info = self.groups.pop(name, None)
         if info is not None:
-            self._charge(None, -b.group_bytes(info) - b.JOB_GROUP_BYTES)
+            n = b.group_bytes(info) + b.JOB_GROUP_BYTES
+            self._charge(None, -n)
             owner = self.ranks.get(self.group_owner.pop(name, -1))
             if owner is not None:
-                owner.slotted = max(0, owner.slotted - b.group_bytes(info) - b.JOB_GROUP_BYTES)
+                owner.calls = owner.calls - n if owner.calls > n else 0
         for slot in (self.slots.pop(name, None) or {}).values():
             self._free_slot(slot)
         self.arrivals.pop(name, None)
@@ -359,30 +373,65 @@ class JobState:
         for st in self.ranks.values():
             hist = st.history.pop(name, None)
             if hist is not None:
-                self._charge(st, -b.RANK_GROUP_BYTES - sum(c.cost for c in hist))
+                for call in hist:
+                    self._unhold(st, call)
+                self._charge(st, -b.RANK_GROUP_BYTES)
+            shifts = st.seq_shifts.pop(name, None)
+            if shifts:
+                self._charge(st, -b.SHIFT_BYTES * len(shifts))
 
     # ---- memory budget ----------------------------------------------------------------------
 
     def _charge(self, state: RankState | None, n: int) -> None:
-        """Account ``n`` bytes (negative: released) to ``state``'s tables, the job and the
-        coordinator."""
+        """Account ``n`` bytes (negative: released) to ``state``, the job and the coordinator."""
         if state is not None:
             state.held += n
         self.held += n
         self.ledger.held += n
 
+    def _release(self, state: RankState | None, n: int) -> None:
+        """Release ``n`` bytes charged to a rank that may have registered again since (a new
+        process of the rank never goes below nothing for its predecessor's)."""
+        if state is not None:
+            state.held = state.held - n if state.held > n else 0
+        self.held -= n
+        self.ledger.held -= n
+
+    def _hold(self, state: RankState, call: r.CallRecord) -> None:
+        """One more table holds ``call``: charged (to its rank) when it is the first."""
+        held = call.holds
+        call.holds = held + 1
+        if not held:
+            n = call.cost
+            state.calls += n
+            self.held += n
+            self.ledger.held += n
+
+    def _unhold(self, state: RankState | None, call: r.CallRecord) -> None:
+        """A table let go of ``call``: released when it was the last."""
+        held = call.holds - 1
+        call.holds = held
+        if not held:
+            n = call.cost
+            if state is None:
+                state = self.ranks.get(call.rank)
+            if state is not None:
+                state.calls = state.calls - n if state.calls > n else 0
+            self.held -= n
+            self.ledger.held -= n
+
     def _room(self, state: RankState | None, n: int) -> bool:
         """Whether ``n`` more bytes for ``state`` (None: a rank not yet made) fit its, the job's
         and the coordinator's budgets, its oldest history let go first if that makes room;
         counted when not."""
-        budget, ledger = self.ledger.budget, self.ledger
-        mine = 0 if state is None else state.held + state.slotted
-        over = max(mine + n - budget.rank, self.held + n - budget.job, ledger.held + n - budget.total)
-        if over <= 0:
+        ledger = self.ledger
+        budget = ledger.budget
+        mine = 0 if state is None else state.held + state.calls
+        if mine + n <= budget.rank and self.held + n <= budget.job and ledger.held + n <= budget.total:
             return True
         if state is not None:
-            self._trim(state, over)
-            mine = state.held + state.slotted
+            self._trim(state, max(mine + n - budget.rank, self.held + n - budget.job, ledger.held + n - budget.total))
+            mine = state.held + state.calls
         for which, excess in (
             ("rank", mine + n - budget.rank),
             ("job", self.held + n - budget.job),
@@ -397,35 +446,18 @@ class JobState:
     def _trim(self, state: RankState, need: int) -> None:
         """Let go of ``state``'s oldest history records (the longest history first) until
         ``need`` bytes are freed or none is left: history only feeds the rules' explanations."""
-        freed = 0
-        while freed < need:
+        before = self.held
+        while before - self.held < need:
             hist = max(state.history.values(), key=len, default=None)
             if not hist:
                 break
-            freed += hist.popleft().cost
+            self._unhold(state, hist.popleft())
             self.ledger.trimmed += 1
-        self._charge(state, -freed)
 
     def _free_slot(self, slot: Slot) -> None:
-        # inlined: every pruned slot of every call passes here (the ingest hot path)
-        total = b.SLOT_BYTES
-        ranks = self.ranks
-        entry = b.SLOT_ENTRY_BYTES
-        for rank, call in slot.calls.items():
-            n = call.cost + entry
-            total += n
-            st = ranks.get(rank)
-            if st is not None:
-                st.slotted = st.slotted - n if st.slotted > n else 0
-        self.held -= total
-        self.ledger.held -= total
-
-    def _unslot_charge(self, rank: int, call: r.CallRecord) -> None:
-        n = call.cost + b.SLOT_ENTRY_BYTES
-        self._charge(None, -n)
-        st = self.ranks.get(rank)
-        if st is not None:
-            st.slotted = max(0, st.slotted - n)
+        for call in slot.calls.values():
+            self._unhold(None, call)
+        self._release(None, b.SLOT_BYTES + b.SLOT_ENTRY_BYTES * len(slot.calls))
 
     def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
         # the hot path of ingest (every call of every rank): locals, one kind lookup, no scans
@@ -445,15 +477,13 @@ class JobState:
         elif seq <= state.entry_seqs.get(group, 0):
             self.duplicates += 1  # made again from the same entry (an agent took over the ring)
             return
-        else:
-            state.entry_seqs[group] = seq
-            self.records_received += 1
         cost = call.cost = call.cost or b.call_bytes(call)  # decoded calls carry their signature's
-        need = 2 * cost + b.OPEN_BYTES + (b.RANK_GROUP_BYTES if hist is None else 0)
-        if call.kind is r.OpKind.COLLECTIVE:
-            need += cost + b.SLOT_ENTRY_BYTES + b.SLOT_BYTES
+        need = cost + (b.CALL_TABLES_BYTES if hist is not None else b.CALL_TABLES_BYTES + b.RANK_GROUP_BYTES)
         if not self._room(state, need):
             return  # over a memory budget: dropped, and counted (``budget``)
+        if call_id >= ENTRY_CALL_IDS:
+            state.entry_seqs[group] = seq  # (one per group with a history: charged with it)
+            self.records_received += 1
         shifts = state.seq_shifts.get(group) if state.seq_shifts else None
         if shifts and call.kind is not r.OpKind.P2P:
             seq = call.seq = seq - _shift_at(shifts, seq)  # torch's numbering, lined up again
@@ -471,6 +501,9 @@ class JobState:
         last = state.last_call
         if last is None or enter >= last.enter_time:
             state.last_call = call  # Flight Recorder records may arrive after later Python calls
+            self._hold(state, call)
+            if last is not None:
+                self._unhold(state, last)
             if enter > state.last_sent:
                 state.last_sent = enter  # its batch left after it began
         state.last_progress = now
@@ -482,10 +515,20 @@ class JobState:
                 return
             hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
             self._charge(state, b.RANK_GROUP_BYTES)
-        self._charge(state, cost - (hist[0].cost if len(hist) == HISTORY_PER_GROUP else 0))
+        if len(hist) == HISTORY_PER_GROUP:
+            self._unhold(state, hist[0])
         hist.append(call)
+        self._hold(state, call)
         open_calls = state.open_calls
         kind = call.kind
+        if not done:
+            before = open_calls.get(call_id)
+            if before is not None and before is not call:  # its id again: the old call is replaced
+                del open_calls[call_id]
+                self._drop_open(state, before)
+                self._unslot(before)
+                self._release(state, b.OPEN_BYTES)
+                self._unhold(state, before)
         if kind is r.OpKind.COLLECTIVE:
             open_here = state.open_collectives.get(group)
             if open_here:
@@ -498,17 +541,16 @@ class JobState:
                     open_here = state.open_collectives[group] = {}
                 open_here[call.call_id] = call
         if not done:
-            before = open_calls.get(call.call_id)
-            if before is not None:  # the same call sent again
-                self._charge(state, -before.cost - b.OPEN_BYTES)
-            open_calls[call.call_id] = call
-            self._charge(state, cost + b.OPEN_BYTES)
+            open_calls[call_id] = call
+            self._hold(state, call)
+            self._charge(state, b.OPEN_BYTES)
             if len(open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
                 # by time, not id: ids made from Flight Recorder entries (bit 62) are not newer
                 oldest = open_calls.pop(min(open_calls, key=lambda k: open_calls[k].enter_time))
-                self._charge(state, -oldest.cost - b.OPEN_BYTES)
                 self._unslot(oldest)
                 self._drop_open(state, oldest)
+                self._release(state, b.OPEN_BYTES)
+                self._unhold(state, oldest)
         if kind is r.OpKind.P2P:
             self.p2p_changed = True
             if not done:
@@ -529,11 +571,12 @@ class JobState:
         elif enter < slot.first_enter:
             slot.first_enter = enter
         before_here = slot.calls.get(state.rank)
-        if before_here is not None:
-            self._unslot_charge(state.rank, before_here)
         slot.add(call)
-        self._charge(None, cost + b.SLOT_ENTRY_BYTES)
-        state.slotted += cost + b.SLOT_ENTRY_BYTES
+        self._hold(state, call)
+        if before_here is None:
+            self._charge(None, b.SLOT_ENTRY_BYTES)
+        else:
+            self._unhold(state, before_here)
         self.changed_slots.add((group, seq))
         members = self.members(group)
         if len(slot.calls) == len(members) > 1:
@@ -571,7 +614,10 @@ class JobState:
         before = shifts[-1][1] if shifts else 0
         raw_last = call.seq + before + call.seq_count - 1
         shifts.append((raw_last, before + call.seq_count - UNEVEN_SEQS_ELSEWHERE))
-        del shifts[:-SEQ_SHIFTS_KEPT]
+        self._charge(state, b.SHIFT_BYTES)
+        if len(shifts) > SEQ_SHIFTS_KEPT:
+            self._charge(state, -b.SHIFT_BYTES * (len(shifts) - SEQ_SHIFTS_KEPT))
+            del shifts[:-SEQ_SHIFTS_KEPT]
         call.seq_count = UNEVEN_SEQS_ELSEWHERE
 
     # ---- device progress (NCCL) -------------------------------------------------------------
@@ -647,19 +693,15 @@ class JobState:
             if slot is not None and slot.calls.get(call.rank) is call:
                 slot.open -= 1
         call.exit_time = when
-        if state.open_calls.pop(call.call_id, None) is not None:
-            self._charge(state, -call.cost - b.OPEN_BYTES)
-        if error is not None and call.error is None:
-            # the error's text is held wherever the call is: charged in each table holding it
-            extra = b.text_bytes(error)
-            slots = self.slots.get(call.group)
-            slot = None if slots is None else slots.get(call.seq)
-            if slot is not None and slot.calls.get(call.rank) is call:
-                self._charge(None, extra)
-                state.slotted += extra
-            hist = state.history.get(call.group)
-            if hist is not None and any(c is call for c in hist):
-                self._charge(state, extra)
+        if state.open_calls.get(call.call_id) is call:
+            del state.open_calls[call.call_id]
+            self._release(state, b.OPEN_BYTES)
+            self._unhold(state, call)
+        if error is not None and call.error is None and call.holds:
+            extra = b.text_bytes(error)  # the error's text, held with the call
+            state.calls += extra
+            self.held += extra
+            self.ledger.held += extra
             call.cost += extra
         call.error = error
         self._drop_open(state, call)
@@ -680,8 +722,9 @@ class JobState:
         slot = None if slots is None else slots.get(call.seq)
         held = None if slot is None else slot.calls.get(call.rank)
         if slot is not None and held is not None:
-            self._unslot_charge(call.rank, held)
             slot.remove(call.rank)
+            self._release(None, b.SLOT_ENTRY_BYTES)
+            self._unhold(None, held)
 
     def _prune(self, group: str, seq: int, members: tuple[int, ...] | None = None) -> None:
         """Drop slots older than ``seq`` whose calls have all completed, keeping a short tail."""

@@ -93,10 +93,12 @@ class RankState:
     #: enqueue to its completion, not to the host thread's return (``JobState.awaits_completion``)
     progress: dict[str, r.GroupProgress] = field(default_factory=dict)
     progress_seen: float = 0.0
-    #: bytes this rank's own tables hold (history, open calls, per-group tables: ``budget``), and
-    #: what its calls hold in the job's slots (kept apart: a slot may outlive this process)
+    #: bytes charged to this rank (``budget``): its own tables (per-group tables, open-call
+    #: entries, markers, device progress, the groups it announced), and its calls wherever the
+    #: job holds them (each charged once, ``CallRecord.holds``; a call of an earlier process of
+    #: the rank still in a slot is the job's)
     held: int = 0
-    slotted: int = 0
+    calls: int = 0
     table_bytes: int = 0  # its session's signature table (the coordinator's decoder), as charged
 
     @property
