@@ -18,6 +18,7 @@ import uuid
 
 from hangwatch import records as r
 from hangwatch import wire
+from hangwatch.coordinator import budget
 from hangwatch.coordinator.state import JobState
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.signatures import CallDecoder, CallEncoder
@@ -56,7 +57,8 @@ def _job(ranks: int) -> tuple[JobState, list[str]]:
 def run(form: str, ranks: int, calls: int, rounds: int) -> dict[str, float]:
     job, sessions = _job(ranks)
     encoders = [CallEncoder() for _ in range(ranks)]
-    decoders = [CallDecoder() for _ in range(ranks)]
+    # as the daemon makes them: each signature's byte cost worked out once (the memory budget's)
+    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True) for _ in range(ranks)]
     payloads: list[bytes] = []
     for rnd in range(rounds):
         for k in range(ranks):

@@ -206,9 +206,7 @@ def over(job: JobState, now: float | None = None) -> bool:
     now = time.time() if now is None else now
     if not job.ranks:
         return now - job.started > EMPTY_JOB_S
-    return all(
-        st.end is not None or not st.alive or now - st.last_seen > SILENT_GONE_S for st in job.ranks.values()
-    )
+    return all(st.end is not None or not st.alive or now - st.last_seen > SILENT_GONE_S for st in job.ranks.values())
 
 
 def last_seen(job: JobState) -> float:

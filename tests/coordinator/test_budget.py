@@ -54,8 +54,8 @@ def audit(job: JobState) -> None:
                 saw(c)
         for c in rs.open_calls.values():
             saw(c)
-        if rs.last_call is not None:
-            saw(rs.last_call)
+        if rs.last_kept:  # its latest call, in no table any more: kept (and charged) for it alone
+            assert rs.last_call is not None and rs.last_call.holds == 0 and rs.last_kept == rs.last_call.cost
     slots = 0
     for per_group in job.slots.values():
         for slot in per_group.values():
@@ -65,7 +65,7 @@ def audit(job: JobState) -> None:
     for key, c in held.items():
         assert c.holds == holders[key], f"{c.op} seq {c.seq} of rank {c.rank}: {c.holds} holds, {holders[key]} tables"
     groups = sum(b.group_bytes(info) + b.JOB_GROUP_BYTES for info in job.groups.values())
-    calls = sum(c.cost for c in held.values())
+    calls = sum(c.cost for c in held.values()) + sum(rs.last_kept for rs in job.ranks.values())
     assert job.held == sum(rs.held for rs in job.ranks.values()) + calls + slots + groups
 
 

@@ -208,8 +208,8 @@ class JobState:
         for hist in previous.history.values():
             for call in hist:
                 self._unhold(previous, call)
-        if previous.last_call is not None:
-            self._unhold(previous, previous.last_call)
+        if previous.last_kept:
+            self._release_kept(previous)
         self._charge(None, -previous.held)  # its own tables, exactly (what calls it left in slots stay the job's)
         previous.held = 0
 
@@ -412,13 +412,29 @@ class JobState:
         held = call.holds - 1
         call.holds = held
         if not held:
-            n = call.cost
-            if state is None:
-                state = self.ranks.get(call.rank)
-            if state is not None:
-                state.calls = state.calls - n if state.calls > n else 0
-            self.held -= n
-            self.ledger.held -= n
+            self._unhold_last(state, call)
+
+    def _unhold_last(self, state: RankState | None, call: r.CallRecord) -> None:
+        """No table holds ``call`` any more: released, unless it is still its rank's latest call
+        (``RankState.last_call``), which keeps it alive: then charged to the rank until a later
+        call takes its place."""
+        if state is None:
+            state = self.ranks.get(call.rank)
+        if state is not None and state.last_call is call:
+            state.last_kept = call.cost
+            return
+        n = call.cost
+        if state is not None:
+            state.calls = state.calls - n if state.calls > n else 0
+        self.held -= n
+        self.ledger.held -= n
+
+    def _release_kept(self, state: RankState) -> None:
+        n = state.last_kept
+        state.last_kept = 0
+        state.calls = state.calls - n if state.calls > n else 0
+        self.held -= n
+        self.ledger.held -= n
 
     def _room(self, state: RankState | None, n: int) -> bool:
         """Whether ``n`` more bytes for ``state`` (None: a rank not yet made) fit its, the job's
@@ -455,9 +471,23 @@ class JobState:
             self.ledger.trimmed += 1
 
     def _free_slot(self, slot: Slot) -> None:
+        # inlined ``_unhold``: every call passes here once its slot is pruned
+        freed = b.SLOT_BYTES + b.SLOT_ENTRY_BYTES * len(slot.calls)
+        ranks = self.ranks
         for call in slot.calls.values():
-            self._unhold(None, call)
-        self._release(None, b.SLOT_BYTES + b.SLOT_ENTRY_BYTES * len(slot.calls))
+            held = call.holds - 1
+            call.holds = held
+            if not held:
+                st = ranks.get(call.rank)
+                if st is not None and st.last_call is call:
+                    st.last_kept = call.cost  # still its rank's latest call: kept, and charged
+                    continue
+                n = call.cost
+                freed += n
+                if st is not None:
+                    st.calls = st.calls - n if st.calls > n else 0
+        self.held -= freed
+        self.ledger.held -= freed
 
     def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
         # the hot path of ingest (every call of every rank): locals, one kind lookup, no scans
@@ -479,118 +509,134 @@ class JobState:
             return
         cost = call.cost = call.cost or b.call_bytes(call)  # decoded calls carry their signature's
         need = cost + (b.CALL_TABLES_BYTES if hist is not None else b.CALL_TABLES_BYTES + b.RANK_GROUP_BYTES)
-        if not self._room(state, need):
+        ledger = self.ledger
+        limits = ledger.budget
+        mine = state.held + state.calls + need
+        over = mine > limits.rank or self.held + need > limits.job or ledger.held + need > limits.total
+        if over and not self._room(state, need):
             return  # over a memory budget: dropped, and counted (``budget``)
         if call_id >= ENTRY_CALL_IDS:
             state.entry_seqs[group] = seq  # (one per group with a history: charged with it)
             self.records_received += 1
-        shifts = state.seq_shifts.get(group) if state.seq_shifts else None
-        if shifts and call.kind is not r.OpKind.P2P:
-            seq = call.seq = seq - _shift_at(shifts, seq)  # torch's numbering, lined up again
-        offset = state.clock_offset
-        enter = call.enter_time = call.enter_time + offset
-        done = call.exit_time is not None
-        if done:
-            call.exit_time += offset  # type: ignore[operator]
-            if (
-                state.progress
-                and call.error is None
-                and self.awaits_completion(state, call, call.seq_count, call.exit_time, now)
-            ):
-                call.returned_time, call.exit_time, done = call.exit_time, None, False
-        last = state.last_call
-        if last is None or enter >= last.enter_time:
-            state.last_call = call  # Flight Recorder records may arrive after later Python calls
-            self._hold(state, call)
-            if last is not None:
-                self._unhold(state, last)
-            if enter > state.last_sent:
-                state.last_sent = enter  # its batch left after it began
-        state.last_progress = now
-        if call.step > state.step:
-            state.step = call.step
-        if hist is None:
-            if slots is None and len(self.slots) >= MAX_GROUPS and group != WORLD:
-                self.dropped_calls += 1
+        # charged once, held while it is applied; each table that keeps it adds a hold
+        call.holds = 1
+        state.calls += cost
+        self.held += cost
+        ledger.held += cost
+        try:
+            shifts = state.seq_shifts.get(group) if state.seq_shifts else None
+            if shifts and call.kind is not r.OpKind.P2P:
+                seq = call.seq = seq - _shift_at(shifts, seq)  # torch's numbering, lined up again
+            offset = state.clock_offset
+            enter = call.enter_time = call.enter_time + offset
+            done = call.exit_time is not None
+            if done:
+                call.exit_time += offset  # type: ignore[operator]
+                if (
+                    state.progress
+                    and call.error is None
+                    and self.awaits_completion(state, call, call.seq_count, call.exit_time, now)
+                ):
+                    call.returned_time, call.exit_time, done = call.exit_time, None, False
+            last = state.last_call
+            if last is None or enter >= last.enter_time:
+                state.last_call = call  # Flight Recorder records may arrive after later Python calls
+                if state.last_kept:  # the one before was kept alive by this reference alone
+                    self._release_kept(state)
+                if enter > state.last_sent:
+                    state.last_sent = enter  # its batch left after it began
+            state.last_progress = now
+            if call.step > state.step:
+                state.step = call.step
+            if hist is None:
+                if slots is None and len(self.slots) >= MAX_GROUPS and group != WORLD:
+                    self.dropped_calls += 1
+                    return
+                hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
+                self._charge(state, b.RANK_GROUP_BYTES)
+            if len(hist) == HISTORY_PER_GROUP:
+                self._unhold(state, hist[0])
+            hist.append(call)
+            call.holds += 1
+            open_calls = state.open_calls
+            kind = call.kind
+            if not done:
+                before = open_calls.get(call_id)
+                if before is not None and before is not call:  # its id again: the old call is replaced
+                    del open_calls[call_id]
+                    self._drop_open(state, before)
+                    self._unslot(before)
+                    self._release(state, b.OPEN_BYTES)
+                    self._unhold(state, before)
+            if kind is r.OpKind.COLLECTIVE:
+                open_here = state.open_collectives.get(group)
+                if open_here:
+                    # Collectives on one group complete in order on a rank: older open ones are done
+                    # (those the host returned from and the device has not completed are not).
+                    for other in [c for c in open_here.values() if c.seq < seq and c.returned_time is None]:
+                        self._close(state, other, enter, None)
+                if not done:
+                    if open_here is None:
+                        open_here = state.open_collectives[group] = {}
+                    open_here[call.call_id] = call
+            if not done:
+                open_calls[call_id] = call
+                call.holds += 1
+                self._charge(state, b.OPEN_BYTES)
+                if len(open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
+                    # by time, not id: ids made from Flight Recorder entries (bit 62) are not newer
+                    oldest = open_calls.pop(min(open_calls, key=lambda k: open_calls[k].enter_time))
+                    self._unslot(oldest)
+                    self._drop_open(state, oldest)
+                    self._release(state, b.OPEN_BYTES)
+                    self._unhold(state, oldest)
+            if kind is r.OpKind.P2P:
+                self.p2p_changed = True
+                if not done:
+                    self.p2p_open[(state.rank, call.call_id)] = call
                 return
-            hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
-            self._charge(state, b.RANK_GROUP_BYTES)
-        if len(hist) == HISTORY_PER_GROUP:
-            self._unhold(state, hist[0])
-        hist.append(call)
-        self._hold(state, call)
-        open_calls = state.open_calls
-        kind = call.kind
-        if not done:
-            before = open_calls.get(call_id)
-            if before is not None and before is not call:  # its id again: the old call is replaced
-                del open_calls[call_id]
-                self._drop_open(state, before)
-                self._unslot(before)
-                self._release(state, b.OPEN_BYTES)
-                self._unhold(state, before)
-        if kind is r.OpKind.COLLECTIVE:
-            open_here = state.open_collectives.get(group)
-            if open_here:
-                # Collectives on one group complete in order on a rank: older open ones are done
-                # (those the host returned from and the device has not completed are not).
-                for other in [c for c in open_here.values() if c.seq < seq and c.returned_time is None]:
-                    self._close(state, other, enter, None)
-            if not done:
-                if open_here is None:
-                    open_here = state.open_collectives[group] = {}
-                open_here[call.call_id] = call
-        if not done:
-            open_calls[call_id] = call
-            self._hold(state, call)
-            self._charge(state, b.OPEN_BYTES)
-            if len(open_calls) > MAX_OPEN_CALLS:  # exits that never come: keep the newest
-                # by time, not id: ids made from Flight Recorder entries (bit 62) are not newer
-                oldest = open_calls.pop(min(open_calls, key=lambda k: open_calls[k].enter_time))
-                self._unslot(oldest)
-                self._drop_open(state, oldest)
-                self._release(state, b.OPEN_BYTES)
-                self._unhold(state, oldest)
-        if kind is r.OpKind.P2P:
-            self.p2p_changed = True
-            if not done:
-                self.p2p_open[(state.rank, call.call_id)] = call
-            return
-        if kind is not r.OpKind.COLLECTIVE:
-            return
-        if slots is None:
-            slots = self.slots[group] = collections.OrderedDict()
-        slot = slots.get(seq)
-        if slot is None:
-            slot = slots[seq] = Slot(group, seq, first_enter=enter, last_enter=enter)
-            self._charge(None, b.SLOT_BYTES)
-            while len(slots) > MAX_SLOTS_PER_GROUP:
-                self._free_slot(slots.popitem(last=False)[1])
-        elif enter > slot.last_enter:
-            slot.last_enter = enter
-        elif enter < slot.first_enter:
-            slot.first_enter = enter
-        before_here = slot.calls.get(state.rank)
-        slot.add(call)
-        self._hold(state, call)
-        if before_here is None:
-            self._charge(None, b.SLOT_ENTRY_BYTES)
-        else:
-            self._unhold(state, before_here)
-        self.changed_slots.add((group, seq))
-        members = self.members(group)
-        if len(slot.calls) == len(members) > 1:
-            arrivals = sorted([(c.enter_time, rk) for rk, c in slot.calls.items()])
-            median = arrivals[(len(arrivals) - 1) // 2][0]  # of the others: the last rank's lag behind it
-            lasts = self.arrivals.get(group)
-            if lasts is None:
-                lasts = self.arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
-            lasts.append((arrivals[-1][1], arrivals[-1][0] - median, seq, slot.first_enter))
-        if done and call.error is None:  # reported already complete
-            self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
-            self._prune(group, seq, members)
-        if done and call.seq_count > UNEVEN_SEQS_ELSEWHERE and catalogue.uneven_seqs(call.op):
-            self._shift_after(state, call)
+            if kind is not r.OpKind.COLLECTIVE:
+                return
+            if slots is None:
+                slots = self.slots[group] = collections.OrderedDict()
+            slot = slots.get(seq)
+            if slot is None:
+                slot = slots[seq] = Slot(group, seq, first_enter=enter, last_enter=enter)
+                self.held += b.SLOT_BYTES
+                self.ledger.held += b.SLOT_BYTES
+                while len(slots) > MAX_SLOTS_PER_GROUP:
+                    self._free_slot(slots.popitem(last=False)[1])
+            elif enter > slot.last_enter:
+                slot.last_enter = enter
+            elif enter < slot.first_enter:
+                slot.first_enter = enter
+            before_here = slot.calls.get(state.rank)
+            slot.add(call)
+            call.holds += 1
+            if before_here is None:
+                self.held += b.SLOT_ENTRY_BYTES
+                self.ledger.held += b.SLOT_ENTRY_BYTES
+            else:
+                self._unhold(state, before_here)
+            self.changed_slots.add((group, seq))
+            members = self.members(group)
+            if len(slot.calls) == len(members) > 1:
+                arrivals = sorted([(c.enter_time, rk) for rk, c in slot.calls.items()])
+                median = arrivals[(len(arrivals) - 1) // 2][0]  # of the others: the last rank's lag behind it
+                lasts = self.arrivals.get(group)
+                if lasts is None:
+                    lasts = self.arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
+                lasts.append((arrivals[-1][1], arrivals[-1][0] - median, seq, slot.first_enter))
+            if done and call.error is None:  # reported already complete
+                self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
+                self._prune(group, seq, members)
+            if done and call.seq_count > UNEVEN_SEQS_ELSEWHERE and catalogue.uneven_seqs(call.op):
+                self._shift_after(state, call)
+        finally:  # the hold it had while it was applied (inlined ``_unhold``: every call)
+            held = call.holds - 1
+            call.holds = held
+            if not held:
+                self._unhold_last(state, call)
 
     def _exit(self, state: RankState, done: r.CallExit, now: float) -> None:
         call = state.open_calls.get(done.call_id)

@@ -99,6 +99,8 @@ class RankState:
     #: the rank still in a slot is the job's)
     held: int = 0
     calls: int = 0
+    #: the bytes of ``last_call`` while no table holds it any more (it alone keeps it alive)
+    last_kept: int = 0
     table_bytes: int = 0  # its session's signature table (the coordinator's decoder), as charged
 
     @property
