@@ -132,6 +132,11 @@ class Recorder:
         self.novel = 0  # signatures first seen so far (a new one is flushed where no agent reads the ring)
         self._last_novel = False
         self.flush_novel = True  # turned off when such a flush times out
+        #: call sites seen making the same call again (``remember``): (caller's code, its
+        #: instruction) -> (spec, other arguments, keyword arguments, tensors' (shape, dtype,
+        #: is_cuda), process group, its name, signature ref, async); see ``capture``'s fast path
+        self.memo: dict[tuple[CodeType, int], Memo] = {}
+        self.last_ref = 0  # the signature ref of the call ``enter`` recorded last
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -222,10 +227,33 @@ class Recorder:
         if ref is None:
             self.novel += 1
             ref = sink.intern(key, self.materialize(raw))
+        self.last_ref = ref
         h = next(sink.positions)
         sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, _ENTER, async_op, 0, ref,
                   call_id & _MASK, seq & _MASK, step & _MASK, 0, now, h + 1)  # fmt: skip
         return raw, pg, ops_before
+
+    def remember(
+        self, frame: FrameType, raw: RawCall, pg: Any, args: tuple[Any, ...], kwargs: dict[str, Any], k: int
+    ) -> None:
+        """After ``enter`` recorded a call made directly from user code (``frame``) whose only
+        tensors are its first ``k`` positional arguments: what the next call from the same
+        place must repeat to be recorded without looking at it again (``capture``'s fast path:
+        the same other arguments, tensors of the same shapes, dtypes and device, the same
+        process group). Cleared whenever a process group is destroyed or made the default."""
+        if len(self.memo) >= MAX_MEMO or _is_library(frame.f_code.co_filename):
+            return  # a library's call: the user's call site above it may differ each time
+        tensors = tuple((t.shape, t.dtype, t.is_cuda) for t in args[:k])
+        self.memo[(frame.f_code, frame.f_lasti)] = (
+            raw[1],
+            args[k:],
+            dict(kwargs),
+            tensors,
+            pg,
+            raw[2],
+            self.last_ref,
+            raw[9],
+        )
 
     def is_novel(self, raw: RawCall) -> bool:
         """True when the call ``enter`` just recorded has a signature (op, group, root, reduce op,
@@ -377,6 +405,11 @@ _ENTER, _EXIT = Kind.ENTER, Kind.EXIT  # module constants: no class lookup per c
 def _frozen(extra: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(extra.items()))
 
+
+#: Call sites remembered for the fast path, at most.
+MAX_MEMO = 4096
+#: A remembered call site (see ``Recorder.remember``).
+Memo = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[tuple[Any, Any, bool], ...], Any, str, int, bool]
 
 #: A raw call as the hot path records it: (call_id, spec, group, seq, inputs, outputs, reduce op,
 #: root, peer, async, step, call site, enter time, extra). See ``Recorder.materialize``.

@@ -174,6 +174,7 @@ def after_init(params: dict[str, Any]) -> None:
     with _session_lock:
         if _session is not None:
             _session.recorder.default_pg = c10d._get_default_group()  # re-initialised after a destroy
+            _session.recorder.memo.clear()  # call sites remembered with the old default group
             return
         rank = int(c10d.get_rank())
         identity = r.RankIdentity(
@@ -223,6 +224,7 @@ def before_destroy(group: Any) -> Any:
     session = _session
     if session is None:
         return None
+    session.recorder.memo.clear()  # call sites remembered with the group (any: cheap, rare)
     if group is None:
         session.recorder.default_pg = None
         session.end(r.EndKind.DESTROYED, "destroy_process_group()", session.recorder.call_site(4))
