@@ -20,6 +20,7 @@ between two records of its kind.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 from hangwatch import records as r
 from hangwatch import wire
@@ -95,6 +96,9 @@ class RingEncoder:
         self._last_step = 0
         self._last_seq: dict[tuple[str, int], int] = {}
         self.unnamed = 0  # calls whose signature blob was lost (the rank's blob area was full)
+        #: ``decode``'s: signature blob -> the call it describes (None: not a call signature);
+        #: bounded, as ``blobs`` is, by the ring's blob area
+        self._templates: dict[int, r.CallRecord | None] = {}
 
     def reset(self) -> None:
         """Forget the wire ids (after a registration: the coordinator's table starts empty)."""
@@ -249,6 +253,92 @@ class RingEncoder:
         cols.write(batch)
         self.last_step = self._last_step
         return carried
+
+    def _template(self, blob_id: int, rank: int) -> r.CallRecord | None:
+        if blob_id in self._templates:
+            return self._templates[blob_id]
+        blob = self.blobs.get(blob_id)
+        template = None
+        if blob is not None and blob.startswith(TAG_CALL):
+            msg = pb.Call()
+            try:
+                msg.MergeFromString(blob[1:])
+                self._learn(blob_id, msg)
+                template = wire.call_from_pb(rank, msg)
+            except Exception:
+                template = None
+        self._templates[blob_id] = template
+        return template
+
+    def decode(self, ring: Batch, rank: int, cost: Callable[[r.CallRecord], int] | None = None) -> list[r.RankEvent]:
+        """``ring``'s records as typed events, in the order the rank wrote them: what ``encode``
+        and the coordinator's decoder make of them, without the wire in between (the
+        coordinator's embedded agent hands them to its own state). An exit in the same batch is
+        folded into its call. ``cost``: a signature's byte cost (the memory budget's), worked
+        out once per signature and carried by each call made from it."""
+        self.blobs.update(ring.blobs)
+        out: list[r.RankEvent] = []
+        position: dict[int, r.CallRecord] = {}
+        record = r.CallRecord
+        for s in ring.slots:
+            kind = s.kind
+            if kind == Kind.ENTER:
+                call_id = self._last_call = _extend(s.call_id, self._last_call)
+                step = self._last_step = _extend(s.step, self._last_step)
+                async_op = bool(s.flags & 1)
+                t = self._template(s.ref, rank)
+                if call_id <= self.skip_through:  # the coordinator's already: coverage only
+                    self._entered(s.ref, call_id, self._seq(s.ref, s.seq), async_op)
+                    continue
+                self._past_skip = True
+                if t is None:
+                    self.unnamed += 1
+                    continue
+                seq = self._seq(s.ref, s.seq)
+                self._entered(s.ref, call_id, seq, async_op)
+                if cost is not None and not t.cost:
+                    t.cost = cost(t)
+                call = record(
+                    rank, call_id, t.op, t.group, seq, t.inputs, t.outputs, t.reduce_op, t.root, t.peer, async_op,
+                    step, t.call_site, s.time, None, t.source, None, 1, t.extra, None, t.cost,
+                )  # fmt: skip
+                position[call_id] = call
+                out.append(call)
+            elif kind == Kind.EXIT:
+                call_id = _extend(s.call_id, self._last_call)
+                count = s.aux or 1
+                self.python.exited(call_id, count)
+                entered = position.pop(call_id, None)
+                if entered is not None and not s.ref:
+                    entered.exit_time = s.time
+                    entered.seq_count = count
+                    continue
+                error = None
+                if s.ref:
+                    text = self.blobs.get(s.ref, b"")
+                    error = (
+                        text[1:].decode("utf-8", "replace")
+                        if text.startswith(TAG_TEXT)
+                        else "error (its text was lost)"
+                    )
+                out.append(r.CallExit(rank, call_id, s.time, error, count))
+            elif kind == Kind.STEP:
+                self._last_step = _extend(s.step, self._last_step)
+                if self.skip_through and not self._past_skip:
+                    continue  # a step the coordinator had before this ring changed hands
+                out.append(r.StepEvent(rank, self._last_step, s.time))
+            elif kind == Kind.EVENT:
+                blob = self.blobs.get(s.ref, b"")
+                if not blob.startswith(TAG_EVENT):
+                    continue
+                msg = pb.Event()
+                try:
+                    msg.MergeFromString(blob[1:])
+                    out.append(wire.event_from_pb(rank, msg))
+                except Exception:
+                    continue
+        self.last_step = self._last_step
+        return out
 
     def _entered(self, blob_id: int, call_id: int, seq: int, async_op: bool) -> None:
         group = self._collective.get(blob_id)

@@ -144,6 +144,45 @@ def test_round_trip_through_the_ring_and_the_wire(actions: list[tuple[object, ..
     reader.close()
 
 
+@settings(max_examples=80, deadline=None)
+@given(actions=_ACTIONS)
+def test_typed_decode_gives_the_records_in_the_ranks_order(actions: list[tuple[object, ...]]) -> None:
+    """The coordinator's embedded agent skips the wire (``RingEncoder.decode``): the same
+    records, in the very order the rank wrote them, an exit in the same batch folded in."""
+    w = RingWriter(capacity=256, blob_bytes=1 << 16)
+    rank = RankSide(w)
+    reader = RingReader(w.fd)
+    encoder = RingEncoder()
+    got: list[r.RankEvent] = []
+    t = 1000.0
+    rank.group_created("1", t)
+    for action in actions:
+        t += 1.0
+        if action[0] == "call":
+            rank.call(str(action[1]), str(action[2]), int(str(action[3])), str(action[4]), t)
+        elif action[0] == "step":
+            rank.next_step(t)
+        else:
+            got.extend(encoder.decode(reader.poll(), RANK))
+    got.extend(encoder.decode(reader.poll(), RANK))
+    assert reader.lost == 0 and encoder.unnamed == 0
+    # folded only within one batch: compare with the rank's own records, exits folded where the
+    # decode folded them (a call it returned complete)
+    expected: list[r.RankEvent] = []
+    done = {e.call_id for e in got if isinstance(e, r.CallRecord) and e.exit_time is not None}
+    calls: dict[int, r.CallRecord] = {}
+    for ev in rank.expected:
+        if isinstance(ev, r.CallExit) and ev.error is None and ev.call_id in done:
+            calls[ev.call_id].exit_time, calls[ev.call_id].seq_count = ev.exit_time, ev.seq_count
+            continue
+        if isinstance(ev, r.CallRecord):
+            calls[ev.call_id] = ev
+        expected.append(ev)
+    assert got == expected
+    w.close()
+    reader.close()
+
+
 def test_wrapped_32_bit_values_extend_back() -> None:
     assert _extend(5, 0) == 5
     assert _extend(2, (1 << 32) - 3) == (1 << 32) + 2  # wrapped forward

@@ -369,6 +369,17 @@ class Coordinator:
 
         return charge
 
+    def accept_events(self, header: pb.ReportBatch, events: list[r.RankEvent]) -> int | None:
+        """The embedded agent's batches, typed already (``RingEncoder.decode``): applied as
+        ``accept_report`` applies a decoded one; None when the rank must register again."""
+        if self.decoder_for(header.session) is None:
+            return None
+        return self.report(header, events)
+
+    def record_cost(self, call: r.CallRecord) -> int:
+        """A signature's bytes, as the memory budget charges each call made from it."""
+        return budget.call_bytes(call)
+
     def decoder_for(self, session: str) -> CallDecoder | None:
         """The signature table of a registered session (None: the rank must register)."""
         return self.decoders.get(session)
