@@ -134,7 +134,7 @@ def _report(
         assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), exc
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=floods)
 def test_no_rpc_sequence_takes_the_coordinator_over_its_budget(
     tmp_path_factory: pytest.TempPathFactory, plan: list[tuple[int, int, int, int, int, bool, int]]
