@@ -56,36 +56,21 @@ def healthy(n: int, steps: int, tp: int = 8) -> str:
         t += 1.0
         for k in range(n):
             calls: list[r.RankEvent] = []
-            for j, (g, shape) in enumerate(
-                (
-                    ("0", (25_000_000,)),
-                    (f"tp{k // tp}", (4096, 8192)),
-                    (f"dp{k % tp}", (1_000_000,)),
-                    (f"tp{k // tp}", (4096, 8192)),
-                )
-            ):
+            tp_group, dp_group = f"tp{k // tp}", f"dp{k % tp}"
+            shapes = (
+                ("0", (25_000_000,)),
+                (tp_group, (4096, 8192)),
+                (dp_group, (1_000_000,)),
+                (tp_group, (4096, 8192)),
+            )
+            for j, (g, shape) in enumerate(shapes):
                 ids[k] += 1
                 seq = seqs[(k, g)] = seqs.get((k, g), 0) + 1
                 meta = (r.TensorMeta(shape, "bfloat16", f"cuda:{k % 8}"),)
-                calls.append(
-                    r.CallRecord(
-                        k,
-                        ids[k],
-                        "all_reduce",
-                        g,
-                        seq,
-                        meta,
-                        (),
-                        "sum",
-                        None,
-                        None,
-                        False,
-                        step,
-                        SITE.format(100 + j),
-                        t + j * 0.01,
-                        t + j * 0.01 + 0.005,
-                    )  # fmt: skip
-                )
+                enter = t + j * 0.01
+                site = SITE.format(100 + j)
+                calls.append(r.CallRecord(k, ids[k], "all_reduce", g, seq, meta, (), "sum", step=step, call_site=site,
+                                          enter_time=enter, exit_time=enter + 0.005))  # fmt: skip
             job.ingest(f"s{k}", k, calls, now=t)
     per_rank = max(st.held + st.calls for st in states)
     return (
@@ -144,9 +129,8 @@ def main() -> None:
     for n in (int(x) for x in args.ranks.split(",") if x):
         print(healthy(n, args.steps))
     print()
-    print(
-        "| flood: 4 jobs x 8 ranks, each 3,000 groups, 2,000 open calls, 300 long signatures | traced past idle | charged |"
-    )
+    what = "flood: 4 jobs x 8 ranks, each 3,000 groups, 2,000 open calls, 300 long signatures"
+    print(f"| {what} | traced past idle | charged |")
     print("| --- | ---: | ---: |")
     for name, limits in (("budgets 0.5 / 2 / 4 MiB", (0.5, 2.0, 4.0)), ("no effective budget", (1e5, 1e5, 1e5))):
         used, held = flood(limits)
