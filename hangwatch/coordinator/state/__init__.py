@@ -554,8 +554,11 @@ class JobState:
                     return
                 hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
                 self._charge(state, b.RANK_GROUP_BYTES)
-            if len(hist) == HISTORY_PER_GROUP:
-                self._unhold(state, hist[0])
+            if len(hist) == HISTORY_PER_GROUP:  # the oldest leaves (inlined ``_unhold``: every call)
+                oldest = hist[0]
+                oldest.holds -= 1
+                if not oldest.holds:
+                    self._unhold_last(state, oldest)
             hist.append(call)
             call.holds += 1
             open_calls = state.open_calls
