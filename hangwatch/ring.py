@@ -287,7 +287,6 @@ class RingReader:
 
     def poll(self, limit: int | None = None) -> Batch:
         """Everything published since the last poll (at most ``limit`` slots, oldest first)."""
-        blobs = self._new_blobs()  # before the slots: every slot read names a blob already read
         out: list[Slot] = []
         lost = 0
         p = self.position
@@ -318,6 +317,10 @@ class RingReader:
             break  # not written yet, or being written right now: the next poll takes it
         self.lost += lost
         self.position = p
+        # after the slots: the writer stores a blob before the slot naming it, so every slot read
+        # names a blob this read finds (read before the slots, a blob written in between was
+        # missed while its slot was taken, and the call went unnamed)
+        blobs = self._new_blobs()
         return Batch(slots=out, blobs=blobs, lost=lost)
 
     def counts(self) -> tuple[int, int]:

@@ -258,8 +258,10 @@ class RingEncoder:
         if blob_id in self._templates:
             return self._templates[blob_id]
         blob = self.blobs.get(blob_id)
+        if blob is None:
+            return None  # not read yet: not remembered as no signature
         template = None
-        if blob is not None and blob.startswith(TAG_CALL):
+        if blob.startswith(TAG_CALL):
             msg = pb.Call()
             try:
                 msg.MergeFromString(blob[1:])

@@ -168,3 +168,37 @@ def test_status_is_rewritten_and_read_whole() -> None:
     assert t == 6.0 and len(text) == STATUS_MAX
     w.close()
     reader.close()
+
+
+def test_a_slot_is_never_read_without_the_blob_it_names() -> None:
+    """The writer stores a blob, then the slot naming it. A reader that took the blobs before
+    the slots could take a slot whose blob was written in between (the call went unnamed:
+    seen as a lost Python record under load in CI). Here the writer writes a blob and its slot
+    at the worst moment of every read, while the reader is reading blobs."""
+    from hangwatch.ring import Kind, RingReader, RingWriter
+
+    w = RingWriter(capacity=64, blob_bytes=1 << 12)
+    reader = RingReader(w.fd)
+    read_blobs = reader._new_blobs
+    written: list[int] = []
+
+    def racing() -> dict[int, bytes]:
+        blobs = read_blobs()
+        ref = w.blob(b"C" + bytes([len(written)]))  # just after the blobs were read
+        w.write(Kind.ENTER, 0, 0, ref, len(written) + 1, 1, 0, 0, 1.0)
+        written.append(ref)
+        return blobs
+
+    reader._new_blobs = racing  # type: ignore[method-assign]
+    seen: dict[int, bytes] = {}
+    for _ in range(5):
+        batch = reader.poll()
+        seen.update(batch.blobs)
+        for slot in batch.slots:
+            assert slot.ref in seen, f"slot of call {slot.call_id} names blob {slot.ref}, not read yet"
+    assert len(written) == 5
+    final = reader.poll()  # what the last racing read left: its slot and, with it, its blob
+    seen.update(final.blobs)
+    assert all(slot.ref in seen for slot in final.slots)
+    w.close()
+    reader.close()
