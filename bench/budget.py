@@ -17,11 +17,9 @@ budgets, and what a hostile flood costs with the budget and without it, measured
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -80,43 +78,11 @@ def healthy(n: int, steps: int, tp: int = 8) -> str:
 
 
 def flood(limits: tuple[float, float, float]) -> tuple[float, float]:
-    import grpc
+    from tests.coordinator.test_budget_rpc import traced_flood
 
-    from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
-    from hangwatch.protos import hangwatch_pb2 as pb
-    from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
-    from tests.coordinator.test_budget_rpc import _flood
-
-    c = Coordinator(
-        CoordinatorOptions(
-            port=0,
-            data_dir=tempfile.mkdtemp(),
-            embedded_agent=False,
-            rank_budget_mb=limits[0],
-            job_budget_mb=limits[1],
-            memory_budget_mb=limits[2],
-        )
-    )
-    gc.collect()
-    tracemalloc.start()
-    try:
-        c.start()
-        channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
-        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-        stub.GetStatus(pb.QueryRequest(), timeout=10)
-        gc.collect()
-        idle = tracemalloc.get_traced_memory()[0]
-        for job in range(4):
-            for rank in range(8):
-                _flood(stub, job, rank, 3000, 2000, 300, True, 50)
-        gc.collect()
-        used = tracemalloc.get_traced_memory()[0] - idle
-        held = c.jobs.ledger.held
-        channel.close()
-    finally:
-        tracemalloc.stop()
-        c.stop(0.2)
-    return used / MIB, held / MIB
+    plan = [(job, rank, 3000, 2000, 300, True, 50) for job in range(4) for rank in range(8)]
+    used, budget = traced_flood(tempfile.mkdtemp(), limits, plan)
+    return used / MIB, budget["held_bytes"] / MIB
 
 
 def main() -> None:

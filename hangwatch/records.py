@@ -80,7 +80,7 @@ class CallRecord:
     #: coordinator only: when the host thread returned from a call whose work is still under way
     #: on the device (NCCL: enqueued, not completed); the call stays open until it completes
     returned_time: float | None = None
-    #: coordinator only: the bytes charged for it in each table that holds it (``budget``)
+    #: coordinator only: the bytes it is charged, once, while a table holds it (``budget``)
     cost: int = field(default=0, compare=False, repr=False)
     #: coordinator only: how many of the job state's tables hold it (charged once, while > 0)
     holds: int = field(default=0, compare=False, repr=False)

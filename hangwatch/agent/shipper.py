@@ -155,8 +155,7 @@ class Shipper:
         self.fetcher = flight_recorder if flight_recorder is not None else RingFetcher(clock=clock)
         self._ranks: dict[int, _Rank] = {}  # by id(link)
         #: the coordinator is in this process: records go to it typed, not through protobuf
-        #: (measured in BENCHMARKS.md, "The whole bill": the encode and decode were a third of
-        #: its CPU per call)
+        #: (``bench/ring_to_state.py``: 9.5 against 12.7 µs per call from ring to records)
         self.direct: DirectIntake | None = intake if hasattr(intake, "accept_events") else None  # type: ignore[assignment]
         self.refused = 0  # links whose registration the coordinator refused
         self.failures = 0  # ticks on which the coordinator could not be reached

@@ -241,8 +241,10 @@ class Recorder:
         place must repeat to be recorded without looking at it again (``capture``'s fast path:
         the same other arguments, tensors of the same shapes, dtypes and device, the same
         process group). Cleared whenever a process group is destroyed or made the default."""
-        if len(self.memo) >= MAX_MEMO or _is_library(frame.f_code.co_filename):
-            return  # a library's call: the user's call site above it may differ each time
+        if len(self.memo) >= MAX_MEMO or (frame.f_code, frame.f_lineno) not in self._sites:
+            # a library's call (``enter``'s call-site walk cached only a user frame): the user's
+            # call site above it may differ each time
+            return
         tensors = tuple((t.shape, t.dtype, t.is_cuda) for t in args[:k])
         self.memo[(frame.f_code, frame.f_lasti)] = (
             raw[1],

@@ -31,6 +31,22 @@ SLEEPER = [
 ]
 
 
+def _heartbeats(t: Transport, idents: list[r.RankIdentity]) -> tuple[threading.Event, threading.Thread]:
+    """The fake ranks keep "reporting", as busy live ranks would, until the event is set."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        n = 1
+        while not stop.wait(0.3):
+            n += 1
+            for ident in idents:
+                t.report(ident, n, [], 0, 0)
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    return stop, beating
+
+
 @pytest.fixture
 def victims() -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = [subprocess.Popen(["sleep", "120"]), subprocess.Popen(SLEEPER)]
@@ -58,17 +74,7 @@ def test_a_fake_rank_is_neither_dumped_nor_killed(
         idents.append(ident)
     # "rank 0" waits in all_reduce; the other "ranks" never come: a hang
     t.report(idents[0], 1, [factories.call(0, 1, call_id=1, enter_time=time.time())], 0, 0)
-    stop = threading.Event()
-
-    def heartbeats() -> None:  # the fake ranks keep "reporting", as busy live ranks would
-        n = 1
-        while not stop.wait(0.3):
-            n += 1
-            for ident in idents:
-                t.report(ident, n, [], 0, 0)
-
-    beating = threading.Thread(target=heartbeats, daemon=True)
-    beating.start()
+    stop, beating = _heartbeats(t, idents)
     inc = wait_for(lambda: next(iter(c.incidents_json()), None), 15, 0.1, "the fake hang's incident")
     assert len(c.incidents_json()) == 1, c.incidents_json()
     assert inc["kind"] == "stuck_collective" and inc["culprit_ranks"] == list(range(1, world))
@@ -128,17 +134,7 @@ def test_a_claim_of_another_jobs_proven_rank_is_still_a_claim(
     for ident in fake:
         t.register(ident)
     t.report(fake[1], 1, [factories.call(1, 1, call_id=1, enter_time=time.time())], 0, 0)
-    stop = threading.Event()
-
-    def heartbeats() -> None:
-        n = 1
-        while not stop.wait(0.3):
-            n += 1
-            for ident in fake:
-                t.report(ident, n, [], 0, 0)
-
-    beating = threading.Thread(target=heartbeats, daemon=True)
-    beating.start()
+    stop, beating = _heartbeats(t, fake)
     try:
         inc = wait_for(lambda: next((i for i in c.incidents_json() if i["job"] == "b"), None), 15, 0.1, "job B's hang")
         assert inc["culprit_ranks"] == [0]

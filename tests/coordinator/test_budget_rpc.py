@@ -17,6 +17,7 @@ import time
 import tracemalloc
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -38,18 +39,46 @@ RANK_MB, JOB_MB, TOTAL_MB = 0.5, 2.0, 4.0
 SLACK = 6 * MIB
 
 
+def _coordinator(data_dir: str, limits: tuple[float, float, float] = (RANK_MB, JOB_MB, TOTAL_MB)) -> Coordinator:
+    rank, job, total = limits
+    options = CoordinatorOptions(
+        port=0, data_dir=data_dir, embedded_agent=False, rank_budget_mb=rank, job_budget_mb=job, memory_budget_mb=total
+    )
+    return Coordinator(options)
+
+
+def traced_flood(
+    data_dir: str, limits: tuple[float, float, float], plan: list[tuple[int, int, int, int, int, bool, int]]
+) -> tuple[int, dict[str, Any]]:
+    """Send ``plan``'s floods (``_flood``) to a fresh coordinator with budgets ``limits`` (MiB:
+    rank, job, total): Python's traced memory past the idle coordinator, and its budget's
+    ``status`` (``bench/budget.py`` measures the same)."""
+    c = _coordinator(data_dir, limits)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        c.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
+        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        stub.GetStatus(pb.QueryRequest(), timeout=10)  # the coordinator idle, every thread started
+        gc.collect()
+        idle = tracemalloc.get_traced_memory()[0]
+        for step in plan:
+            _flood(stub, *step)
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - idle
+        status = c.status()
+        assert status is not None
+        channel.close()
+        return used, status["job"]["budget"]
+    finally:
+        tracemalloc.stop()
+        c.stop(0.2)
+
+
 @pytest.fixture
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    c = Coordinator(
-        CoordinatorOptions(
-            port=0,
-            data_dir=str(tmp_path_factory.mktemp("budget")),
-            embedded_agent=False,
-            rank_budget_mb=RANK_MB,
-            job_budget_mb=JOB_MB,
-            memory_budget_mb=TOTAL_MB,
-        )
-    )
+    c = _coordinator(str(tmp_path_factory.mktemp("budget")))
     c.start()
     yield c
     c.stop(0.2)
@@ -139,38 +168,9 @@ def _report(
 def test_no_rpc_sequence_takes_the_coordinator_over_its_budget(
     tmp_path_factory: pytest.TempPathFactory, plan: list[tuple[int, int, int, int, int, bool, int]]
 ) -> None:
-    c = Coordinator(
-        CoordinatorOptions(
-            port=0,
-            data_dir=str(tmp_path_factory.mktemp("budget")),
-            embedded_agent=False,
-            rank_budget_mb=RANK_MB,
-            job_budget_mb=JOB_MB,
-            memory_budget_mb=TOTAL_MB,
-        )
-    )
-    gc.collect()
-    tracemalloc.start()
-    try:
-        c.start()
-        channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
-        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-        stub.GetStatus(pb.QueryRequest(), timeout=10)  # the coordinator idle, every thread started
-        gc.collect()
-        idle = tracemalloc.get_traced_memory()[0]
-        for step in plan:
-            _flood(stub, *step)
-        gc.collect()
-        used = tracemalloc.get_traced_memory()[0] - idle
-        status = c.status()
-        assert status is not None
-        held = status["job"]["budget"]["held_bytes"]
-        assert held <= TOTAL_MB * MIB, status["job"]["budget"]
-        assert used <= TOTAL_MB * MIB + SLACK, f"traced {used / MIB:.1f} MiB past idle; budget {status['budget']}"
-        channel.close()
-    finally:
-        tracemalloc.stop()
-        c.stop(0.2)
+    used, budget = traced_flood(str(tmp_path_factory.mktemp("budget")), (RANK_MB, JOB_MB, TOTAL_MB), plan)
+    assert budget["held_bytes"] <= TOTAL_MB * MIB, budget
+    assert used <= TOTAL_MB * MIB + SLACK, f"traced {used / MIB:.1f} MiB past idle; budget {budget}"
 
 
 def test_the_issues_group_flood_is_refused_at_the_rank_budget(coordinator: Coordinator) -> None:

@@ -389,24 +389,6 @@ class JobState:
         self.held += n
         self.ledger.held += n
 
-    def _release(self, state: RankState | None, n: int) -> None:
-        """Release ``n`` bytes charged to a rank that may have registered again since (a new
-        process of the rank never goes below nothing for its predecessor's)."""
-        if state is not None:
-            state.held = state.held - n if state.held > n else 0
-        self.held -= n
-        self.ledger.held -= n
-
-    def _hold(self, state: RankState, call: r.CallRecord) -> None:
-        """One more table holds ``call``: charged (to its rank) when it is the first."""
-        held = call.holds
-        call.holds = held + 1
-        if not held:
-            n = call.cost
-            state.calls += n
-            self.held += n
-            self.ledger.held += n
-
     def _unhold(self, state: RankState | None, call: r.CallRecord) -> None:
         """A table let go of ``call``: released when it was the last."""
         held = call.holds - 1
@@ -569,7 +551,7 @@ class JobState:
                     del open_calls[call_id]
                     self._drop_open(state, before)
                     self._unslot(before)
-                    self._release(state, b.OPEN_BYTES)
+                    self._charge(state, -b.OPEN_BYTES)
                     self._unhold(state, before)
             if kind is r.OpKind.COLLECTIVE:
                 open_here = state.open_collectives.get(group)
@@ -591,7 +573,7 @@ class JobState:
                     oldest = open_calls.pop(min(open_calls, key=lambda k: open_calls[k].enter_time))
                     self._unslot(oldest)
                     self._drop_open(state, oldest)
-                    self._release(state, b.OPEN_BYTES)
+                    self._charge(state, -b.OPEN_BYTES)
                     self._unhold(state, oldest)
             if kind is r.OpKind.P2P:
                 self.p2p_changed = True
@@ -744,7 +726,7 @@ class JobState:
         call.exit_time = when
         if state.open_calls.get(call.call_id) is call:
             del state.open_calls[call.call_id]
-            self._release(state, b.OPEN_BYTES)
+            self._charge(state, -b.OPEN_BYTES)
             self._unhold(state, call)
         if error is not None and call.error is None and call.holds:
             extra = b.text_bytes(error)  # the error's text, held with the call
@@ -772,7 +754,7 @@ class JobState:
         held = None if slot is None else slot.calls.get(call.rank)
         if slot is not None and held is not None:
             slot.remove(call.rank)
-            self._release(None, b.SLOT_ENTRY_BYTES)
+            self._charge(None, -b.SLOT_ENTRY_BYTES)
             self._unhold(None, held)
 
     def _prune(self, group: str, seq: int, members: tuple[int, ...] | None = None) -> None:
