@@ -72,6 +72,35 @@ def _cause(state: RankState) -> str:
     return UNKNOWN
 
 
+def _killed(state: RankState) -> bool:
+    """Its process was killed by a signal no launcher or scheduler sends to stop a job (SIGKILL,
+    SIGSEGV, SIGABRT) or by the OOM killer, as the agent saw it the moment it vanished."""
+    proc = state.proc
+    if state.end is not None or proc is None:
+        return False
+    return proc.oom_killed or (proc.signal is not None and _signal_name(proc.signal) not in STOP_SIGNALS)
+
+
+def _launcher_reaction(ended: list[tuple[float, RankState]]) -> int | None:
+    """Where, among the ends seen together with the first, is a rank killed alone whose launcher
+    then stopped the rest (None when the ends tell no such story).
+
+    The agent stamps a vanished process when its thread wakes to the link's close. Starved of
+    CPU (or of the GIL, when it runs inside the coordinator) for longer than torchrun takes to
+    react (it polls every 0.1 s, then SIGTERMs the rest), it wakes to every close at once, in no
+    reliable order: the kill and the stops it caused look simultaneous, like a job killed as a
+    whole. The signals still tell the story: a job killed as a whole dies of one signal on every
+    rank, one stopped as a whole of stop signals; a SIGKILL among SIGTERMs is one rank killed and
+    its launcher stopping the rest. (A rank reaped before the agent woke shows no signal: that
+    case cannot be told from a stop, and is left silent.)
+    """
+    first_time = ended[0][0]
+    together = [(i, st) for i, (t, st) in enumerate(ended) if t - first_time <= TOGETHER_S]
+    killed = [i for i, st in together if _killed(st)]
+    stopped = any(_cause(st) == STOP for _, st in together)
+    return killed[0] if len(killed) == 1 and stopped else None
+
+
 def _job_stopping(job: JobState, ctx: Context, first: RankState, first_time: float) -> bool:
     """The first end was a stop signal: wait a moment, then say whether every rank stopped so.
 
@@ -173,6 +202,9 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     if not ended:
         return []
     ended.sort(key=lambda item: item[0])
+    reaction = _launcher_reaction(ended)
+    if reaction is not None:
+        ended.insert(0, ended.pop(reaction))
     first_time, first = ended[0]
     running = [st for st in job.ranks.values() if _end_time(st) is None]
     clean = first.end is not None and first.end.kind in CLEAN
@@ -184,7 +216,13 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     if cause == STOP and _job_stopping(job, ctx, first, first_time):
         return []
     is_exception = first.end is not None and first.end.kind is r.EndKind.EXCEPTION
-    if cause != STOP and not is_exception and not running and all(t - first_time <= TOGETHER_S for t, _ in ended):
+    if (
+        cause != STOP
+        and not is_exception
+        and not running
+        and reaction is None
+        and all(t - first_time <= TOGETHER_S for t, _ in ended)
+    ):
         return []  # every process vanished at once: the job was stopped (killed) as a whole
     affected = sorted(st.rank for _, st in ended[1:]) + sorted(st.rank for st in running)
     last = first.last_call

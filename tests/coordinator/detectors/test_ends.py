@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from hangwatch.coordinator.detectors import ends, frozen, mismatch, stuck
 from hangwatch.records import EndKind, GpuStatus, ProcState
 from tests.factories import T0, SimJob, only, open_incidents
@@ -174,6 +176,42 @@ def test_rank_killed_alone_is_the_culprit_though_the_launcher_then_stops_the_res
     for now in (T0 + 12, T0 + 30):
         engine.tick(now)
     assert [i.kind for i in engine.incidents.values()] == ["rank_died"]
+
+
+@pytest.mark.parametrize("order", [(2, 0, 1, 3), (0, 3, 2, 1), (1, 0, 3, 2)])
+def test_a_kill_and_its_launcher_s_stops_seen_at_once_by_a_starved_agent_are_still_a_death(
+    order: tuple[int, ...],
+) -> None:
+    """The agent's thread woke late (CI load) and saw rank 2's close and the SIGTERMs torchrun
+    answered it with in one wake-up, microseconds apart and in any order: the signals tell a kill
+    followed by a stop, not a job killed as a whole."""
+    sim = SimJob(4)
+    sim.collective(1, T0 + 1)
+    for rk in (1, 2, 3):
+        sim.call(rk, T0 + 5, op="broadcast", seq=2, root=0)
+    for i, rk in enumerate(order):
+        _gone(sim, rk, T0 + 10 + i * 0.0001, signal=SIGKILL if rk == 2 else SIGTERM)
+    engine = sim.engine()
+    (inc,) = engine.tick(T0 + 10.6)
+    assert (inc.kind, inc.culprit_ranks, inc.waiting_ranks) == ("rank_died", [2], [0, 1, 3])
+    assert "killed by SIGKILL (signal 9) inside broadcast" in inc.summary
+    for now in (T0 + 12.5, T0 + 30):
+        engine.tick(now)
+    assert [i.kind for i in engine.incidents.values()] == ["rank_died"]
+
+
+def test_a_job_stopped_as_a_whole_seen_at_once_is_still_no_death() -> None:
+    """The contrast: the same batch, but every rank stopped by SIGTERM (one reaped before the
+    agent could see how), or killed by SIGKILL, is the job stopped from outside."""
+    for first, rest in ((SIGTERM, SIGTERM), (None, SIGTERM), (SIGKILL, SIGKILL), (SIGKILL, None)):
+        sim = SimJob(4)
+        sim.collective(1, T0 + 1)
+        _gone(sim, 2, T0 + 10, signal=first)
+        for rk, dt in ((0, 0.0001), (1, 0.0002), (3, 0.0003)):
+            _gone(sim, rk, T0 + 10 + dt, signal=rest)
+        engine = sim.engine()
+        for now in (T0 + 10.6, T0 + 12.5, T0 + 30):
+            assert engine.tick(now) == [], (first, rest)
 
 
 def test_rank_vanished_without_a_trace_alone_and_earlier_is_the_culprit() -> None:
