@@ -252,3 +252,9 @@ def doing(end: RankEnd | None, blocked: CallRecord | None, where: str, where_use
             return f"is busy in {where_user} (innermost: {where})"
         return f"is busy in {where_user}"
     return "is outside any collective"
+
+
+def in_step(step: int, text: str = " in step {}") -> str:
+    """``text`` with the step in it, or nothing where the step is unknown (negative: records made
+    from Flight Recorder dumps, which keep no training step)."""
+    return text.format(step) if step >= 0 else ""

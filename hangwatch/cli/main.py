@@ -1,4 +1,4 @@
-"""``hangwatch`` subcommands: coordinator, agent, status, incidents, report, stacks, run, demo.
+"""``hangwatch`` subcommands: coordinator, agent, status, incidents, report, stacks, analyze, run, demo.
 
 Configuration: flags, then ``HANGWATCH_*`` environment variables, then defaults.
 """
@@ -266,6 +266,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun options, script and its arguments")
 
+    p = sub.add_parser(
+        "analyze",
+        help="diagnose a hang from torch's Flight Recorder dumps (no hangwatch attached needed)",
+        description="Reads one Flight Recorder dump per rank from DIR (pickle or JSON, either ring; "
+        "the rank is the number a file's name ends with, as torch names them) and runs the "
+        "coordinator's detectors on them: the incidents are those hangwatch would have raised live.",
+    )
+    p.add_argument("dir", help="the folder of dumps (torch's default: /tmp, files nccl_trace_rank_<N>)")
+    p.add_argument("--prefix", default="", help="only files whose names start with this (e.g. nccl_trace_rank_)")
+    p.add_argument("--json", action="store_true", help="print the incidents as JSON (the documented contract)")
+    p.add_argument(
+        "--stuck-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a call open this long when the dumps were written is a hang (default 5)",
+    )
+    p.add_argument("--world-size", type=int, default=None, help="ranks in the job (default: from the dumps)")
+
     p = sub.add_parser("demo", help="a built-in multi-rank CPU job with an injected fault, diagnosed live")
     p.add_argument("scenario", nargs="?", default="early_stop", help="which fault (see --list)")
     p.add_argument("--list", action="store_true", help="list the scenarios")
@@ -324,6 +343,33 @@ def cmd_report(args: argparse.Namespace) -> int:
         _print_json(data)
     else:
         render.render_report(data)
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from hangwatch.postmortem import dumps, replay
+
+    try:
+        folder = dumps.load(args.dir, args.prefix)
+    except dumps.DumpError as exc:
+        sys.stderr.write(f"hangwatch: {exc}\n")
+        return 2
+    for path, why in sorted(folder.refused.items()):
+        sys.stderr.write(f"hangwatch: {path}: skipped: {why}\n")
+    if not folder.dumps:
+        prefix = f" starting with {args.prefix!r}" if args.prefix else ""
+        sys.stderr.write(
+            f"hangwatch: no Flight Recorder dump in {args.dir} (files{prefix} ending with a rank number)\n"
+        )
+        return 2
+    stuck_after = args.stuck_after if args.stuck_after is not None else replay.DEFAULT_STUCK_AFTER_S
+    analysis = replay.analyze(folder, stuck_after=stuck_after, world_size=args.world_size)
+    if args.json:
+        _print_json(analysis.incidents_json())
+        for note in analysis.notes:
+            sys.stderr.write(f"hangwatch: {note}\n")
+        return 0
+    render.render_analysis(analysis, folder)
     return 0
 
 
@@ -543,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         "incidents": cmd_incidents,
         "report": cmd_report,
         "stacks": cmd_stacks,
+        "analyze": cmd_analyze,
     }
     try:
         if args.command in ("run", "demo"):

@@ -10,7 +10,7 @@ import time
 from typing import Any, TextIO
 
 from hangwatch import wording
-from hangwatch.wording import KIND_TITLES, on_device, ranks_label
+from hangwatch.wording import KIND_TITLES, in_step, on_device, ranks_label
 
 
 def use_colour(stream: TextIO) -> bool:
@@ -163,7 +163,7 @@ def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
         ("waiting ranks", format_ranks(inc["waiting_ranks"])),
         ("operation", inc.get("op") or "-"),
         ("group / seq", f"{inc.get('group') or '-'} / {inc.get('seq') or '-'}"),
-        ("step", str(inc.get("step", "-"))),
+        ("step", str(inc["step"]) if int(inc.get("step", -1)) >= 0 else "unknown"),
         (
             "onset",
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(inc["onset_time"])) if inc.get("onset_time") else "-",
@@ -187,7 +187,8 @@ def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     if skipped:
         out.write(
             f"\nskipped call: rank {skipped.get('rank')} never made {skipped.get('op')} at "
-            f"{skipped.get('call_site') or '?'} (step {skipped.get('step')}, seq {skipped.get('seq')})\n"
+            f"{skipped.get('call_site') or '?'} "
+            f"({in_step(int(skipped.get('step', -1)), 'step {}, ')}seq {skipped.get('seq')})\n"
         )
     hosts = details.get("host") or {}
     if hosts:
@@ -222,3 +223,28 @@ def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
             out.write(text.rstrip() + "\n")
     for rank, note in sorted((inc.get("stack_notes") or {}).items()):
         out.write(f"(no stack for rank {rank}: {note})\n")
+
+
+def render_analysis(analysis: Any, folder: Any, out: TextIO = sys.stdout) -> None:
+    """``hangwatch analyze``: what was read, what it lacks, then each incident's full report."""
+    ranks = analysis.ranks
+    formats = sorted({f"{d.format} ({d.ring} ring{', with stack frames' if d.frames else ''})"
+                      for d in folder.dumps.values()})  # fmt: skip
+    out.write(
+        f"Flight Recorder dumps of {len(ranks)} rank{'s' if len(ranks) != 1 else ''} of {analysis.world_size}: "
+        f"{format_ranks(ranks)}; {', '.join(formats)}\n"
+    )
+    written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(analysis.as_of)) if analysis.as_of else "?"
+    out.write(f"analysed as of the earliest dump, written {written}\n")
+    for rank, paths in sorted(folder.duplicates.items()):
+        out.write(f"rank {rank}: {len(paths)} other dump(s) not used: {', '.join(paths)}\n")
+    for note in analysis.notes:
+        out.write(f"note: {note}\n")
+    out.write("\n")
+    if not analysis.incidents:
+        out.write("no hang or mismatch in these dumps\n")
+        return
+    for i, inc in enumerate(analysis.incidents):
+        if i:
+            out.write("\n")
+        render_report(inc.to_json(), out)

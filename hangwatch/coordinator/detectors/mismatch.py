@@ -21,7 +21,7 @@ from hangwatch.coordinator.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.rules import compare_collective, explain_extra_call
 from hangwatch.coordinator.state import JobState, Slot
-from hangwatch.wording import format_ranks
+from hangwatch.wording import format_ranks, in_step
 
 
 @dataclass
@@ -148,7 +148,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 summary = (
                     f"rank{'s' if len(in_barrier) > 1 else ''} {format_ranks(culprit)} left the loop and wait in "
                     f"a final barrier while rank{'s' if len(others) > 1 else ''} {format_ranks(agreeing)} "
-                    f"entered {other_op} (group {group}, seq {seq}) at step {step}: {mismatch.summary}"
+                    f"entered {other_op} (group {group}, seq {seq}){in_step(step, ' at step {}')}: {mismatch.summary}"
                 )
         key = incident_key(KeyFamily.MISMATCH, group=group, seq=seq)
         # the same calls disagreeing the same way, in the same processes (a rerun is news)

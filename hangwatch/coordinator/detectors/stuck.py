@@ -237,6 +237,22 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         )
     states = {rk: job.ranks.get(rk) for rk in absent}
     unregistered = [rk for rk, st in states.items() if st is None]
+    if unregistered and job.from_dumps and len(unregistered) < len(absent):
+        # a post-mortem: the ranks whose dumps show them absent are the story; those that wrote
+        # none are unknown, not culprits (``hangwatch.postmortem`` says they are missing)
+        absent = [rk for rk in absent if rk not in unregistered]
+        states = {rk: st for rk, st in states.items() if st is not None}
+        unregistered = []
+    if unregistered and job.from_dumps:
+        return finding(
+            IncidentKind.STUCK_COLLECTIVE,
+            unregistered,
+            f"ranks {format_ranks(waiting)} wait in {where} for {waited:.0f} s; rank(s) "
+            f"{format_ranks(unregistered)} wrote no Flight Recorder dump: what they did instead is unknown",
+            "Look at those ranks' logs: a rank that died or was killed writes no dump, nor may one frozen "
+            "holding the GIL; a rank that wrote its dump elsewhere (TORCH_FR_DUMP_TEMP_FILE) can be added.",
+            [],
+        )
     if unregistered:
         return finding(
             IncidentKind.STUCK_COLLECTIVE,

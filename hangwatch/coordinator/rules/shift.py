@@ -13,6 +13,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from hangwatch.catalogue import canonical_op, norm_reduce
 from hangwatch.coordinator.rules.slot import spec
 from hangwatch.records import CallRecord, TensorMeta
+from hangwatch.wording import in_step
 
 
 def _fingerprint(c: CallRecord) -> tuple[Hashable, ...]:
@@ -155,7 +156,7 @@ def explain_skipped_call(
         skipped = ref[k]
         where = f" at {skipped.call_site}" if skipped.call_site else ""
         text = (
-            f"rank {culprit} skipped {canonical_op(skipped.op)}{where} in step {skipped.step} (seq {k}) and "
+            f"rank {culprit} skipped {canonical_op(skipped.op)}{where}{in_step(skipped.step)} (seq {k}) and "
             f"carried on: from there on each of its calls met the others' next call, so it ran out of calls "
             f"one before them"
         )

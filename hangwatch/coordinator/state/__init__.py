@@ -92,6 +92,9 @@ class JobState:
         self.attempt = 0  # the launcher's restart count of this run
         self.job_id = ""
         self.world_size = 0
+        #: made from Flight Recorder dumps (``hangwatch analyze``): a rank with no dump is unknown,
+        #: not one that never registered
+        self.from_dumps = False
         self.ranks: dict[int, RankState] = {}
         self.sessions: dict[str, int] = {}  # session id -> rank
         self.groups: dict[str, r.GroupInfo] = {}  # canonical (first seen) membership per group name

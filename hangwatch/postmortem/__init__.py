@@ -1,0 +1,2 @@
+"""Post-mortem: a hang diagnosed from torch's Flight Recorder dumps, for jobs hangwatch was not
+attached to (``hangwatch analyze DIR``)."""

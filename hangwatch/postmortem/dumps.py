@@ -1,0 +1,167 @@
+"""Reading torch's Flight Recorder dumps from a folder: one file per rank, either ring (the CPU
+ring every backend records into, NCCL's CUDA ring), either format (pickle, JSON).
+
+torch writes them at a NCCL timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, to
+``TORCH_FR_DUMP_TEMP_FILE`` / ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` + the rank, default
+``/tmp/nccl_trace_rank_<N>``), or when a program asks (``_dump_fr_trace`` /
+``_dump_nccl_trace``, pickle, with stack frames when asked; the ``*_json`` variants, without).
+A dump does not say which rank wrote it: the rank is the number its file name ends with, as
+torch names them.
+
+A dump is pickle, and unpickling runs whatever code the file names: a folder of dumps can come
+from anywhere (a shared /tmp, a colleague's job), so only the plain containers and scalars a
+Flight Recorder dump is made of are accepted, and a file naming anything else is refused as
+not a dump. Unreadable files are reported, never fatal: the ranks that could be read are
+analysed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: A file bigger than this is not a Flight Recorder dump (20,000 entries with frames: ~30 MB).
+MAX_DUMP_BYTES = 256 << 20
+
+_RANK = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin))?$")
+
+
+class DumpError(Exception):
+    """A file that is not a readable Flight Recorder dump (the message says why)."""
+
+
+@dataclass
+class RankDump:
+    """One rank's dump: its entries, its process groups' status and config, and when it was
+    written (the file's modification time: the moment the entries were read from the ring)."""
+
+    rank: int
+    path: str
+    format: str  # "pickle" or "json"
+    version: str
+    entries: list[dict[str, Any]]
+    pg_config: dict[str, Any]
+    pg_status: dict[str, dict[str, int]]
+    written: float
+    frames: bool  # whether its entries carry stack frames
+    ring: str  # "cpu" (c10::Event ring) or "nccl" (the CUDA ring)
+
+
+@dataclass
+class Folder:
+    """What a folder of dumps held: the ranks read, the files refused and why."""
+
+    dumps: dict[int, RankDump] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # path -> why
+    duplicates: dict[int, list[str]] = field(default_factory=dict)  # rank -> files not used
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles containers and scalars only: ``find_class`` is how a pickle reaches code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise DumpError(f"names {module}.{name}: a Flight Recorder dump holds only plain data")
+
+
+def _status(raw: Any) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    if not isinstance(raw, dict):
+        return out
+    for group, fields in raw.items():
+        if isinstance(fields, dict):
+            vals: dict[str, int] = {}
+            for k, v in fields.items():
+                try:
+                    vals[str(k)] = int(v)
+                except (TypeError, ValueError):
+                    continue
+            out[str(group)] = vals
+    return out
+
+
+def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
+    """One dump's bytes (pickle or JSON, told by their first byte)."""
+    if data[:1] in (b"{", b"["):
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DumpError(f"not valid JSON: {e}") from None
+        fmt = "json"
+    else:
+        try:
+            doc = _PlainUnpickler(io.BytesIO(data)).load()
+        except DumpError:
+            raise
+        except Exception as e:  # a truncated or foreign pickle raises many kinds
+            raise DumpError(f"not a pickle torch wrote ({type(e).__name__}: {e})") from None
+        fmt = "pickle"
+    if not isinstance(doc, dict) or "entries" not in doc or not isinstance(doc["entries"], list):
+        raise DumpError("not a Flight Recorder dump (no list of entries)")
+    entries = [e for e in doc["entries"] if isinstance(e, dict)]
+    ring = "nccl" if ("nccl_comm_state" in doc and doc.get("nccl_comm_state")) or _nccl(entries) else "cpu"
+    return RankDump(
+        rank=rank,
+        path=path,
+        format=fmt,
+        version=str(doc.get("version", "")),
+        entries=entries,
+        pg_config=doc["pg_config"] if isinstance(doc.get("pg_config"), dict) else {},
+        pg_status=_status(doc.get("pg_status")),
+        written=written,
+        frames=any(e.get("frames") for e in entries),
+        ring=ring,
+    )
+
+
+def _nccl(entries: list[dict[str, Any]]) -> bool:
+    return any(str(e.get("profiling_name", "")).startswith("nccl:") for e in entries)
+
+
+def rank_of(name: str, prefix: str) -> int | None:
+    """The rank a dump's file name gives (``nccl_trace_rank_3``, ``fr_3.json``), or None."""
+    if prefix and not name.startswith(prefix):
+        return None
+    m = _RANK.search(name[len(prefix) :] if prefix else name)
+    return int(m.group(1)) if m else None
+
+
+def load(folder: str | os.PathLike[str], prefix: str = "") -> Folder:
+    """Every dump in ``folder`` whose name starts with ``prefix`` and ends with a rank number.
+    Two files for one rank (a pickle and its JSON twin, two dumps of one run): the one written
+    last is used, the others listed."""
+    out = Folder()
+    root = Path(folder)
+    if not root.is_dir():
+        raise DumpError(f"{folder}: not a folder")
+    found: dict[int, list[RankDump]] = {}
+    for path in sorted(root.iterdir()):
+        if not path.is_file():
+            continue
+        rank = rank_of(path.name, prefix)
+        if rank is None:
+            continue
+        try:
+            size = path.stat().st_size
+            if size > MAX_DUMP_BYTES:
+                raise DumpError(f"{size} bytes: bigger than any Flight Recorder dump")
+            dump = parse(path.read_bytes(), str(path), rank, path.stat().st_mtime)
+        except DumpError as e:
+            out.refused[str(path)] = str(e)
+            continue
+        except OSError as e:
+            out.refused[str(path)] = f"unreadable: {e.strerror or e}"
+            continue
+        found.setdefault(rank, []).append(dump)
+    for rank, dumps in found.items():
+        # the richer twin first (frames), then the newest
+        dumps.sort(key=lambda d: (d.frames, len(d.entries), d.written), reverse=True)
+        out.dumps[rank] = dumps[0]
+        if len(dumps) > 1:
+            out.duplicates[rank] = [d.path for d in dumps[1:]]
+    return out

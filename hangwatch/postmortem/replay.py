@@ -1,0 +1,238 @@
+"""A hang diagnosed from Flight Recorder dumps alone: each rank's entries become the records its
+node agent would have read live (``hangwatch.flight_entries``), fed to a real ``JobState`` and
+the coordinator's own detectors, so the diagnosis, its incident and its JSON are the live ones.
+
+What a dump cannot say is said, not guessed:
+
+- **When.** A dump is the ring as it was when its file was written (the file's modification
+  time). A call open in one rank's dump is only known open until then, so the analysis is made
+  as of the earliest dump: a healthy job's dumps written seconds apart do not turn one rank's
+  call in flight into a hang.
+- **Who is missing.** A rank with no dump (it died, was killed before torch's timeout, or wrote
+  elsewhere) is named; whatever the dumps show it did not do is not proof it did not do it.
+- **What each rank was doing instead.** Only the stack of each call when it was issued, and only
+  in pickle dumps written with stack traces; no live stacks, no training step, no call site
+  otherwise. Completion states are what the ring kept (gloo's ring says retired or not; NCCL's,
+  started and completed on the device).
+- **p2p.** gloo's ring records no send or recv; NCCL's p2p entries are counted, not analysed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from hangwatch import records as r
+from hangwatch.coordinator.detectors import mismatch, stuck
+from hangwatch.coordinator.engine import Engine
+from hangwatch.coordinator.incidents import Incident
+from hangwatch.coordinator.state import JobState
+from hangwatch.flight_entries import EntryTracker
+from hangwatch.postmortem.dumps import Folder, RankDump
+
+#: The job id the analysis's incidents carry.
+JOB_ID = "flight-recorder-dumps"
+#: A call open this long before the earliest dump is a hang (``--stuck-after``): the
+#: coordinator's own default. torch's timeouts (10 min NCCL, 30 min gloo) are far above it; a
+#: healthy job's dumps show calls in flight for far less, though writing a dump with stack frames
+#: stalls its rank (and so the others) for a moment (BENCHMARKS.md).
+DEFAULT_STUCK_AFTER_S = 30.0
+#: Frames of torch's own wrappers, left out of a call site.
+_LIBRARY = (f"{os.sep}torch{os.sep}", f"{os.sep}hangwatch{os.sep}")
+
+LACKS = (
+    "the dumps hold each rank's collectives only: no training step, no live stack of what a rank "
+    "was doing when the dumps were written"
+)
+
+
+class _NoPythonCalls:
+    """No hook ran: every entry becomes a record."""
+
+    def covers(self, group: str, seq: int) -> bool:
+        return False
+
+    def newest(self, group: str) -> int:
+        return 0
+
+
+@dataclass
+class Analysis:
+    """The incidents found, and what the reader should know about the dumps they came from."""
+
+    incidents: list[Incident]
+    world_size: int
+    ranks: list[int]
+    missing: list[int]
+    notes: list[str] = field(default_factory=list)
+    as_of: float = 0.0
+
+    def incidents_json(self) -> list[dict[str, Any]]:
+        return [inc.to_json() for inc in self.incidents]
+
+
+def _user_frame(frames: Any) -> tuple[str, list[str]]:
+    """(``file:line in function`` of the innermost frame outside torch, every frame as text)."""
+    if not isinstance(frames, list):
+        return "", []
+    lines: list[str] = []
+    site = ""
+    for f in frames:
+        if not isinstance(f, dict):
+            continue
+        filename, line, name = str(f.get("filename", "")), f.get("line", 0), str(f.get("name", ""))
+        lines.append(f"{name} ({filename}:{line})")
+        if not site and not any(part in filename for part in _LIBRARY):
+            site = f"{os.path.basename(filename)}:{line} in {name}"
+    return site, lines
+
+
+def _ranks_text(raw: Any) -> tuple[int, ...]:
+    try:
+        ranks = json.loads(raw) if isinstance(raw, str) else raw
+        return tuple(int(x) for x in ranks) if isinstance(ranks, list | tuple) else ()
+    except (ValueError, TypeError):
+        return ()
+
+
+def _world_size(folder: Folder, given: int | None) -> int:
+    if given:
+        return given
+    sizes = [len(_ranks_text(cfg.get("ranks"))) for d in folder.dumps.values() for cfg in d.pg_config.values()
+             if isinstance(cfg, dict)]  # fmt: skip
+    return max([*sizes, max(folder.dumps, default=-1) + 1])
+
+
+def _groups(folder: Folder, world: int) -> dict[str, tuple[int, ...]]:
+    """Each process group's members: the default group is every rank; another group's are the
+    ranks whose dumps know it (its status, its entries), or what a dump's config lists."""
+    members: dict[str, set[int]] = {}
+    for rank, dump in folder.dumps.items():
+        names = set(dump.pg_status)
+        names.update(str((e.get("process_group") or [""])[0]) for e in dump.entries)
+        for name in names:
+            members.setdefault(name, set()).add(rank)
+        for key, cfg in dump.pg_config.items():
+            ranks = _ranks_text(cfg.get("ranks")) if isinstance(cfg, dict) else ()
+            if ranks and str(key) in members:
+                members[str(key)].update(ranks)
+    out = {name: tuple(sorted(ranks)) for name, ranks in members.items() if name and name != "0"}
+    out["0"] = tuple(range(world))
+    return out
+
+
+def _records(dump: RankDump) -> tuple[list[r.RankEvent], dict[tuple[str, int], list[str]], int]:
+    """The rank's entries as records (with call sites from their frames), each call's frames,
+    and how many p2p entries were passed over."""
+    tracker = EntryTracker(dump.rank)
+    events = tracker.update(dump.entries, _NoPythonCalls(), 0, dump.written)
+    by_key = {}
+    p2p = 0
+    for e in dump.entries:
+        if e.get("is_p2p"):
+            p2p += 1
+            continue
+        try:
+            by_key[(str((e.get("process_group") or [""])[0]), int(e.get("collective_seq_id") or 0))] = e
+        except (TypeError, ValueError):
+            continue
+    frames: dict[tuple[str, int], list[str]] = {}
+    for event in events:
+        if not isinstance(event, r.CallRecord):
+            continue
+        entry = by_key.get((event.group, event.seq), {})
+        site, lines = _user_frame(entry.get("frames"))
+        event.step = -1  # unknown: a dump keeps no training step
+        event.call_site = site  # unknown without frames (not "issued from C++": nobody knows)
+        if lines:
+            frames[(event.group, event.seq)] = lines
+        done_ns = entry.get("time_discovered_completed_ns")
+        if event.exit_time is not None:
+            # retired: the ring keeps when the device completed it (NCCL), else only that it did
+            event.exit_time = float(done_ns) / 1e9 if done_ns else event.enter_time
+    return events, frames, p2p
+
+
+def analyze(folder: Folder, *, stuck_after: float = DEFAULT_STUCK_AFTER_S, world_size: int | None = None) -> Analysis:
+    """Diagnose what ``folder``'s dumps show, as the coordinator would have live."""
+    world = _world_size(folder, world_size)
+    present = sorted(folder.dumps)
+    missing = [rk for rk in range(world) if rk not in folder.dumps]
+    notes: list[str] = []
+    if not present:
+        return Analysis([], world, [], missing, ["no dump could be read"])
+    as_of = min(d.written for d in folder.dumps.values())
+    job = JobState()
+    job.from_dumps = True
+    groups = _groups(folder, world)
+    frames: dict[int, dict[tuple[str, int], list[str]]] = {}
+    p2p = 0
+    for rank in present:
+        dump = folder.dumps[rank]
+        ident = r.RankIdentity(JOB_ID, rank, world, "", 0, session=f"dump-{rank}", backend=dump.ring)
+        job.register(ident, dump.written)
+        made = [
+            r.GroupEvent(rank, r.GroupEventKind.CREATED, r.GroupInfo(name, ranks), dump.written)
+            for name, ranks in groups.items()
+            if rank in ranks and name != "0"
+        ]
+        events, frames[rank], skipped = _records(dump)
+        p2p += skipped
+        job.ingest(ident.session, rank, [*made, *events], now=dump.written, sent_time=dump.written)
+    engine = Engine(job, threading.RLock(), stuck_after=stuck_after, detectors=[mismatch.detect, stuck.detect])
+    incidents = engine.tick(as_of)
+    if missing:
+        notes.append(
+            f"no dump of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (of {world}): "
+            "it may have died or been killed before torch's timeout, or written its dump elsewhere; "
+            "what the dumps do not show it doing is no proof it did not"
+        )
+    if p2p:
+        notes.append(f"{p2p} p2p entries (send/recv) not analysed: Flight Recorder numbers them apart from collectives")
+    if not any(d.frames for d in folder.dumps.values()):
+        notes.append("no stack frames in the dumps: call sites unknown (pickle dumps carry them when asked)")
+    for inc in incidents:
+        _annotate(inc, folder, frames, groups.get(inc.group, ()), missing, notes, as_of)
+    return Analysis(incidents, world, present, missing, notes, as_of)
+
+
+def _annotate(
+    inc: Incident,
+    folder: Folder,
+    frames: dict[int, dict[tuple[str, int], list[str]]],
+    members: tuple[int, ...],
+    missing: list[int],
+    notes: list[str],
+    as_of: float,
+) -> None:
+    """What the incident rests on: which dumps, what they lack, and each rank's stack as the ring
+    recorded it when the rank issued its call in this slot (or its last call on the group)."""
+    inc.details["postmortem"] = {
+        "as_of": as_of,
+        "dumps": {str(rk): d.path for rk, d in sorted(folder.dumps.items())},
+        "missing_ranks": missing,
+        "lacks": LACKS,
+        "notes": list(notes),
+    }
+    unknown = [rk for rk in missing if rk in members and rk not in inc.culprit_ranks]
+    if unknown:
+        inc.summary += f"; no dump of rank{'s' if len(unknown) > 1 else ''} {', '.join(map(str, unknown))}: unknown"
+    inc.stack_notes.clear()  # the engine's "no agent to dump stacks": a post-mortem has none to ask
+    for rank in sorted({*inc.culprit_ranks, *inc.waiting_ranks}):
+        mine = frames.get(rank)
+        if mine is None:
+            inc.stack_notes[rank] = "no dump of this rank"
+            continue
+        key = (inc.group, inc.seq)
+        label = f"issuing {inc.op} (group {inc.group}, seq {inc.seq})"
+        if key not in mine:
+            earlier = [k for k in mine if k[0] == inc.group and k[1] < inc.seq]
+            if not earlier:
+                inc.stack_notes[rank] = "its dump has no stack frames for this group"
+                continue
+            key = max(earlier)
+            label = f"issuing its last call on group {inc.group} (seq {key[1]}); not where it is now"
+        inc.stacks[rank] = f"Flight Recorder, rank {rank}, {label}:\n" + "\n".join(f"  {f}" for f in mine[key])
