@@ -199,3 +199,72 @@ def torchrun(
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     return Job(proc, log)
+
+
+#: The start of a gloo job (hangwatch not attached) whose every rank dumps its Flight Recorder
+#: ring to ``$DUMP_DIR/nccl_trace_rank_<rank>`` ``$DUMP_AT`` s in (plus ``$DUMP_SKEW`` s per
+#: rank), as pickle with stack frames or as JSON (``$DUMP_FORMAT``), from a thread, as a user's
+#: own ``_dump_fr_trace`` would (gloo writes no dump on timeout); then it ends the process, once
+#: the others have dumped too (its exit breaks their connections). ``t`` is a 4-float tensor.
+FR_DUMPING_JOB = """
+import datetime, os, sys, threading, time
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+rank = dist.get_rank()
+world = dist.get_world_size()
+
+def _dump():
+    skew = float(os.environ.get("DUMP_SKEW", "0"))
+    time.sleep(float(os.environ["DUMP_AT"]) + skew * rank)
+    json_dump = os.environ.get("DUMP_FORMAT") == "json"
+    data = _dump_fr_trace_json(True, False) if json_dump else _dump_fr_trace(True, True, False)
+    name = os.path.join(os.environ["DUMP_DIR"], f"nccl_trace_rank_{rank}" + (".json" if json_dump else ""))
+    with open(name + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(name + ".tmp", name)
+    time.sleep(3 + skew * world)
+    os._exit(0)
+
+threading.Thread(target=_dump, daemon=True).start()
+t = torch.ones(4)
+"""
+
+
+def fr_dump_job(
+    body: str,
+    workdir: Path,
+    *,
+    name: str,
+    nproc: int = 3,
+    dump_at: float = 8.0,
+    fmt: str = "pickle",
+    skew: float = 0.0,
+    ring: int = 2000,
+) -> Path:
+    """Run ``body`` after :data:`FR_DUMPING_JOB` under torchrun and wait for it (bounded): the
+    folder of its ranks' dumps. The job waits for its dumps whatever ``body`` does."""
+    out = workdir / f"{name}-dumps"
+    out.mkdir(parents=True)
+    script = workdir / f"{name}.py"
+    script.write_text(FR_DUMPING_JOB + body + "\ntime.sleep(300)\n")
+    env = job_env(
+        None,
+        {
+            "TORCH_FR_BUFFER_SIZE": str(ring),
+            "DUMP_DIR": str(out),
+            "DUMP_AT": str(dump_at),
+            "DUMP_FORMAT": fmt,
+            "DUMP_SKEW": str(skew),
+        },
+    )
+    job = torchrun(script, nproc=nproc, env=env, cwd=workdir, log=workdir / f"{name}.log")
+    try:
+        job.proc.wait(60 + dump_at + skew * nproc)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        job.kill()
+    return out

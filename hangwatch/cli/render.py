@@ -235,7 +235,10 @@ def render_analysis(analysis: Any, folder: Any, out: TextIO = sys.stdout) -> Non
         f"{format_ranks(ranks)}; {', '.join(formats)}\n"
     )
     written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(analysis.as_of)) if analysis.as_of else "?"
-    out.write(f"analysed as of the earliest dump, written {written}\n")
+    out.write(
+        f"analysed as of the earliest dump, written {written} (the files' modification times: "
+        "copies that did not keep them make calls in flight look as old as the copy)\n"
+    )
     for rank, paths in sorted(folder.duplicates.items()):
         out.write(f"rank {rank}: {len(paths)} other dump(s) not used: {', '.join(paths)}\n")
     for note in analysis.notes:

@@ -39,7 +39,10 @@ class DumpError(Exception):
 @dataclass
 class RankDump:
     """One rank's dump: its entries, its process groups' status and config, and when it was
-    written (the file's modification time: the moment the entries were read from the ring)."""
+    written: the file's modification time, the moment the entries were read from the ring (a
+    copy that did not keep it, ``cp`` without ``-p``, makes it the copy's time: calls in flight
+    then look as old as the copy, which ``hangwatch analyze`` says), never before the latest
+    moment its own entries record."""
 
     rank: int
     path: str
@@ -104,6 +107,7 @@ def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
     if not isinstance(doc, dict) or "entries" not in doc or not isinstance(doc["entries"], list):
         raise DumpError("not a Flight Recorder dump (no list of entries)")
     entries = [e for e in doc["entries"] if isinstance(e, dict)]
+    latest = max((latest_time(e) for e in entries), default=0.0)
     ring = "nccl" if ("nccl_comm_state" in doc and doc.get("nccl_comm_state")) or _nccl(entries) else "cpu"
     return RankDump(
         rank=rank,
@@ -113,10 +117,16 @@ def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
         entries=entries,
         pg_config=doc["pg_config"] if isinstance(doc.get("pg_config"), dict) else {},
         pg_status=_status(doc.get("pg_status")),
-        written=written,
+        written=max(written, latest),  # a clock or a copy that put the file before its own entries
         frames=any(e.get("frames") for e in entries),
         ring=ring,
     )
+
+
+def latest_time(entry: dict[str, Any]) -> float:
+    """The latest moment an entry records (seconds), 0 when it records none."""
+    times = [entry.get(k) for k in ("time_created_ns", "time_discovered_started_ns", "time_discovered_completed_ns")]
+    return max((float(t) / 1e9 for t in times if isinstance(t, int | float) and t > 0), default=0.0)
 
 
 def _nccl(entries: list[dict[str, Any]]) -> bool:
@@ -132,9 +142,8 @@ def rank_of(name: str, prefix: str) -> int | None:
 
 
 def load(folder: str | os.PathLike[str], prefix: str = "") -> Folder:
-    """Every dump in ``folder`` whose name starts with ``prefix`` and ends with a rank number.
-    Two files for one rank (a pickle and its JSON twin, two dumps of one run): the one written
-    last is used, the others listed."""
+    """Every dump in ``folder`` whose name starts with ``prefix`` and ends with a rank number,
+    one per rank (both its rings' dumps merged)."""
     out = Folder()
     root = Path(folder)
     if not root.is_dir():
@@ -159,9 +168,53 @@ def load(folder: str | os.PathLike[str], prefix: str = "") -> Folder:
             continue
         found.setdefault(rank, []).append(dump)
     for rank, dumps in found.items():
-        # the richer twin first (frames), then the newest
-        dumps.sort(key=lambda d: (d.frames, len(d.entries), d.written), reverse=True)
-        out.dumps[rank] = dumps[0]
-        if len(dumps) > 1:
-            out.duplicates[rank] = [d.path for d in dumps[1:]]
+        # one dump per ring (the CPU ring and NCCL's are separate files): of two of a ring (a
+        # pickle and its JSON twin, two dumps of one run), the one with frames, else the fuller,
+        # else the newest; the others are listed
+        best: dict[str, RankDump] = {}
+        for dump in sorted(dumps, key=lambda d: (d.frames, len(d.entries), d.written), reverse=True):
+            if dump.ring in best:
+                out.duplicates.setdefault(rank, []).append(dump.path)
+            else:
+                best[dump.ring] = dump
+        out.dumps[rank] = _merged(list(best.values()))
     return out
+
+
+def _group_of(entry: dict[str, Any]) -> str:
+    return str((entry.get("process_group") or [""])[0])
+
+
+def _merged(rings: list[RankDump]) -> RankDump:
+    """A rank's dumps of both rings as one. A group known to both (a default group made with
+    ``"cpu:gloo,cuda:nccl"``: one group id, each backend numbering its own collectives) is kept
+    apart as ``<id> (cpu ring)`` for the CPU ring's entries, the same on every rank."""
+    if len(rings) == 1:
+        return rings[0]
+    first = rings[0]
+    nccl = {_group_of(e) for d in rings if d.ring == "nccl" for e in d.entries}
+    for d in rings:
+        if d.ring != "cpu":
+            continue
+        for i, e in enumerate(d.entries):
+            group = _group_of(e)
+            if group in nccl:
+                name = (e.get("process_group") or ["", ""])[1:2] or [""]
+                d.entries[i] = {**e, "process_group": (f"{group} (cpu ring)", name[0])}
+    status: dict[str, dict[str, int]] = {}
+    config: dict[str, Any] = {}
+    for d in rings:
+        status.update(d.pg_status)
+        config.update(d.pg_config)
+    return RankDump(
+        rank=first.rank,
+        path=", ".join(d.path for d in rings),
+        format="+".join(sorted({d.format for d in rings})),
+        version=first.version,
+        entries=[e for d in rings for e in d.entries],
+        pg_config=config,
+        pg_status=status,
+        written=min(d.written for d in rings),
+        frames=any(d.frames for d in rings),
+        ring="+".join(sorted(d.ring for d in rings)),
+    )

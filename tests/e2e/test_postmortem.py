@@ -8,80 +8,24 @@ nothing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import shutil
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hangwatch.postmortem import dumps, replay
-from hangwatch.testing import BIN, Job
-
-INIT = """
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank = dist.get_rank()
-world = dist.get_world_size()
-import threading
-from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
-
-def _dump():
-    time.sleep(float(os.environ["DUMP_AT"]) + float(os.environ.get("DUMP_SKEW", "0")) * rank)
-    json_dump = os.environ.get("DUMP_FORMAT") == "json"
-    data = _dump_fr_trace_json(True, False) if json_dump else _dump_fr_trace(True, True, False)
-    name = os.path.join(os.environ["DUMP_DIR"], f"nccl_trace_rank_{rank}" + (".json" if json_dump else ""))
-    with open(name + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(name + ".tmp", name)
-    # the others dump too before this rank's exit breaks their connections
-    time.sleep(3 + float(os.environ.get("DUMP_SKEW", "0")) * world)
-    os._exit(0)
-
-threading.Thread(target=_dump, daemon=True).start()
-t = torch.ones(4)
-"""
-
-#: Every program ends waiting for its dump (the dump thread ends the process).
-END = """
-time.sleep(120)
-"""
-
-Incidents = list[dict[str, Any]]
-
-
-def _run(
-    torchrun: Callable[..., Job],
-    tmp_path: Path,
-    body: str,
-    *,
-    nproc: int = 3,
-    dump_at: float = 8.0,
-    fmt: str = "pickle",
-    skew: float = 0.0,
-    name: str = "job",
-) -> Path:
-    out = tmp_path / f"{name}-dumps"
-    out.mkdir()
-    env = {
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "DUMP_DIR": str(out),
-        "DUMP_AT": str(dump_at),
-        "DUMP_FORMAT": fmt,
-        "DUMP_SKEW": str(skew),
-    }
-    job = torchrun(INIT + body + END, addr=None, nproc=nproc, env=env, name=name)
-    try:
-        job.proc.wait(60 + dump_at + skew * nproc)
-    except subprocess.TimeoutExpired:
-        job.kill()
-    return out
-
+from hangwatch.testing import BIN, fr_dump_job
 
 #: The hang threshold every analysis here uses, faults and healthy look-alikes alike: the faults'
 #: waits reach it (dumps 8 s in), the healthy jobs' calls in flight (and the stall of a rank
 #: writing its dump) stay under it.
 STUCK_AFTER = 5.0
+
+Incidents = list[dict[str, Any]]
 
 
 def _analyze(folder: Path, **kwargs: Any) -> replay.Analysis:
@@ -105,8 +49,8 @@ for step in range(5):
 
 
 @pytest.mark.parametrize("fmt", ["pickle", "json"])
-def test_a_skipped_all_reduce_is_named_from_the_dumps(torchrun: Callable[..., Job], tmp_path: Path, fmt: str) -> None:
-    folder = _run(torchrun, tmp_path, SKIPPED, fmt=fmt, name=f"skipped_{fmt}")
+def test_a_skipped_all_reduce_is_named_from_the_dumps(jobs: Jobs, fmt: str) -> None:
+    folder = jobs[f"skipped_{fmt}"]
     analysis = _analyze(folder)
     incs = analysis.incidents_json()
     assert [i["kind"] for i in incs] == ["stuck_collective"], _brief(incs)
@@ -138,8 +82,8 @@ else:
 """
 
 
-def test_an_op_mismatch_is_named_from_the_dumps(torchrun: Callable[..., Job], tmp_path: Path) -> None:
-    folder = _run(torchrun, tmp_path, OP_MISMATCH, name="op_mismatch")
+def test_an_op_mismatch_is_named_from_the_dumps(jobs: Jobs) -> None:
+    folder = jobs["op_mismatch"]
     incs = _analyze(folder).incidents_json()
     assert incs and incs[0]["kind"] == "op_mismatch", _brief(incs)
     assert incs[0]["culprit_ranks"] == [2] and incs[0]["seq"] == 4, _brief(incs)
@@ -154,8 +98,8 @@ dist.broadcast(weights, src=0)              # it is sent; the others wait for th
 """
 
 
-def test_a_shape_mismatch_is_named_from_the_dumps(torchrun: Callable[..., Job], tmp_path: Path) -> None:
-    folder = _run(torchrun, tmp_path, SHAPE_MISMATCH, name="shape_mismatch")
+def test_a_shape_mismatch_is_named_from_the_dumps(jobs: Jobs) -> None:
+    folder = jobs["shape_mismatch"]
     analysis = _analyze(folder)
     incs = analysis.incidents_json()
     assert incs and incs[0]["kind"] == "shape_mismatch", (_brief(incs), analysis.missing)
@@ -170,10 +114,10 @@ for step in range(6):
 """
 
 
-def test_a_rank_that_wrote_no_dump_is_missing_and_named(torchrun: Callable[..., Job], tmp_path: Path) -> None:
+def test_a_rank_that_wrote_no_dump_is_missing_and_named(jobs: Jobs) -> None:
     """The highest rank's dump is missing, so only the job's size (given, as a user who knows it
     would) says it exists; its absence is said, and it is the rank the others wait for."""
-    folder = _run(torchrun, tmp_path, FROZEN, name="frozen")
+    folder = jobs["frozen"]
     analysis = _analyze(folder, world_size=3)
     assert analysis.missing == [2] and analysis.ranks == [0, 1]
     assert any("no dump of rank 2" in note for note in analysis.notes)
@@ -196,8 +140,8 @@ if rank == 0:
 """
 
 
-def test_a_hang_on_a_subgroup_names_its_member(torchrun: Callable[..., Job], tmp_path: Path) -> None:
-    folder = _run(torchrun, tmp_path, SUBGROUP_HANG, name="subgroup")
+def test_a_hang_on_a_subgroup_names_its_member(jobs: Jobs) -> None:
+    folder = jobs["subgroup"]
     incs = _analyze(folder).incidents_json()
     assert [i["kind"] for i in incs] == ["stuck_collective"], _brief(incs)
     inc = incs[0]
@@ -223,10 +167,10 @@ while time.time() < deadline:               # still training when the dumps are 
 
 
 @pytest.mark.parametrize("skew", [0.0, 1.5])
-def test_dumps_of_a_busy_healthy_job_raise_nothing(torchrun: Callable[..., Job], tmp_path: Path, skew: float) -> None:
+def test_dumps_of_a_busy_healthy_job_raise_nothing(jobs: Jobs, skew: float) -> None:
     """Dumps written mid-run, with calls in flight on some ranks, and (skew) seconds apart: a
     call in flight in an early dump is not a hang because later dumps show the job moved on."""
-    folder = _run(torchrun, tmp_path, HEALTHY_BUSY, skew=skew, name=f"busy_{skew}".replace(".", "_"))
+    folder = jobs[f"busy_{skew}"]
     analysis = _analyze(folder)
     assert analysis.ranks == [0, 1, 2] and analysis.missing == []
     assert analysis.incidents_json() == [], _brief(analysis.incidents_json())
@@ -243,18 +187,49 @@ dist.barrier()
 """
 
 
-def test_dumps_of_a_finished_healthy_job_raise_nothing(torchrun: Callable[..., Job], tmp_path: Path) -> None:
-    folder = _run(torchrun, tmp_path, HEALTHY_DONE, name="done")
+def test_dumps_of_a_finished_healthy_job_raise_nothing(jobs: Jobs) -> None:
+    folder = jobs["done"]
     analysis = _analyze(folder)
     assert analysis.incidents_json() == [], _brief(analysis.incidents_json())
+
+
+# --------------------------------------------------------------------------------------------
+# the jobs: run before the module's tests, three at a time (they mostly wait for their dumps)
+
+Jobs = dict[str, Path]
+
+RUNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "skipped_pickle": (SKIPPED, {}),
+    "skipped_json": (SKIPPED, {"fmt": "json"}),
+    "op_mismatch": (OP_MISMATCH, {}),
+    "shape_mismatch": (SHAPE_MISMATCH, {}),
+    "frozen": (FROZEN, {}),
+    "subgroup": (SUBGROUP_HANG, {}),
+    "busy_0.0": (HEALTHY_BUSY, {}),
+    "busy_1.5": (HEALTHY_BUSY, {"skew": 1.5}),
+    "done": (HEALTHY_DONE, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    root = tmp_path_factory.mktemp("postmortem")
+
+    def run(name: str) -> Path:
+        body, kwargs = RUNS[name]
+        return fr_dump_job(body, root, name=name.replace(".", "_"), **kwargs)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(zip(RUNS, pool.map(run, RUNS), strict=True))
 
 
 # --------------------------------------------------------------------------------------------
 # the command
 
 
-def test_the_command_prints_the_report_and_the_json_contract(torchrun: Callable[..., Job], tmp_path: Path) -> None:
-    folder = _run(torchrun, tmp_path, SKIPPED, name="cli")
+def test_the_command_prints_the_report_and_the_json_contract(jobs: Jobs, tmp_path: Path) -> None:
+    folder = tmp_path / "dumps"
+    shutil.copytree(jobs["skipped_pickle"], folder)
     (folder / "nccl_trace_rank_7").write_bytes(b"\x80\x04garbage")
     cmd = [str(BIN / "hangwatch"), "analyze", str(folder), "--stuck-after", str(STUCK_AFTER)]
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

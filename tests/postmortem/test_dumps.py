@@ -1,0 +1,135 @@
+"""Reading a folder of Flight Recorder dumps: what is refused and why, which file stands for a rank.
+
+The dumps' contents are tested on real ones (``tests/e2e/test_postmortem.py``); here the inputs
+are the bad ones a folder can hold (hostile pickles, truncated files, foreign JSON, huge files)
+and the names torch and users give dump files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hangwatch.postmortem import dumps, replay
+
+
+def _dump(entries: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"version": "2.10", "pg_config": {}, "pg_status": {"0": {"last_enqueued_collective": 1}},
+            "entries": entries or [], **extra}  # fmt: skip
+
+
+def _entry(seq: int, frames: bool = False) -> dict[str, Any]:
+    e: dict[str, Any] = {
+        "collective_seq_id": seq,
+        "process_group": ("0", "default_pg"),
+        "profiling_name": "gloo:all_reduce",
+        "input_sizes": [[4]],
+        "input_dtypes": ["Float"],
+        "retired": True,
+        "time_created_ns": 1_795_000_000_000_000_000 + seq,
+    }
+    if frames:
+        e["frames"] = [{"filename": "/home/me/train.py", "line": 42, "name": "step"}]
+    return e
+
+
+class _Boom:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_names_code_is_refused_and_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump(extra=_Boom(marker))))
+    folder = dumps.load(tmp_path)
+    assert folder.dumps == {} and not marker.exists()
+    (why,) = folder.refused.values()
+    assert "names posix.system" in why and "plain data" in why
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (pickle.dumps(_dump())[:20], "not a pickle torch wrote"),
+        (b"{not json", "not valid JSON"),
+        (json.dumps({"some": "other tool's file"}).encode(), "no list of entries"),
+        (pickle.dumps([1, 2, 3]), "no list of entries"),
+        (b"", "not a pickle torch wrote"),
+    ],
+)
+def test_what_is_not_a_dump_is_refused_with_why_and_the_rest_is_read(tmp_path: Path, data: bytes, why: str) -> None:
+    (tmp_path / "nccl_trace_rank_1").write_bytes(data)
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump([_entry(1)])))
+    folder = dumps.load(tmp_path)
+    assert sorted(folder.dumps) == [0]
+    assert why in folder.refused[str(tmp_path / "nccl_trace_rank_1")]
+
+
+def test_a_file_too_big_to_be_a_dump_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dumps, "MAX_DUMP_BYTES", 100)
+    (tmp_path / "nccl_trace_rank_0").write_bytes(b"{" + b" " * 200 + b"}")
+    folder = dumps.load(tmp_path)
+    assert "bigger than any Flight Recorder dump" in folder.refused[str(tmp_path / "nccl_trace_rank_0")]
+
+
+@pytest.mark.parametrize(
+    ("name", "prefix", "rank"),
+    [
+        ("nccl_trace_rank_3", "", 3),
+        ("nccl_trace_rank_12", "nccl_trace_rank_", 12),
+        ("fr_7.json", "", 7),
+        ("dump-rank5.pkl", "", 5),
+        ("nccl_trace_rank_3.tmp", "", None),  # a dump being written
+        ("notes.txt", "", None),
+        ("nccl_trace_rank_3", "other_", None),
+    ],
+)
+def test_the_rank_is_the_number_a_name_ends_with(name: str, prefix: str, rank: int | None) -> None:
+    assert dumps.rank_of(name, prefix) == rank
+
+
+def test_of_two_dumps_of_a_rank_the_one_with_frames_is_used_and_the_other_listed(tmp_path: Path) -> None:
+    (tmp_path / "r0.json").write_text(json.dumps(_dump([_entry(1), _entry(2)])))
+    (tmp_path / "r0.pkl").write_bytes(pickle.dumps(_dump([_entry(1, frames=True)])))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "r1").write_bytes(b"ignored: a folder's own folders are not read")
+    folder = dumps.load(tmp_path)
+    assert sorted(folder.dumps) == [0]
+    assert folder.dumps[0].format == "pickle" and folder.dumps[0].frames
+    assert folder.duplicates == {0: [str(tmp_path / "r0.json")]}
+
+
+def test_a_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(dumps.DumpError, match="not a folder"):
+        dumps.load(tmp_path / "nowhere")
+
+
+def test_no_readable_dump_is_an_analysis_that_says_so(tmp_path: Path) -> None:
+    analysis = replay.analyze(dumps.load(tmp_path))
+    assert analysis.incidents == [] and analysis.notes == ["no dump could be read"]
+
+
+def test_json_status_written_as_text_is_read_as_numbers() -> None:
+    raw = json.dumps(_dump(pg_status={"0": {"last_completed_collective": "3", "bad": "x"}})).encode()
+    dump = dumps.parse(raw, "r0.json", 0, 0.0)
+    assert dump.pg_status == {"0": {"last_completed_collective": 3}}
+
+
+def test_a_rank_s_two_rings_are_one_dump_and_a_group_both_number_is_kept_apart(tmp_path: Path) -> None:
+    """``"cpu:gloo,cuda:nccl"``: one group id "0" in both rings, each numbering its own calls."""
+    nccl = [{**_entry(1), "profiling_name": "nccl:all_reduce"}, {**_entry(2), "profiling_name": "nccl:broadcast"}]
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump(nccl, comm_lib_version="2.28.9")))
+    (tmp_path / "fr_cpu_rank_0").write_bytes(pickle.dumps(_dump([_entry(1)])))
+    folder = dumps.load(tmp_path)
+    dump = folder.dumps[0]
+    assert dump.ring == "cpu+nccl" and folder.duplicates == {}
+    seen = sorted((e["process_group"][0], e["collective_seq_id"]) for e in dump.entries)
+    assert seen == [("0", 1), ("0", 2), ("0 (cpu ring)", 1)]
