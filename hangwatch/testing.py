@@ -243,15 +243,17 @@ def fr_dump_job(
     fmt: str = "pickle",
     skew: float = 0.0,
     ring: int = 2000,
+    addr: str | None = None,
 ) -> Path:
     """Run ``body`` after :data:`FR_DUMPING_JOB` under torchrun and wait for it (bounded): the
-    folder of its ranks' dumps. The job waits for its dumps whatever ``body`` does."""
+    folder of its ranks' dumps. The job waits for its dumps whatever ``body`` does; ``addr``:
+    the coordinator hangwatch attaches it to (None: not attached)."""
     out = workdir / f"{name}-dumps"
     out.mkdir(parents=True)
     script = workdir / f"{name}.py"
     script.write_text(FR_DUMPING_JOB + body + "\ntime.sleep(300)\n")
     env = job_env(
-        None,
+        addr,
         {
             "TORCH_FR_BUFFER_SIZE": str(ring),
             "DUMP_DIR": str(out),

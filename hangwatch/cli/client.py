@@ -19,10 +19,22 @@ class CoordinatorUnreachable(RuntimeError):
 
 def query(addr: str, method: str, *, token: str | None = None, timeout: float = 5.0, **fields: Any) -> Any:
     """Call ``method`` (GetStatus, ListIncidents, GetIncident, DumpStacks) and decode its JSON."""
-    request = pb.QueryRequest(token=token or "", **fields)
+    return call(addr, method, pb.QueryRequest(token=token or "", **fields), timeout)
+
+
+def import_dumps(addr: str, payload: bytes, *, token: str | None = None, job: str = "", timeout: float = 120.0) -> Any:
+    """Send a folder of Flight Recorder dumps (``dumps.pack``) to be analysed and joined to a job."""
+    return call(addr, "ImportDumps", pb.ImportRequest(token=token or "", job=job, dumps=payload), timeout)
+
+
+def call(addr: str, method: str, request: Any, timeout: float) -> Any:
+    """One unary call whose reply is a ``JsonReply``; its JSON decoded."""
     try:
         # status of thousands of ranks is megabytes: lift gRPC's 4 MB default for replies
-        channel = tls.channel(addr, [("grpc.max_receive_message_length", 512 * 1024 * 1024)])
+        channel = tls.channel(
+            addr,
+            [("grpc.max_receive_message_length", 512 * 1024 * 1024), ("grpc.max_send_message_length", 16 << 20)],
+        )
     except tls.TLSConfigError as exc:
         raise CoordinatorUnreachable(str(exc)) from None
     with channel:

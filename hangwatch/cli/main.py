@@ -284,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a call open this long when the dumps were written is a hang (default 5)",
     )
     p.add_argument("--world-size", type=int, default=None, help="ranks in the job (default: from the dumps)")
+    p.add_argument(
+        "--import",
+        dest="import_",
+        action="store_true",
+        help="send the dumps to a coordinator instead: it analyses them and joins them to a job's incidents",
+    )
+    p.add_argument("--addr", default=None, help=f"with --import: coordinator host:port (default: ${config.ENV_ADDR})")
+    p.add_argument("--token", default=None, help=f"with --import: shared token (default: ${config.ENV_TOKEN})")
+    p.add_argument("--token-file", default=None, help="with --import: read the token from this file")
+    _add_job_flag(p, "with --import: the current job")
 
     p = sub.add_parser("demo", help="a built-in multi-rank CPU job with an injected fault, diagnosed live")
     p.add_argument("scenario", nargs="?", default="early_stop", help="which fault (see --list)")
@@ -362,6 +372,22 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             f"hangwatch: no Flight Recorder dump in {args.dir} (files{prefix} ending with a rank number)\n"
         )
         return 2
+    if args.import_:
+        from hangwatch.cli.client import import_dumps
+
+        payload = dumps.pack(folder)
+        if len(payload) > dumps.MAX_SEND_BYTES:
+            sys.stderr.write(
+                f"hangwatch: {len(payload) >> 20} MiB of dumps to send, more than the coordinator takes in one "
+                f"import ({dumps.MAX_SEND_BYTES >> 20} MiB): import the ranks in parts (--prefix)\n"
+            )
+            return 2
+        result = import_dumps(_addr(args), payload, token=_token(args), job=args.job)
+        if args.json:
+            _print_json(result)
+        else:
+            render.render_import(result)
+        return 0
     stuck_after = args.stuck_after if args.stuck_after is not None else replay.DEFAULT_STUCK_AFTER_S
     analysis = replay.analyze(folder, stuck_after=stuck_after, world_size=args.world_size)
     if args.json:

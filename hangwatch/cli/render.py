@@ -251,3 +251,19 @@ def render_analysis(analysis: Any, folder: Any, out: TextIO = sys.stdout) -> Non
         if i:
             out.write("\n")
         render_report(inc.to_json(), out)
+
+
+def render_import(result: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    """``hangwatch analyze --import``: what the coordinator did with the dumps."""
+    ranks = result.get("ranks") or []
+    out.write(f"imported the Flight Recorder dumps of ranks {format_ranks(ranks)} into job {result.get('job')}\n")
+    if result.get("missing_ranks"):
+        out.write(f"no dump of ranks {format_ranks(result['missing_ranks'])}\n")
+    for ident in result.get("attached") or []:
+        out.write(f"  {ident}: the dumps' entries attached (hangwatch report {ident})\n")
+    for ident in result.get("added") or []:
+        out.write(f"  {ident}: found in the dumps only, added as found post-mortem (hangwatch report {ident})\n")
+    if not result.get("attached") and not result.get("added"):
+        out.write("  no incident of the job is in the dumps, and the dumps show none\n")
+    for note in result.get("notes") or []:
+        out.write(f"note: {note}\n")

@@ -33,6 +33,8 @@ from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, Coordinator
 from hangwatch.coordinator.state import ClaimRefused, JobState, RankState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import job_line, status_json
+from hangwatch.postmortem import replay
+from hangwatch.postmortem.dumps import Folder
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.serving import host_port, is_loopback
 from hangwatch.signatures import CallDecoder
@@ -562,6 +564,60 @@ class Coordinator:
         threading.Thread(target=abort_after_stacks, name="hangwatch-abort", daemon=True).start()
 
     # ---- queries --------------------------------------------------------------------------
+
+    def import_dumps(self, folder: Folder, job_selector: str = "") -> dict[str, Any] | None:
+        """A folder of Flight Recorder dumps (``hangwatch analyze --import``) joined to a followed
+        job's history: analysed here, with the job's own hang threshold and size; each incident of
+        the job whose collective the dumps hold gains what each rank's dump says of it
+        (``details.flight_recorder``); what the dumps show that the job's incidents do not is
+        added, resolved, as found post-mortem (it raises no alert, aborts nothing: files are no
+        proof of a hang under way). None when the selector names no job."""
+        with self.lock:
+            job = self.select_job(job_selector)
+            if job is None:
+                return None
+            stuck_after = self.engine.stuck_threshold(job)
+            world = job.world_size or None
+            live = [inc for inc in self.engine.incidents.values() if inc.run == job.run]
+        analysis = replay.analyze(folder, stuck_after=stuck_after, world_size=world)  # outside the lock
+        now = time.time()
+        found = {(inc.group, inc.seq): inc for inc in analysis.incidents}
+        attached: list[str] = []
+        added: list[str] = []
+        with self.lock:
+            for inc in live:
+                evidence = replay.slot_evidence(folder, inc.group, inc.seq) if inc.group else {}
+                if not evidence:
+                    continue
+                same = found.pop((inc.group, inc.seq), None)
+                inc.details["flight_recorder"] = {
+                    "imported_time": now,
+                    "ranks": evidence,
+                    "missing_ranks": analysis.missing,
+                    "diagnosis": same.summary if same is not None else "",
+                    "agrees": same is not None and same.kind == inc.kind and same.culprit_ranks == inc.culprit_ranks,
+                }
+                self.engine.persist(inc)
+                attached.append(inc.id)
+            for inc in found.values():
+                inc.id = self.engine.next_id()
+                inc.job, inc.run, inc.launch, inc.attempt = job.job_id, job.run, job.launch, job.attempt
+                inc.key = f"{job.run}/postmortem/{inc.key}"
+                inc.detected_time = now
+                inc.status, inc.resolved_time = "resolved", now
+                inc.resolution = "found post-mortem, in Flight Recorder dumps imported by `hangwatch analyze --import`"
+                self.engine.incidents[inc.id] = inc
+                self.engine.persist(inc)
+                added.append(inc.id)
+        return {
+            "job": job.job_id,
+            "run": job.run,
+            "ranks": analysis.ranks,
+            "missing_ranks": analysis.missing,
+            "attached": attached,
+            "added": added,
+            "notes": analysis.notes,
+        }
 
     def incidents_json(self, job_selector: str = "") -> list[dict[str, Any]]:
         """Every incident kept, or those of the jobs ``job_selector`` names (their runs, live or

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from hangwatch import wire
+from hangwatch.postmortem import dumps
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
 from hangwatch.serving import TOKEN_REFUSED, Refused, token_ok
@@ -205,7 +206,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             _abort(context, grpc.StatusCode.NOT_FOUND, f"no registered rank {which}{in_job}")
         return pb.JsonReply(json=json.dumps(result))
 
+    def ImportDumps(self, request: pb.ImportRequest, context: grpc.ServicerContext) -> pb.JsonReply:
+        self._auth(request.token, context)
+        try:
+            folder = dumps.unpack(request.dumps)
+        except dumps.DumpError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        result = self.c.import_dumps(folder, request.job)
+        if result is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"no job {request.job!r} to import the dumps into")
+        return pb.JsonReply(json=json.dumps(result))
 
-#: Handlers that wait (long polls, stack dumps) or build large JSON replies: on the coordinator's
-#: asyncio server they run in a thread pool, everything else on the event loop.
-BLOCKING = frozenset({"AgentPoll", "DumpStacks", "GetStatus", "ListIncidents", "GetIncident"})
+
+#: Handlers that wait (long polls, stack dumps), analyse (imports) or build large JSON replies: on
+#: the coordinator's asyncio server they run in a thread pool, everything else on the event loop.
+BLOCKING = frozenset({"AgentPoll", "DumpStacks", "GetStatus", "ListIncidents", "GetIncident", "ImportDumps"})

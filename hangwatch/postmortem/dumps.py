@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,3 +219,143 @@ def _merged(rings: list[RankDump]) -> RankDump:
         frames=any(d.frames for d in rings),
         ring="+".join(sorted(d.ring for d in rings)),
     )
+
+
+# ---- a folder's evidence sent to a coordinator (``hangwatch analyze --import``) ---------------
+
+#: What is sent of a rank's ring: its last entries on each group (the slots a hang or a mismatch
+#: is in, and the history the rules read), each call's frames cut to this many, texts to this long.
+SEND_PER_GROUP = 32
+SEND_FRAMES = 16
+SEND_TEXT = 512
+#: The most ranks one import carries (a bigger job: import a subset with --prefix).
+SEND_RANKS = 4096
+
+_ENTRY_KEYS = (
+    "collective_seq_id",
+    "p2p_seq_id",
+    "is_p2p",
+    "process_group",
+    "profiling_name",
+    "input_sizes",
+    "input_dtypes",
+    "output_sizes",
+    "output_dtypes",
+    "state",
+    "retired",
+    "time_created_ns",
+    "time_discovered_started_ns",
+    "time_discovered_completed_ns",
+    "timeout_ms",
+)
+
+
+def _text(value: Any) -> str:
+    return str(value)[:SEND_TEXT]
+
+
+def _entry_out(entry: dict[str, Any]) -> dict[str, Any]:
+    out = {k: entry[k] for k in _ENTRY_KEYS if k in entry}
+    if isinstance(out.get("process_group"), list | tuple):
+        out["process_group"] = [_text(x) for x in out["process_group"][:2]]
+    if "profiling_name" in out:
+        out["profiling_name"] = _text(out["profiling_name"])
+    frames = entry.get("frames")
+    if isinstance(frames, list):
+        out["frames"] = [
+            {"filename": _text(f.get("filename", "")), "line": f.get("line", 0), "name": _text(f.get("name", ""))}
+            for f in frames[:SEND_FRAMES]
+            if isinstance(f, dict)
+        ]
+    return out
+
+
+def compact(folder: Folder) -> dict[str, Any]:
+    """What ``folder`` holds, as JSON-able data bounded in size: per rank its last
+    :data:`SEND_PER_GROUP` entries on each group, their frames, its groups' status and config."""
+    ranks: dict[str, Any] = {}
+    for rank, dump in sorted(folder.dumps.items())[:SEND_RANKS]:
+        by_group: dict[str, list[dict[str, Any]]] = {}
+        for entry in dump.entries:
+            by_group.setdefault(_group_of(entry), []).append(entry)
+        kept = [_entry_out(e) for entries in by_group.values() for e in entries[-SEND_PER_GROUP:]]
+        ranks[str(rank)] = {
+            "path": _text(dump.path),
+            "format": dump.format,
+            "ring": dump.ring,
+            "version": _text(dump.version),
+            "written": dump.written,
+            "pg_status": dump.pg_status,
+            "pg_config": {
+                _text(k): {"ranks": _text(v.get("ranks", "")) if isinstance(v, dict) else ""}
+                for k, v in list(dump.pg_config.items())[:64]
+            },
+            "entries": kept,
+        }
+    return {"ranks": ranks}
+
+
+#: An import's bytes: ``compact``'s JSON, zlib-compressed (paths and names repeat in every entry).
+MAX_IMPORT_BYTES = 256 << 20  # decompressed
+#: What one import may send: under the coordinator's 16 MiB limit on a message.
+MAX_SEND_BYTES = 15 << 20
+
+
+def pack(folder: Folder) -> bytes:
+    return zlib.compress(json.dumps(compact(folder)).encode(), 6)
+
+
+def unpack(data: bytes) -> Folder:
+    """``pack``'s bytes back, bounded: a payload that inflates past :data:`MAX_IMPORT_BYTES`
+    (a zip bomb) or is not ``compact``'s JSON is a :class:`DumpError`."""
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(data, MAX_IMPORT_BYTES)
+    except zlib.error as e:
+        raise DumpError(f"not an import of dumps ({e})") from None
+    if inflate.unconsumed_tail:
+        raise DumpError(f"an import of dumps bigger than {MAX_IMPORT_BYTES >> 20} MiB")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DumpError(f"not an import of dumps ({e})") from None
+    return from_compact(doc)
+
+
+def from_compact(data: Any) -> Folder:
+    """The :class:`Folder` ``compact`` described, checked as any input from outside is: a field of
+    the wrong type is a :class:`DumpError` naming it, never a crash, and the bounds hold."""
+    if not isinstance(data, dict) or not isinstance(data.get("ranks"), dict):
+        raise DumpError("not a folder of dumps (no ranks)")
+    if len(data["ranks"]) > SEND_RANKS:
+        raise DumpError(f"{len(data['ranks'])} ranks: more than {SEND_RANKS} in one import")
+    out = Folder()
+    for key, raw in data["ranks"].items():
+        try:
+            rank = int(key)
+            if rank < 0 or not isinstance(raw, dict):
+                raise ValueError
+            entries = [e for e in raw.get("entries", []) if isinstance(e, dict)]
+            groups = len({_group_of(e) for e in entries}) or 1
+            if len(entries) > groups * SEND_PER_GROUP:
+                raise DumpError(f"rank {rank}: {len(entries)} entries, more than {SEND_PER_GROUP} a group")
+            written = float(raw.get("written", 0.0))
+            if written != written or written in (float("inf"), float("-inf")):
+                raise ValueError
+            out.dumps[rank] = RankDump(
+                rank=rank,
+                path=_text(raw.get("path", "")),
+                format=_text(raw.get("format", "")),
+                version=_text(raw.get("version", "")),
+                entries=[_entry_out(e) for e in entries],
+                pg_config=raw["pg_config"] if isinstance(raw.get("pg_config"), dict) else {},
+                pg_status=_status(raw.get("pg_status")),
+                written=written,
+                frames=any(e.get("frames") for e in entries),
+                ring=_text(raw.get("ring", "")),
+            )
+        except DumpError:
+            raise
+        except (TypeError, ValueError, AttributeError) as e:
+            raise DumpError(f"rank {key!r}: not a dump as `hangwatch analyze --import` sends it ({e})") from None
+    return out

@@ -236,3 +236,39 @@ def _annotate(
             key = max(earlier)
             label = f"issuing its last call on group {inc.group} (seq {key[1]}); not where it is now"
         inc.stacks[rank] = f"Flight Recorder, rank {rank}, {label}:\n" + "\n".join(f"  {f}" for f in mine[key])
+
+
+def slot_evidence(folder: Folder, group: str, seq: int) -> dict[str, dict[str, Any]]:
+    """What each rank's dump says of the collective (``group``, ``seq``): its entry (op, shapes,
+    state, times, the stack it was issued from), or, where the rank has none, its last entry on
+    the group (it never got there). Ranks whose dumps do not know the group are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for rank, dump in sorted(folder.dumps.items()):
+        on_group = []
+        for e in dump.entries:
+            try:
+                if str((e.get("process_group") or [""])[0]) == group and not e.get("is_p2p"):
+                    on_group.append((int(e.get("collective_seq_id") or 0), e))
+            except (TypeError, ValueError):
+                continue
+        if not on_group:
+            continue
+        here = [e for s, e in on_group if s == seq]
+        entry = here[0] if here else max(on_group, key=lambda item: item[0])[1]
+        site, lines = _user_frame(entry.get("frames"))
+        out[str(rank)] = {
+            "dump": dump.path,
+            "written": dump.written,
+            "reached": bool(here),
+            "seq": int(entry.get("collective_seq_id") or 0),
+            "op": str(entry.get("profiling_name", "")),
+            "input_sizes": entry.get("input_sizes", []),
+            "input_dtypes": entry.get("input_dtypes", []),
+            "state": str(entry.get("state", "")),
+            "retired": bool(entry.get("retired")),
+            "created": float(entry.get("time_created_ns") or 0) / 1e9,
+            "completed": float(entry.get("time_discovered_completed_ns") or 0) / 1e9,
+            "call_site": site,
+            "frames": lines,
+        }
+    return out

@@ -548,6 +548,16 @@ class QueryRequest(_message.Message):
     job: str
     def __init__(self, token: _Optional[str] = ..., id: _Optional[str] = ..., native: _Optional[bool] = ..., limit: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
+class ImportRequest(_message.Message):
+    __slots__ = ("token", "job", "dumps")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    DUMPS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    job: str
+    dumps: bytes
+    def __init__(self, token: _Optional[str] = ..., job: _Optional[str] = ..., dumps: _Optional[bytes] = ...) -> None: ...
+
 class JsonReply(_message.Message):
     __slots__ = ("json",)
     JSON_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.QueryRequest.SerializeToString,
                 response_deserializer=hangwatch_dot_protos_dot_hangwatch__pb2.JsonReply.FromString,
                 _registered_method=True)
+        self.ImportDumps = channel.unary_unary(
+                '/hangwatch.v1.Coordinator/ImportDumps',
+                request_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.ImportRequest.SerializeToString,
+                response_deserializer=hangwatch_dot_protos_dot_hangwatch__pb2.JsonReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -144,6 +149,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportDumps(self, request, context):
+        """A folder of torch Flight Recorder dumps read by `hangwatch analyze --import`: the coordinator
+        analyses them itself and attaches them to the job's incidents (JSON reply: what it did).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +203,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'DumpStacks': grpc.unary_unary_rpc_method_handler(
                     servicer.DumpStacks,
                     request_deserializer=hangwatch_dot_protos_dot_hangwatch__pb2.QueryRequest.FromString,
+                    response_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.JsonReply.SerializeToString,
+            ),
+            'ImportDumps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportDumps,
+                    request_deserializer=hangwatch_dot_protos_dot_hangwatch__pb2.ImportRequest.FromString,
                     response_serializer=hangwatch_dot_protos_dot_hangwatch__pb2.JsonReply.SerializeToString,
             ),
     }
@@ -435,6 +453,33 @@ class Coordinator:
             target,
             '/hangwatch.v1.Coordinator/DumpStacks',
             hangwatch_dot_protos_dot_hangwatch__pb2.QueryRequest.SerializeToString,
+            hangwatch_dot_protos_dot_hangwatch__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportDumps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hangwatch.v1.Coordinator/ImportDumps',
+            hangwatch_dot_protos_dot_hangwatch__pb2.ImportRequest.SerializeToString,
             hangwatch_dot_protos_dot_hangwatch__pb2.JsonReply.FromString,
             options,
             channel_credentials,

@@ -207,6 +207,7 @@ def test_every_rpc_refuses_a_wrong_token(coordinator_factory: Callable[..., Coor
         "ListIncidents": pb.QueryRequest(token="bad"),
         "GetIncident": pb.QueryRequest(token="bad", id="inc-0001"),
         "DumpStacks": pb.QueryRequest(token="bad", id="all"),
+        "ImportDumps": pb.ImportRequest(token="bad", dumps=b"x"),
     }
     assert set(requests) == {m.name for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods}
     with grpc.insecure_channel(f"127.0.0.1:{c.port}") as channel:

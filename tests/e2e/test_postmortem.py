@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from hangwatch.coordinator.daemon import Coordinator
 from hangwatch.postmortem import dumps, replay
 from hangwatch.testing import BIN, fr_dump_job
 
@@ -244,3 +245,22 @@ def test_the_command_prints_the_report_and_the_json_contract(jobs: Jobs, tmp_pat
     assert incs[0]["summary"].endswith("; no dump of rank 3: unknown"), incs[0]["summary"]
     assert incs[0]["details"]["postmortem"]["missing_ranks"] == [3]
     assert "no dump of rank 3 (of 4)" in out.stderr
+
+
+def test_a_live_job_s_dumps_imported_join_the_incident_it_raised(coordinator: Coordinator, tmp_path: Path) -> None:
+    """The same fault in a job hangwatch watches live: its diagnosis and the dumps' meet in one
+    incident (``hangwatch analyze --import``), not two."""
+    folder = fr_dump_job(SKIPPED, tmp_path, name="live", addr=f"127.0.0.1:{coordinator.port}")
+    live = [i for i in coordinator.incidents_json() if i["kind"] == "stuck_collective"]
+    assert [i["culprit_ranks"] for i in live] == [[1]], _brief(coordinator.incidents_json())
+    cmd = [str(BIN / "hangwatch"), "analyze", str(folder), "--import", "--addr", f"127.0.0.1:{coordinator.port}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"{live[0]['id']}: the dumps' entries attached" in done.stdout, done.stdout
+    assert "found in the dumps only" not in done.stdout
+    inc = coordinator.incident_json(live[0]["id"])
+    assert inc is not None
+    fr = inc["details"]["flight_recorder"]
+    assert fr["agrees"] is True, (fr["diagnosis"], inc["summary"])
+    assert {rk: e["reached"] for rk, e in fr["ranks"].items()} == {"0": True, "1": False, "2": True}
+    assert [i["id"] for i in coordinator.incidents_json() if i["kind"] == "stuck_collective"] == [live[0]["id"]]

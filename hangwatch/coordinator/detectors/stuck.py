@@ -331,7 +331,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         IncidentKind.STUCK_COLLECTIVE,
         absent,
         f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
-        f"{where} at {sample.call_site or '?'} for {waited:.0f} s; {absent_text}"
+        f"{where}{' at ' + sample.call_site if sample.call_site else ''} for {waited:.0f} s; {absent_text}"
         + (f"; {device[0]}" if device else ""),
         f"Rank{'s' if plural else ''} {who} never reached this {op}. Look at {'their' if plural else 'its'} stack "
         "below: work that only some ranks do (a checkpoint save or evaluation on rank 0, a data loader that "
