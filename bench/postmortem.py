@@ -42,7 +42,8 @@ SCENARIOS = {
         {},
     ),
     "rank 2 frozen holding the GIL: no dump of it": (
-        "for step in range(6):\n    dist.all_reduce(t)\n    if rank == 2 and step == 3:\n        sum(range(10**11))\n",
+        "import ctypes\nfor step in range(6):\n    dist.all_reduce(t)\n    if rank == 2 and step == 3:\n"
+        "        ctypes.PyDLL(None).sleep(300)\n",
         {},
     ),
     "healthy, dumped mid-run": (
@@ -70,7 +71,14 @@ def _ours(folder: Path, world: int | None = None) -> tuple[str, float]:
 
 
 def _torch(folder: Path) -> tuple[str, float]:
-    cmd = [str(BIN / "torchfrtrace"), str(folder), "-p", "nccl_trace_rank_"]
+    named = folder.parent / f"{folder.name}-torchfrtrace"  # the names it parses: <prefix><rank>
+    if not named.exists():
+        named.mkdir()
+        for path in folder.iterdir():
+            rank = dumps.rank_of(path.name, "nccl_trace_rank_")
+            if rank is not None:
+                shutil.copy2(path, named / f"nccl_trace_rank_{rank}")
+    cmd = [str(BIN / "torchfrtrace"), str(named), "-p", "nccl_trace_rank_"]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     took = time.perf_counter() - t0

@@ -222,14 +222,18 @@ class EntryTracker:
         short = name.split(":", 1)[-1]
         dtypes = [FR_DTYPES.get(d, str(d).lower()) for d in entry.get("input_dtypes", [])]
         inputs = tuple(
-            r.TensorMeta(tuple(int(x) for x in shape), dtypes[i] if i < len(dtypes) else "", "")
+            r.TensorMeta(tuple(map(int, shape)), dtypes[i] if i < len(dtypes) else "", "")
             for i, shape in enumerate(entry.get("input_sizes", []))
         )
         created = float(entry.get("time_created_ns", 0)) / 1e9 or now
+        op = FR_OP_NAMES.get(short, short or "unknown")
+        if op == "all_to_all" and len(inputs) == 1:
+            # NCCL's ring names all_to_all_single "all_to_all" too: one tensor, not a list of one
+            op = "all_to_all_single"
         record = r.CallRecord(
             rank=self.rank,
             call_id=self._new_call_id(group, seq),
-            op=FR_OP_NAMES.get(short, short or "unknown"),
+            op=op,
             group=group,
             seq=seq,
             inputs=inputs,  # outputs are flattened by Flight Recorder: not comparable, not sent

@@ -263,10 +263,19 @@ def fr_dump_job(
         },
     )
     job = torchrun(script, nproc=nproc, env=env, cwd=workdir, log=workdir / f"{name}.log")
+    # until the job ends, or no new dump came for a while after the first (a rank that cannot
+    # dump, frozen or dead, keeps torchrun waiting), bounded
+    deadline = time.monotonic() + 60 + dump_at + skew * nproc
+    quiet_s = 4 + skew * nproc
+    seen, last_new = 0, time.monotonic()
     try:
-        job.proc.wait(60 + dump_at + skew * nproc)
-    except subprocess.TimeoutExpired:
-        pass
+        while job.proc.poll() is None and time.monotonic() < deadline:
+            count = sum(1 for p in out.iterdir() if not p.name.endswith(".tmp"))
+            if count != seen:
+                seen, last_new = count, time.monotonic()
+            elif seen and time.monotonic() - last_new > quiet_s:
+                break
+            time.sleep(0.2)
     finally:
         job.kill()
     return out

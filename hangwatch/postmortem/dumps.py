@@ -33,6 +33,66 @@ MAX_DUMP_BYTES = 256 << 20
 _RANK = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin))?$")
 
 
+#: Frames of torch's own wrappers (and hangwatch's), left out of a call site.
+_LIBRARY = (f"{os.sep}torch{os.sep}", f"{os.sep}hangwatch{os.sep}")
+#: Entries per group, per rank, whose stack frames are kept once read (the history the rules
+#: look at and the slots an incident is about); older entries keep only their call site.
+KEEP_FRAMES = 128
+
+
+def user_site(frames: Any) -> tuple[str, list[str]]:
+    """(``file:line in function`` of the innermost frame outside torch, every frame as text)."""
+    if not isinstance(frames, list):
+        return "", []
+    lines: list[str] = []
+    site = ""
+    for f in frames:
+        if not isinstance(f, dict):
+            continue
+        filename, line, name = str(f.get("filename", "")), f.get("line", 0), str(f.get("name", ""))
+        lines.append(f"{name} ({filename}:{line})")
+        if not site and not any(part in filename for part in _LIBRARY):
+            site = f"{os.path.basename(filename)}:{line} in {name}"
+    return site, lines
+
+
+def site_of(frames: Any) -> str:
+    """``user_site``'s call site alone, without the frames' text (every entry of a dump pays it)."""
+    if isinstance(frames, list):
+        for f in frames:
+            if isinstance(f, dict):
+                filename = str(f.get("filename", ""))
+                if not any(part in filename for part in _LIBRARY):
+                    return f"{os.path.basename(filename)}:{f.get('line', 0)} in {f.get('name', '')}"
+    return ""
+
+
+def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fields analysis reads, each entry's call site (one string per distinct site), and
+    stack frames only for each group's last :data:`KEEP_FRAMES` entries: a 1,024-rank folder of
+    2,000-entry rings with frames is gigabytes as read, and mostly frames."""
+    sites: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    out: list[dict[str, Any]] = []
+    for entry in reversed(entries):
+        slim = {k: entry[k] for k in _ENTRY_KEYS if k in entry}
+        try:  # (group, collective seq), read once
+            slim["_key"] = (_group_of(entry), int(entry.get("collective_seq_id") or 0))
+        except (TypeError, ValueError):
+            pass
+        frames = entry.get("frames")
+        if frames:
+            site = site_of(frames)
+            slim["call_site"] = sites.setdefault(site, site)
+            group = slim["_key"][0] if "_key" in slim else _group_of(entry)
+            seen[group] = seen.get(group, 0) + 1
+            if seen[group] <= KEEP_FRAMES:
+                slim["frames"] = frames
+        out.append(slim)
+    out.reverse()
+    return out
+
+
 class DumpError(Exception):
     """A file that is not a readable Flight Recorder dump (the message says why)."""
 
@@ -109,6 +169,9 @@ def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
         raise DumpError("not a Flight Recorder dump (no list of entries)")
     entries = [e for e in doc["entries"] if isinstance(e, dict)]
     latest = max((latest_time(e) for e in entries), default=0.0)
+    frames = any(e.get("frames") for e in entries)
+    ring = "nccl" if doc.get("comm_lib_version") or _nccl(entries) else "cpu"
+    entries = _slim(entries)
     ring = "nccl" if ("nccl_comm_state" in doc and doc.get("nccl_comm_state")) or _nccl(entries) else "cpu"
     return RankDump(
         rank=rank,
@@ -119,7 +182,7 @@ def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
         pg_config=doc["pg_config"] if isinstance(doc.get("pg_config"), dict) else {},
         pg_status=_status(doc.get("pg_status")),
         written=max(written, latest),  # a clock or a copy that put the file before its own entries
-        frames=any(e.get("frames") for e in entries),
+        frames=frames,
         ring=ring,
     )
 
@@ -201,7 +264,10 @@ def _merged(rings: list[RankDump]) -> RankDump:
             group = _group_of(e)
             if group in nccl:
                 name = (e.get("process_group") or ["", ""])[1:2] or [""]
-                d.entries[i] = {**e, "process_group": (f"{group} (cpu ring)", name[0])}
+                apart = f"{group} (cpu ring)"
+                d.entries[i] = {**e, "process_group": (apart, name[0])}
+                if "_key" in e:
+                    d.entries[i]["_key"] = (apart, e["_key"][1])
     status: dict[str, dict[str, int]] = {}
     config: dict[str, Any] = {}
     for d in rings:
@@ -260,6 +326,8 @@ def _entry_out(entry: dict[str, Any]) -> dict[str, Any]:
         out["process_group"] = [_text(x) for x in out["process_group"][:2]]
     if "profiling_name" in out:
         out["profiling_name"] = _text(out["profiling_name"])
+    if "call_site" in entry:
+        out["call_site"] = _text(entry["call_site"])
     frames = entry.get("frames")
     if isinstance(frames, list):
         out["frames"] = [
@@ -351,7 +419,7 @@ def from_compact(data: Any) -> Folder:
                 pg_config=raw["pg_config"] if isinstance(raw.get("pg_config"), dict) else {},
                 pg_status=_status(raw.get("pg_status")),
                 written=written,
-                frames=any(e.get("frames") for e in entries),
+                frames=any(e.get("frames") or e.get("call_site") for e in entries),
                 ring=_text(raw.get("ring", "")),
             )
         except DumpError:

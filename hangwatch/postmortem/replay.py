@@ -20,7 +20,6 @@ What a dump cannot say is said, not guessed:
 from __future__ import annotations
 
 import json
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,16 @@ from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.state import JobState
 from hangwatch.flight_entries import EntryTracker
-from hangwatch.postmortem.dumps import Folder, RankDump
+from hangwatch.postmortem.dumps import Folder, RankDump, user_site
+
+#: Collectives of a group fed to the detectors below the slowest rank's last one: older ones were
+#: completed by every rank, so they only feed the rules' history (64 a group) and mismatches
+#: that did not hang, which a cheaper comparison of their signatures finds first (``_tails``).
+TAIL = 256
+
+#: Seqs fed to the detectors at a time (below the distance at which the job state lets go of a
+#: slot every rank completed).
+WINDOW = 8
 
 #: The job id the analysis's incidents carry.
 JOB_ID = "flight-recorder-dumps"
@@ -40,8 +48,6 @@ JOB_ID = "flight-recorder-dumps"
 #: healthy job's dumps show calls in flight for far less, though writing a dump with stack frames
 #: stalls its rank (and so the others) for a moment (BENCHMARKS.md).
 DEFAULT_STUCK_AFTER_S = 30.0
-#: Frames of torch's own wrappers, left out of a call site.
-_LIBRARY = (f"{os.sep}torch{os.sep}", f"{os.sep}hangwatch{os.sep}")
 
 LACKS = (
     "the dumps hold each rank's collectives only: no training step, no live stack of what a rank "
@@ -72,22 +78,6 @@ class Analysis:
 
     def incidents_json(self) -> list[dict[str, Any]]:
         return [inc.to_json() for inc in self.incidents]
-
-
-def _user_frame(frames: Any) -> tuple[str, list[str]]:
-    """(``file:line in function`` of the innermost frame outside torch, every frame as text)."""
-    if not isinstance(frames, list):
-        return "", []
-    lines: list[str] = []
-    site = ""
-    for f in frames:
-        if not isinstance(f, dict):
-            continue
-        filename, line, name = str(f.get("filename", "")), f.get("line", 0), str(f.get("name", ""))
-        lines.append(f"{name} ({filename}:{line})")
-        if not site and not any(part in filename for part in _LIBRARY):
-            site = f"{os.path.basename(filename)}:{line} in {name}"
-    return site, lines
 
 
 def _ranks_text(raw: Any) -> tuple[int, ...]:
@@ -124,27 +114,67 @@ def _groups(folder: Folder, world: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _records(dump: RankDump) -> tuple[list[r.RankEvent], dict[tuple[str, int], list[str]], int]:
-    """The rank's entries as records (with call sites from their frames), each call's frames,
-    and how many p2p entries were passed over."""
+def _seq(entry: dict[str, Any]) -> tuple[str, int]:
+    key = entry.get("_key")  # set once by the loader (``dumps._slim``)
+    if key is not None:
+        return key  # type: ignore[no-any-return]
+    try:
+        return str((entry.get("process_group") or [""])[0]), int(entry.get("collective_seq_id") or 0)
+    except (TypeError, ValueError):
+        return "", 0
+
+
+def _tails(folder: Folder) -> dict[str, int]:
+    """Per group, the first collective to feed the detectors: :data:`TAIL` below the slowest
+    rank's last, or the group's first where its older collectives disagree across ranks (what
+    op, shapes and dtypes each rank's entry records)."""
+    last: dict[str, int] = {}
+    for dump in folder.dumps.values():
+        mine: dict[str, int] = {}
+        for e in dump.entries:
+            if not e.get("is_p2p"):
+                group, seq = _seq(e)
+                mine[group] = max(mine.get(group, 0), seq)
+        for group, seq in mine.items():
+            last[group] = min(last.get(group, seq), seq)
+    cut = {group: seq - TAIL for group, seq in last.items()}
+    seen: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+    for dump in folder.dumps.values():
+        for e in dump.entries:
+            key = _seq(e)
+            if key[1] >= cut.get(key[0], 0) or e.get("is_p2p"):
+                continue
+            sig = (e.get("profiling_name"), e.get("input_sizes"), e.get("input_dtypes"))
+            if seen.setdefault(key, sig) != sig:
+                group = key[0]
+                cut[group] = 0  # a mismatch that did not hang: the whole group goes to the rules
+    return cut
+
+
+def _records(
+    dump: RankDump, cut: dict[str, int] | None = None
+) -> tuple[list[r.RankEvent], dict[tuple[str, int], list[str]], int]:
+    """The rank's entries from each group's ``cut`` on as records (with call sites from their
+    frames), each call's frames, and how many p2p entries were passed over."""
     tracker = EntryTracker(dump.rank)
-    events = tracker.update(dump.entries, _NoPythonCalls(), 0, dump.written)
+    entries = dump.entries
+    if cut:
+        entries = [e for e in entries if e.get("is_p2p") or (k := _seq(e))[1] >= cut.get(k[0], 0)]
+    events = tracker.update(entries, _NoPythonCalls(), 0, dump.written)
     by_key = {}
     p2p = 0
-    for e in dump.entries:
+    for e in entries:
         if e.get("is_p2p"):
             p2p += 1
             continue
-        try:
-            by_key[(str((e.get("process_group") or [""])[0]), int(e.get("collective_seq_id") or 0))] = e
-        except (TypeError, ValueError):
-            continue
+        by_key[_seq(e)] = e
     frames: dict[tuple[str, int], list[str]] = {}
     for event in events:
         if not isinstance(event, r.CallRecord):
             continue
         entry = by_key.get((event.group, event.seq), {})
-        site, lines = _user_frame(entry.get("frames"))
+        site, lines = user_site(entry.get("frames"))
+        site = str(entry.get("call_site", site))
         event.step = -1  # unknown: a dump keeps no training step
         event.call_site = site  # unknown without frames (not "issued from C++": nobody knows)
         if lines:
@@ -170,20 +200,36 @@ def analyze(folder: Folder, *, stuck_after: float = DEFAULT_STUCK_AFTER_S, world
     groups = _groups(folder, world)
     frames: dict[int, dict[tuple[str, int], list[str]]] = {}
     p2p = 0
+    cut = _tails(folder)
+    # Each rank's records, fed to the detectors a window of seqs at a time across all ranks, as
+    # they would have arrived live: a slot every rank completed is let go as soon as the ranks are
+    # a few calls past it, so a mismatch that did not hang is seen only if the detectors look
+    # before the ranks' later calls arrive.
+    windows: dict[int, dict[int, list[r.RankEvent]]] = {}
+    sessions: dict[int, str] = {}
     for rank in present:
         dump = folder.dumps[rank]
         ident = r.RankIdentity(JOB_ID, rank, world, "", 0, session=f"dump-{rank}", backend=dump.ring)
         job.register(ident, dump.written)
-        made = [
+        sessions[rank] = ident.session
+        made: list[r.RankEvent] = [
             r.GroupEvent(rank, r.GroupEventKind.CREATED, r.GroupInfo(name, ranks), dump.written)
             for name, ranks in groups.items()
             if rank in ranks and name != "0"
         ]
-        events, frames[rank], skipped = _records(dump)
+        job.ingest(ident.session, rank, made, now=dump.written, sent_time=dump.written)
+        events, frames[rank], skipped = _records(dump, cut)
         p2p += skipped
-        job.ingest(ident.session, rank, [*made, *events], now=dump.written, sent_time=dump.written)
+        for event in events:
+            seq = event.seq if isinstance(event, r.CallRecord) else 0
+            windows.setdefault(seq // WINDOW, {}).setdefault(rank, []).append(event)
     engine = Engine(job, threading.RLock(), stuck_after=stuck_after, detectors=[mismatch.detect, stuck.detect])
-    incidents = engine.tick(as_of)
+    for window in sorted(windows):
+        for rank, events in windows[window].items():
+            written = folder.dumps[rank].written
+            job.ingest(sessions[rank], rank, events, now=written, sent_time=written)
+        engine.tick(as_of)
+    incidents = sorted(engine.incidents.values(), key=lambda inc: inc.id)
     if missing:
         notes.append(
             f"no dump of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (of {world}): "
@@ -194,6 +240,8 @@ def analyze(folder: Folder, *, stuck_after: float = DEFAULT_STUCK_AFTER_S, world
         notes.append(f"{p2p} p2p entries (send/recv) not analysed: Flight Recorder numbers them apart from collectives")
     if not any(d.frames for d in folder.dumps.values()):
         notes.append("no stack frames in the dumps: call sites unknown (pickle dumps carry them when asked)")
+    if not incidents and any("cpu" in d.ring for d in folder.dumps.values()):
+        notes.append("gloo's ring records no send or recv: a hang in p2p calls does not show in these dumps")
     for inc in incidents:
         _annotate(inc, folder, frames, groups.get(inc.group, ()), missing, notes, as_of)
     return Analysis(incidents, world, present, missing, notes, as_of)
@@ -255,7 +303,8 @@ def slot_evidence(folder: Folder, group: str, seq: int) -> dict[str, dict[str, A
             continue
         here = [e for s, e in on_group if s == seq]
         entry = here[0] if here else max(on_group, key=lambda item: item[0])[1]
-        site, lines = _user_frame(entry.get("frames"))
+        site, lines = user_site(entry.get("frames"))
+        site = str(entry.get("call_site", site))
         out[str(rank)] = {
             "dump": dump.path,
             "written": dump.written,

@@ -111,7 +111,8 @@ FROZEN = """
 for step in range(6):
     dist.all_reduce(t)
     if rank == 2 and step == 3:
-        sum(range(10**11))                  # rank 2 freezes holding the GIL: it writes no dump
+        import ctypes                       # rank 2 freezes in native code holding the GIL (no
+        ctypes.PyDLL(None).sleep(300)       # CPU spent): its dump thread never runs
 """
 
 
@@ -147,6 +148,20 @@ def test_a_hang_on_a_subgroup_names_its_member(jobs: Jobs) -> None:
     assert [i["kind"] for i in incs] == ["stuck_collective"], _brief(incs)
     inc = incs[0]
     assert inc["group"] != "0" and inc["culprit_ranks"] == [2] and inc["waiting_ranks"] == [0], _brief(incs)
+
+
+P2P_HANG = """
+for step in range(3):
+    dist.all_reduce(t)
+if rank == 1:
+    dist.recv(t, src=0)                     # a pipeline stage waits for activations never sent
+"""
+
+
+def test_a_p2p_hang_gloo_does_not_record_is_not_made_up(jobs: Jobs) -> None:
+    analysis = _analyze(jobs["p2p"])
+    assert analysis.incidents_json() == [], _brief(analysis.incidents_json())
+    assert any("records no send or recv" in note for note in analysis.notes), analysis.notes
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +221,7 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {
     "shape_mismatch": (SHAPE_MISMATCH, {}),
     "frozen": (FROZEN, {}),
     "subgroup": (SUBGROUP_HANG, {}),
+    "p2p": (P2P_HANG, {}),
     "busy_0.0": (HEALTHY_BUSY, {}),
     "busy_1.5": (HEALTHY_BUSY, {"skew": 1.5}),
     "done": (HEALTHY_DONE, {}),

@@ -133,3 +133,15 @@ def test_a_rank_s_two_rings_are_one_dump_and_a_group_both_number_is_kept_apart(t
     assert dump.ring == "cpu+nccl" and folder.duplicates == {}
     seen = sorted((e["process_group"][0], e["collective_seq_id"]) for e in dump.entries)
     assert seen == [("0", 1), ("0", 2), ("0 (cpu ring)", 1)]
+    assert sorted(e["_key"] for e in dump.entries) == seen  # what analysis reads agrees
+
+
+def test_a_long_ring_keeps_every_call_site_and_only_its_tail_s_frames() -> None:
+    """Frames are most of a dump's size: older entries keep their call site, the tail its frames."""
+    entries = [_entry(seq, frames=True) for seq in range(1, 301)]
+    entries[0]["frames"] = [{"filename": "/home/me/eval.py", "line": 7, "name": "evaluate"}]
+    dump = dumps.parse(pickle.dumps(_dump(entries)), "r0", 0, 0.0)
+    assert dump.frames and len(dump.entries) == 300
+    assert [("frames" in e) for e in dump.entries] == [False] * (300 - dumps.KEEP_FRAMES) + [True] * dumps.KEEP_FRAMES
+    assert dump.entries[0]["call_site"] == "eval.py:7 in evaluate"
+    assert {e["call_site"] for e in dump.entries[1:]} == {"train.py:42 in step"}
