@@ -12,6 +12,7 @@ dumps of 2,000-entry rings (rank 1 skipped one all_reduce near the end) copied t
 from __future__ import annotations
 
 import argparse
+import resource
 import shutil
 import statistics
 import subprocess
@@ -127,7 +128,8 @@ def main() -> None:
         print()
         print("| tool | s to analyse | what it said |")
         print("| --- | ---: | --- |")
-        print(f"| `hangwatch analyze` | {statistics.median(ours_t):.1f} | {_cell(ours)} |")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        print(f"| `hangwatch analyze` (peak RSS {peak:.0f} MiB) | {statistics.median(ours_t):.1f} | {_cell(ours)} |")
         print(f"| `torchfrtrace` | {statistics.median(theirs_t):.1f} | {_cell(theirs)} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -40,24 +40,8 @@ _LIBRARY = (f"{os.sep}torch{os.sep}", f"{os.sep}hangwatch{os.sep}")
 KEEP_FRAMES = 128
 
 
-def user_site(frames: Any) -> tuple[str, list[str]]:
-    """(``file:line in function`` of the innermost frame outside torch, every frame as text)."""
-    if not isinstance(frames, list):
-        return "", []
-    lines: list[str] = []
-    site = ""
-    for f in frames:
-        if not isinstance(f, dict):
-            continue
-        filename, line, name = str(f.get("filename", "")), f.get("line", 0), str(f.get("name", ""))
-        lines.append(f"{name} ({filename}:{line})")
-        if not site and not any(part in filename for part in _LIBRARY):
-            site = f"{os.path.basename(filename)}:{line} in {name}"
-    return site, lines
-
-
 def site_of(frames: Any) -> str:
-    """``user_site``'s call site alone, without the frames' text (every entry of a dump pays it)."""
+    """``file:line in function`` of the innermost frame outside torch ("" when none is)."""
     if isinstance(frames, list):
         for f in frames:
             if isinstance(f, dict):
@@ -65,6 +49,14 @@ def site_of(frames: Any) -> str:
                 if not any(part in filename for part in _LIBRARY):
                     return f"{os.path.basename(filename)}:{f.get('line', 0)} in {f.get('name', '')}"
     return ""
+
+
+def user_site(frames: Any) -> tuple[str, list[str]]:
+    """(``site_of(frames)``, every frame as text)."""
+    if not isinstance(frames, list):
+        return "", []
+    lines = [f"{f.get('name', '')} ({f.get('filename', '')}:{f.get('line', 0)})" for f in frames if isinstance(f, dict)]
+    return site_of(frames), lines
 
 
 def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -205,32 +197,43 @@ def rank_of(name: str, prefix: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _read(item: tuple[str, int]) -> RankDump | str:
+    """One file, read and parsed: its dump, or why it is not one."""
+    path, rank = item
+    try:
+        st = os.stat(path)
+        if st.st_size > MAX_DUMP_BYTES:
+            raise DumpError(f"{st.st_size} bytes: bigger than any Flight Recorder dump")
+        with open(path, "rb") as f:
+            data = f.read()
+        return parse(data, path, rank, st.st_mtime)
+    except DumpError as e:
+        return str(e)
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+
+
 def load(folder: str | os.PathLike[str], prefix: str = "") -> Folder:
     """Every dump in ``folder`` whose name starts with ``prefix`` and ends with a rank number,
-    one per rank (both its rings' dumps merged)."""
+    one per rank (both its rings' dumps merged). (Read in one process: a pool of two on a 2-core
+    VM read 128 ranks' 2,000-entry dumps in 7.7 s against 6.7, shipping the parsed entries back
+    costing what the second core saved.)"""
     out = Folder()
     root = Path(folder)
     if not root.is_dir():
         raise DumpError(f"{folder}: not a folder")
+    items = [
+        (str(path), rank)
+        for path in sorted(root.iterdir())
+        if path.is_file() and (rank := rank_of(path.name, prefix)) is not None
+    ]
+    results = [_read(item) for item in items]
     found: dict[int, list[RankDump]] = {}
-    for path in sorted(root.iterdir()):
-        if not path.is_file():
-            continue
-        rank = rank_of(path.name, prefix)
-        if rank is None:
-            continue
-        try:
-            size = path.stat().st_size
-            if size > MAX_DUMP_BYTES:
-                raise DumpError(f"{size} bytes: bigger than any Flight Recorder dump")
-            dump = parse(path.read_bytes(), str(path), rank, path.stat().st_mtime)
-        except DumpError as e:
-            out.refused[str(path)] = str(e)
-            continue
-        except OSError as e:
-            out.refused[str(path)] = f"unreadable: {e.strerror or e}"
-            continue
-        found.setdefault(rank, []).append(dump)
+    for (path, rank), result in zip(items, results, strict=True):
+        if isinstance(result, str):
+            out.refused[path] = result
+        else:
+            found.setdefault(rank, []).append(result)
     for rank, dumps in found.items():
         # one dump per ring (the CPU ring and NCCL's are separate files): of two of a ring (a
         # pickle and its JSON twin, two dumps of one run), the one with frames, else the fuller,
