@@ -264,6 +264,10 @@ class RelayServicer:
     def DumpStacks(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.JsonReply:
         return self._query("DumpStacks", request, context)
 
+    def ImportDumps(self, request: pb.ImportRequest, context: grpc.ServicerContext) -> pb.JsonReply:
+        call = self.relay.stub.ImportDumps
+        return self._forward(context, lambda: call(request, timeout=_deadline(context)))  # type: ignore[no-any-return]
+
     def _not_here(self, context: grpc.ServicerContext) -> NoReturn:
         _abort(context, grpc.StatusCode.UNIMPLEMENTED, "this is a relaying node agent, not the coordinator")
 

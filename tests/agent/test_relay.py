@@ -182,3 +182,20 @@ def test_urgent_batches_skip_the_gathering(
     assert t.report(me, 2, calls(0, 2, 1), 0, 0, urgent=True).accepted == 2
     assert time.monotonic() - began < 2.5
     assert relay.relay.upstream_calls == 2
+
+
+def test_a_dumps_import_through_the_relay_reaches_the_coordinator(
+    coordinator_factory: Callable[..., Coordinator], relays: Callable[..., RelayServer]
+) -> None:
+    """``hangwatch analyze --import`` from a node whose ranks point at their relay."""
+    from hangwatch.cli.client import CoordinatorUnreachable, import_dumps
+    from hangwatch.postmortem import dumps
+
+    c = coordinator_factory(token=TOKEN, embedded_agent=False)
+    relay = relays(c.port)
+    empty = dumps.pack(dumps.Folder())
+    with pytest.raises(CoordinatorUnreachable, match=r"via relay: .*no job 'nope'"):
+        import_dumps(relay.addr, empty, token=TOKEN, job="nope")
+    Transport(relay.addr, TOKEN).register(ident(0))
+    result = import_dumps(relay.addr, empty, token=TOKEN)
+    assert (result["job"], result["attached"], result["added"]) == ("job", [], [])

@@ -182,30 +182,13 @@ while time.time() < deadline:               # still training when the dumps are 
 """
 
 
-@pytest.mark.parametrize("skew", [0.0, 1.5])
-def test_dumps_of_a_busy_healthy_job_raise_nothing(jobs: Jobs, skew: float) -> None:
-    """Dumps written mid-run, with calls in flight on some ranks, and (skew) seconds apart: a
-    call in flight in an early dump is not a hang because later dumps show the job moved on."""
-    folder = jobs[f"busy_{skew}"]
+def test_dumps_of_a_busy_healthy_job_raise_nothing(jobs: Jobs) -> None:
+    """Dumps written mid-run, with calls in flight on some ranks, 1.5 s apart from one rank to the
+    next: a call in flight in an early dump is not a hang because later dumps show the job moved
+    on, nor is a subgroup only some ranks are in, nor rank 0's pauses."""
+    folder = jobs["busy"]
     analysis = _analyze(folder)
     assert analysis.ranks == [0, 1, 2] and analysis.missing == []
-    assert analysis.incidents_json() == [], _brief(analysis.incidents_json())
-
-
-HEALTHY_DONE = """
-for step in range(20):
-    dist.all_reduce(t)
-    if rank == 0:
-        dist.broadcast(t, src=0)            # not a mismatch: everyone broadcasts below
-    else:
-        dist.broadcast(t, src=0)
-dist.barrier()
-"""
-
-
-def test_dumps_of_a_finished_healthy_job_raise_nothing(jobs: Jobs) -> None:
-    folder = jobs["done"]
-    analysis = _analyze(folder)
     assert analysis.incidents_json() == [], _brief(analysis.incidents_json())
 
 
@@ -222,9 +205,10 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {
     "frozen": (FROZEN, {}),
     "subgroup": (SUBGROUP_HANG, {}),
     "p2p": (P2P_HANG, {}),
-    "busy_0.0": (HEALTHY_BUSY, {}),
-    "busy_1.5": (HEALTHY_BUSY, {"skew": 1.5}),
-    "done": (HEALTHY_DONE, {}),
+    # a ring of 500: writing a dump with stack frames stops the rank while torch symbolizes them
+    # (2 s for 2,000 entries here idle, over 5 s under the suite's load: the others wait on it,
+    # as real as any stall), so the threshold would measure the dump, not the job
+    "busy": (HEALTHY_BUSY, {"skew": 1.5, "ring": 500}),
 }
 
 
