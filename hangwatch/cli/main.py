@@ -388,6 +388,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         else:
             render.render_import(result)
         return 0
+    if args.world_size is not None and not 0 < args.world_size <= dumps.MAX_RANKS:
+        sys.stderr.write(f"hangwatch: --world-size must be between 1 and {dumps.MAX_RANKS}\n")
+        return 2
+    if args.stuck_after is not None and not 0 < args.stuck_after < float("inf"):
+        sys.stderr.write("hangwatch: --stuck-after must be a positive number of seconds\n")
+        return 2
     stuck_after = args.stuck_after if args.stuck_after is not None else replay.DEFAULT_STUCK_AFTER_S
     analysis = replay.analyze(folder, stuck_after=stuck_after, world_size=args.world_size)
     if args.json:

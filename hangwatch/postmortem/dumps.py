@@ -29,6 +29,8 @@ from typing import Any
 
 #: A file bigger than this is not a Flight Recorder dump (20,000 entries with frames: ~30 MB).
 MAX_DUMP_BYTES = 256 << 20
+#: Ranks a job may have (the coordinator's bound on a registration's world size).
+MAX_RANKS = 1 << 20
 
 _RANK = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin))?$")
 
@@ -227,7 +229,10 @@ def load(folder: str | os.PathLike[str], prefix: str = "") -> Folder:
         for path in sorted(root.iterdir())
         if path.is_file() and (rank := rank_of(path.name, prefix)) is not None
     ]
-    results = [_read(item) for item in items]
+    results = [
+        _read(item) if item[1] < MAX_RANKS else f"rank {item[1]}: beyond the {MAX_RANKS} ranks a job may have"
+        for item in items
+    ]
     found: dict[int, list[RankDump]] = {}
     for (path, rank), result in zip(items, results, strict=True):
         if isinstance(result, str):
@@ -404,8 +409,8 @@ def from_compact(data: Any) -> Folder:
     for key, raw in data["ranks"].items():
         try:
             rank = int(key)
-            if rank < 0 or not isinstance(raw, dict):
-                raise ValueError
+            if not 0 <= rank < MAX_RANKS or not isinstance(raw, dict):
+                raise ValueError("no such rank")
             entries = [e for e in raw.get("entries", []) if isinstance(e, dict)]
             groups = len({_group_of(e) for e in entries}) or 1
             if len(entries) > groups * SEND_PER_GROUP:

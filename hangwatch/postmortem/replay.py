@@ -30,7 +30,8 @@ from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.state import JobState
 from hangwatch.flight_entries import EntryTracker
-from hangwatch.postmortem.dumps import Folder, RankDump, user_site
+from hangwatch.postmortem.dumps import MAX_RANKS, Folder, RankDump, user_site
+from hangwatch.wording import format_ranks
 
 #: Collectives of a group fed to the detectors below the slowest rank's last one: older ones were
 #: completed by every rank, so they only feed the rules' history (64 a group) and mismatches
@@ -90,10 +91,10 @@ def _ranks_text(raw: Any) -> tuple[int, ...]:
 
 def _world_size(folder: Folder, given: int | None) -> int:
     if given:
-        return given
+        return min(given, MAX_RANKS)
     sizes = [len(_ranks_text(cfg.get("ranks"))) for d in folder.dumps.values() for cfg in d.pg_config.values()
              if isinstance(cfg, dict)]  # fmt: skip
-    return max([*sizes, max(folder.dumps, default=-1) + 1])
+    return min(MAX_RANKS, max([*sizes, max(folder.dumps, default=-1) + 1]))
 
 
 def _groups(folder: Folder, world: int) -> dict[str, tuple[int, ...]]:
@@ -232,7 +233,7 @@ def analyze(folder: Folder, *, stuck_after: float = DEFAULT_STUCK_AFTER_S, world
     incidents = sorted(engine.incidents.values(), key=lambda inc: inc.id)
     if missing:
         notes.append(
-            f"no dump of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (of {world}): "
+            f"no dump of rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)} (of {world}): "
             "it may have died or been killed before torch's timeout, or written its dump elsewhere; "
             "what the dumps do not show it doing is no proof it did not"
         )
@@ -267,7 +268,7 @@ def _annotate(
     }
     unknown = [rk for rk in missing if rk in members and rk not in inc.culprit_ranks]
     if unknown:
-        inc.summary += f"; no dump of rank{'s' if len(unknown) > 1 else ''} {', '.join(map(str, unknown))}: unknown"
+        inc.summary += f"; no dump of rank{'s' if len(unknown) > 1 else ''} {format_ranks(unknown)}: unknown"
     inc.stack_notes.clear()  # the engine's "no agent to dump stacks": a post-mortem has none to ask
     for rank in sorted({*inc.culprit_ranks, *inc.waiting_ranks}):
         mine = frames.get(rank)

@@ -145,3 +145,14 @@ def test_a_long_ring_keeps_every_call_site_and_only_its_tail_s_frames() -> None:
     assert [("frames" in e) for e in dump.entries] == [False] * (300 - dumps.KEEP_FRAMES) + [True] * dumps.KEEP_FRAMES
     assert dump.entries[0]["call_site"] == "eval.py:7 in evaluate"
     assert {e["call_site"] for e in dump.entries[1:]} == {"train.py:42 in step"}
+
+
+def test_a_rank_number_no_job_has_is_refused_not_counted(tmp_path: Path) -> None:
+    """A file named for rank 99,999,999,999 would make every rank below it "missing"."""
+    (tmp_path / "nccl_trace_rank_99999999999").write_bytes(pickle.dumps(_dump([_entry(1)])))
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump([_entry(1)])))
+    folder = dumps.load(tmp_path)
+    assert sorted(folder.dumps) == [0]
+    assert "beyond the 1048576 ranks" in folder.refused[str(tmp_path / "nccl_trace_rank_99999999999")]
+    analysis = replay.analyze(folder, world_size=10**12)  # a mistyped --world-size: bounded too
+    assert analysis.world_size == dumps.MAX_RANKS and "1-1048575" in analysis.notes[0]
