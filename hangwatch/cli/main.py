@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the rank is the number a file's name ends with, as torch names them) and runs the "
         "coordinator's detectors on them: the incidents are those hangwatch would have raised live.",
     )
-    p.add_argument("dir", help="the folder of dumps (torch's default: /tmp, files nccl_trace_rank_<N>)")
+    p.add_argument(
+        "dir", help="the folder of dumps (torch's default: /tmp, files nccl_trace_rank_<N>: give --prefix there)"
+    )
     p.add_argument("--prefix", default="", help="only files whose names start with this (e.g. nccl_trace_rank_)")
     p.add_argument("--json", action="store_true", help="print the incidents as JSON (the documented contract)")
     p.add_argument(
@@ -281,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="a call open this long when the dumps were written is a hang (default 5)",
+        help="a call open this long when the dumps were written is a hang (default 30, the coordinator's)",
     )
     p.add_argument("--world-size", type=int, default=None, help="ranks in the job (default: from the dumps)")
     p.add_argument(
