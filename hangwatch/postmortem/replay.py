@@ -42,6 +42,9 @@ TAIL = 256
 #: slot every rank completed).
 WINDOW = 8
 
+#: Ranks with no dump given a stack note each (the rest are in ``details.postmortem``).
+STACK_NOTES = 64
+
 #: The job id the analysis's incidents carry.
 JOB_ID = "flight-recorder-dumps"
 #: A call open this long before the earliest dump is a hang (``--stuck-after``): the
@@ -82,10 +85,13 @@ class Analysis:
 
 
 def _ranks_text(raw: Any) -> tuple[int, ...]:
+    """A dump's ``pg_config`` ranks (a JSON text of global ranks), those a job can have only."""
     try:
         ranks = json.loads(raw) if isinstance(raw, str) else raw
-        return tuple(int(x) for x in ranks) if isinstance(ranks, list | tuple) else ()
-    except (ValueError, TypeError):
+        if not isinstance(ranks, list | tuple):
+            return ()
+        return tuple(x for x in ranks if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_RANKS)
+    except (ValueError, TypeError, RecursionError):
         return ()
 
 
@@ -109,7 +115,7 @@ def _groups(folder: Folder, world: int) -> dict[str, tuple[int, ...]]:
         for key, cfg in dump.pg_config.items():
             ranks = _ranks_text(cfg.get("ranks")) if isinstance(cfg, dict) else ()
             if ranks and str(key) in members:
-                members[str(key)].update(ranks)
+                members[str(key)].update(rk for rk in ranks if rk < world)
     out = {name: tuple(sorted(ranks)) for name, ranks in members.items() if name and name != "0"}
     out["0"] = tuple(range(world))
     return out
@@ -266,14 +272,16 @@ def _annotate(
         "lacks": LACKS,
         "notes": list(notes),
     }
-    unknown = [rk for rk in missing if rk in members and rk not in inc.culprit_ranks]
+    member_set, culprits = set(members), set(inc.culprit_ranks)  # a job's million ranks: no scans
+    unknown = [rk for rk in missing if rk in member_set and rk not in culprits]
     if unknown:
         inc.summary += f"; no dump of rank{'s' if len(unknown) > 1 else ''} {format_ranks(unknown)}: unknown"
     inc.stack_notes.clear()  # the engine's "no agent to dump stacks": a post-mortem has none to ask
     for rank in sorted({*inc.culprit_ranks, *inc.waiting_ranks}):
         mine = frames.get(rank)
         if mine is None:
-            inc.stack_notes[rank] = "no dump of this rank"
+            if len(inc.stack_notes) < STACK_NOTES:
+                inc.stack_notes[rank] = "no dump of this rank"
             continue
         key = (inc.group, inc.seq)
         label = f"issuing {inc.op} (group {inc.group}, seq {inc.seq})"

@@ -3,7 +3,9 @@ collective disagrees across ranks (a mismatch that did not hang, on NCCL silentl
 
 from __future__ import annotations
 
+import json
 import pickle
+import time
 from typing import Any
 
 from hangwatch.postmortem import dumps, replay
@@ -56,3 +58,20 @@ def test_nccl_s_all_to_all_of_one_tensor_is_all_to_all_single_not_a_short_list()
     events, _, _ = replay._records(folder.dumps[0])
     assert {e.op for e in events} == {"all_to_all_single"}  # type: ignore[attr-defined]
     assert replay.analyze(folder, stuck_after=5.0).incidents == []
+
+
+def test_a_group_config_of_impossible_ranks_is_bounded() -> None:
+    """A dump whose ``pg_config`` claims a million ranks, and ranks no job has: the analysis stays
+    fast (no scan of a million ranks per rank) and names only ranks a job can have."""
+    folder = _folder(20)
+    folder.dumps[0].pg_config = {
+        "0": {"ranks": json.dumps(list(range(1_000_000)))},
+        "1": {"ranks": "[-5, 1000000000000, 1, true]"},
+    }
+    for e in folder.dumps[1].entries[-1:]:
+        e.update(process_group=("1", ""), collective_seq_id=1, retired=False, _key=("1", 1))
+    started = time.monotonic()
+    analysis = replay.analyze(folder, stuck_after=0.01)
+    assert time.monotonic() - started < 30
+    assert analysis.world_size == 1_000_000
+    assert all(0 <= rk < 1_000_000 for inc in analysis.incidents for rk in inc.culprit_ranks + inc.waiting_ranks)
