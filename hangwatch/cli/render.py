@@ -204,7 +204,7 @@ def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     if repeats:
         out.write(
             f"\nrepeated: {repeats.get('count')} more time(s) since, the latest at seq {repeats.get('last_seq')} "
-            f"(step {repeats.get('last_step')})\n"
+            f"{in_step(int(repeats.get('last_step', -1)), '(step {})')}\n"
         )
     aftermath = details.get("aftermath")
     if aftermath:
@@ -255,10 +255,11 @@ def render_analysis(analysis: Any, folder: Any, out: TextIO = sys.stdout) -> Non
 
 def render_import(result: dict[str, Any], out: TextIO = sys.stdout) -> None:
     """``hangwatch analyze --import``: what the coordinator did with the dumps."""
-    ranks = result.get("ranks") or []
-    out.write(f"imported the Flight Recorder dumps of ranks {format_ranks(ranks)} into job {result.get('job')}\n")
+    out.write(f"imported the Flight Recorder dumps of ranks {result.get('ranks')} into job {result.get('job')}\n")
     if result.get("missing_ranks"):
-        out.write(f"no dump of ranks {format_ranks(result['missing_ranks'])}\n")
+        out.write(f"no dump of ranks {result['missing_ranks']}\n")
+    if result.get("not_added"):
+        out.write(f"  {result['not_added']} incident(s) the dumps show not added: imported before, or past the bound\n")
     for ident in result.get("attached") or []:
         out.write(f"  {ident}: the dumps' entries attached (hangwatch report {ident})\n")
     for ident in result.get("added") or []:

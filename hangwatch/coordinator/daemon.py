@@ -38,6 +38,7 @@ from hangwatch.postmortem.dumps import Folder
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.serving import host_port, is_loopback
 from hangwatch.signatures import CallDecoder
+from hangwatch.wording import format_ranks
 
 if TYPE_CHECKING:
     from hangwatch.agent.rings import RingServer
@@ -91,6 +92,10 @@ def report_interval_for(world_size: int) -> float:
     says, so mismatches and early exits are not delayed by it; heartbeats stay well inside the
     5 s after which a silent rank counts as frozen."""
     return max(0.2, min(2.0, world_size / 1024))
+
+
+#: Incidents one import of dumps may add (the rest are counted in its reply's ``not_added``).
+MAX_IMPORTED_INCIDENTS = 16
 
 
 class Coordinator:
@@ -574,8 +579,8 @@ class Coordinator:
         proof of a hang under way). None when the selector names no job."""
         with self.lock:
             job = self.select_job(job_selector)
-            if job is None:
-                return None
+            if job is None or not job.ranks:
+                return None  # no job followed (an empty one has no run to join)
             stuck_after = self.engine.stuck_threshold(job)
             world = job.world_size or None
             live = [inc for inc in self.engine.incidents.values() if inc.run == job.run]
@@ -593,16 +598,23 @@ class Coordinator:
                 inc.details["flight_recorder"] = {
                     "imported_time": now,
                     "ranks": evidence,
-                    "missing_ranks": analysis.missing,
+                    "missing_ranks": format_ranks(analysis.missing),
                     "diagnosis": same.summary if same is not None else "",
                     "agrees": same is not None and same.kind == inc.kind and same.culprit_ranks == inc.culprit_ranks,
                 }
                 self.engine.persist(inc)
                 attached.append(inc.id)
+            known = {inc.key for inc in live}
+            skipped = 0
             for inc in found.values():
+                key = f"{job.run}/postmortem/{inc.key}"
+                if key in known or len(added) >= MAX_IMPORTED_INCIDENTS:
+                    skipped += 1  # imported before (the same dumps again), or past the bound
+                    continue
+                known.add(key)
                 inc.id = self.engine.next_id()
                 inc.job, inc.run, inc.launch, inc.attempt = job.job_id, job.run, job.launch, job.attempt
-                inc.key = f"{job.run}/postmortem/{inc.key}"
+                inc.key = key
                 inc.detected_time = now
                 inc.status, inc.resolved_time = "resolved", now
                 inc.resolution = "found post-mortem, in Flight Recorder dumps imported by `hangwatch analyze --import`"
@@ -612,10 +624,11 @@ class Coordinator:
         return {
             "job": job.job_id,
             "run": job.run,
-            "ranks": analysis.ranks,
-            "missing_ranks": analysis.missing,
+            "ranks": format_ranks(analysis.ranks),
+            "missing_ranks": format_ranks(analysis.missing),
             "attached": attached,
             "added": added,
+            "not_added": skipped,
             "notes": analysis.notes,
         }
 

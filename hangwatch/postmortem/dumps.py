@@ -31,6 +31,9 @@ from typing import Any
 MAX_DUMP_BYTES = 256 << 20
 #: Ranks a job may have (the coordinator's bound on a registration's world size).
 MAX_RANKS = 1 << 20
+#: Entries one dump may hold (torch keeps TORCH_FR_BUFFER_SIZE a ring, 2,000 by default): a
+#: small pickle can name one entry a million times, and each becomes a record.
+MAX_ENTRIES = 250_000
 
 _RANK = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin))?$")
 
@@ -69,16 +72,16 @@ def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     seen: dict[str, int] = {}
     out: list[dict[str, Any]] = []
     for entry in reversed(entries):
-        slim = {k: entry[k] for k in _ENTRY_KEYS if k in entry}
+        slim = {k: entry[k] for k in _ENTRY_KEYS if k in entry and (k not in _TIMES or _time_ok(entry[k]))}
         try:  # (group, collective seq), read once
-            slim["_key"] = (_group_of(entry), int(entry.get("collective_seq_id") or 0))
+            slim["_key"] = (group_of(entry), int(entry.get("collective_seq_id") or 0))
         except (TypeError, ValueError):
             pass
         frames = entry.get("frames")
         if frames:
             site = site_of(frames)
             slim["call_site"] = sites.setdefault(site, site)
-            group = slim["_key"][0] if "_key" in slim else _group_of(entry)
+            group = slim["_key"][0] if "_key" in slim else group_of(entry)
             seen[group] = seen.get(group, 0) + 1
             if seen[group] <= KEEP_FRAMES:
                 slim["frames"] = frames
@@ -145,6 +148,15 @@ def _status(raw: Any) -> dict[str, dict[str, int]]:
 
 def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
     """One dump's bytes (pickle or JSON, told by their first byte)."""
+    try:
+        return _parse(data, path, rank, written)
+    except DumpError:
+        raise
+    except Exception as e:  # nesting past the recursion limit, a field of a foreign type...
+        raise DumpError(f"not a Flight Recorder dump torch wrote ({type(e).__name__})") from None
+
+
+def _parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
     if data[:1] in (b"{", b"["):
         try:
             doc = json.loads(data)
@@ -161,6 +173,8 @@ def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
         fmt = "pickle"
     if not isinstance(doc, dict) or "entries" not in doc or not isinstance(doc["entries"], list):
         raise DumpError("not a Flight Recorder dump (no list of entries)")
+    if len(doc["entries"]) > MAX_ENTRIES:
+        raise DumpError(f"{len(doc['entries'])} entries: more than any Flight Recorder ring keeps ({MAX_ENTRIES})")
     entries = [e for e in doc["entries"] if isinstance(e, dict)]
     latest = max((latest_time(e) for e in entries), default=0.0)
     frames = any(e.get("frames") for e in entries)
@@ -171,7 +185,7 @@ def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
         rank=rank,
         path=path,
         format=fmt,
-        version=str(doc.get("version", "")),
+        version=doc["version"][:SEND_TEXT] if isinstance(doc.get("version"), str) else "",
         entries=entries,
         pg_config=doc["pg_config"] if isinstance(doc.get("pg_config"), dict) else {},
         pg_status=_status(doc.get("pg_status")),
@@ -183,8 +197,7 @@ def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
 
 def latest_time(entry: dict[str, Any]) -> float:
     """The latest moment an entry records (seconds), 0 when it records none."""
-    times = [entry.get(k) for k in ("time_created_ns", "time_discovered_started_ns", "time_discovered_completed_ns")]
-    return max((float(t) / 1e9 for t in times if isinstance(t, int | float) and t > 0), default=0.0)
+    return max((float(entry[k]) / 1e9 for k in _TIMES if _time_ok(entry.get(k))), default=0.0)
 
 
 def _nccl(entries: list[dict[str, Any]]) -> bool:
@@ -253,8 +266,9 @@ def load(folder: str | os.PathLike[str], prefix: str = "") -> Folder:
     return out
 
 
-def _group_of(entry: dict[str, Any]) -> str:
-    return str((entry.get("process_group") or [""])[0])
+def group_of(entry: dict[str, Any]) -> str:
+    pg = entry.get("process_group")
+    return str(pg[0])[:SEND_TEXT] if isinstance(pg, list | tuple) and pg else ""
 
 
 def _merged(rings: list[RankDump]) -> RankDump:
@@ -264,16 +278,17 @@ def _merged(rings: list[RankDump]) -> RankDump:
     if len(rings) == 1:
         return rings[0]
     first = rings[0]
-    nccl = {_group_of(e) for d in rings if d.ring == "nccl" for e in d.entries}
+    nccl = {group_of(e) for d in rings if d.ring == "nccl" for e in d.entries}
     for d in rings:
         if d.ring != "cpu":
             continue
         for i, e in enumerate(d.entries):
-            group = _group_of(e)
+            group = group_of(e)
             if group in nccl:
-                name = (e.get("process_group") or ["", ""])[1:2] or [""]
+                pg = e.get("process_group")
+                name = str(pg[1]) if isinstance(pg, list | tuple) and len(pg) > 1 else ""
                 apart = f"{group} (cpu ring)"
-                d.entries[i] = {**e, "process_group": (apart, name[0])}
+                d.entries[i] = {**e, "process_group": (apart, name)}
                 if "_key" in e:
                     d.entries[i]["_key"] = (apart, e["_key"][1])
     status: dict[str, dict[str, int]] = {}
@@ -304,6 +319,17 @@ SEND_FRAMES = 16
 SEND_TEXT = 512
 #: The most ranks one import carries (a bigger job: import a subset with --prefix).
 SEND_RANKS = 4096
+#: The most process groups one import may name (DeviceMesh jobs have tens).
+SEND_GROUPS = 1024
+
+_TIMES = ("time_created_ns", "time_discovered_started_ns", "time_discovered_completed_ns")
+#: A time in ns past this (the year 2096) is no clock's: read as unknown, like NaN.
+_LAST_NS = 4e18
+
+
+def _time_ok(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < _LAST_NS
+
 
 _ENTRY_KEYS = (
     "collective_seq_id",
@@ -329,7 +355,7 @@ def _text(value: Any) -> str:
 
 
 def _entry_out(entry: dict[str, Any]) -> dict[str, Any]:
-    out = {k: entry[k] for k in _ENTRY_KEYS if k in entry}
+    out = {k: entry[k] for k in _ENTRY_KEYS if k in entry and (k not in _TIMES or _time_ok(entry[k]))}
     if isinstance(out.get("process_group"), list | tuple):
         out["process_group"] = [_text(x) for x in out["process_group"][:2]]
     if "profiling_name" in out:
@@ -353,7 +379,7 @@ def compact(folder: Folder) -> dict[str, Any]:
     for rank, dump in sorted(folder.dumps.items())[:SEND_RANKS]:
         by_group: dict[str, list[dict[str, Any]]] = {}
         for entry in dump.entries:
-            by_group.setdefault(_group_of(entry), []).append(entry)
+            by_group.setdefault(group_of(entry), []).append(entry)
         kept = [_entry_out(e) for entries in by_group.values() for e in entries[-SEND_PER_GROUP:]]
         ranks[str(rank)] = {
             "path": _text(dump.path),
@@ -393,9 +419,13 @@ def unpack(data: bytes) -> Folder:
         raise DumpError(f"an import of dumps bigger than {MAX_IMPORT_BYTES >> 20} MiB")
     try:
         doc = json.loads(raw)
+        return from_compact(doc)
+    except DumpError:
+        raise
     except (ValueError, UnicodeDecodeError) as e:
         raise DumpError(f"not an import of dumps ({e})") from None
-    return from_compact(doc)
+    except Exception as e:  # nesting past the recursion limit, numbers past a float...
+        raise DumpError(f"not an import of dumps ({type(e).__name__})") from None
 
 
 def from_compact(data: Any) -> Folder:
@@ -406,18 +436,22 @@ def from_compact(data: Any) -> Folder:
     if len(data["ranks"]) > SEND_RANKS:
         raise DumpError(f"{len(data['ranks'])} ranks: more than {SEND_RANKS} in one import")
     out = Folder()
+    groups: set[str] = set()
     for key, raw in data["ranks"].items():
         try:
             rank = int(key)
             if not 0 <= rank < MAX_RANKS or not isinstance(raw, dict):
                 raise ValueError("no such rank")
             entries = [e for e in raw.get("entries", []) if isinstance(e, dict)]
-            groups = len({_group_of(e) for e in entries}) or 1
-            if len(entries) > groups * SEND_PER_GROUP:
+            mine = {group_of(e) for e in entries}
+            if len(entries) > max(1, len(mine)) * SEND_PER_GROUP:
                 raise DumpError(f"rank {rank}: {len(entries)} entries, more than {SEND_PER_GROUP} a group")
+            groups |= mine
+            if len(groups) > SEND_GROUPS:
+                raise DumpError(f"more than {SEND_GROUPS} process groups in one import")
             written = float(raw.get("written", 0.0))
-            if written != written or written in (float("inf"), float("-inf")):
-                raise ValueError
+            if not 0 <= written < _LAST_NS / 1e9:  # NaN fails too
+                raise ValueError("no such time")
             out.dumps[rank] = RankDump(
                 rank=rank,
                 path=_text(raw.get("path", "")),

@@ -30,7 +30,7 @@ from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.state import JobState
 from hangwatch.flight_entries import EntryTracker
-from hangwatch.postmortem.dumps import MAX_RANKS, Folder, RankDump, user_site
+from hangwatch.postmortem.dumps import MAX_RANKS, Folder, RankDump, group_of, user_site
 from hangwatch.wording import format_ranks
 
 #: Collectives of a group fed to the detectors below the slowest rank's last one: older ones were
@@ -98,9 +98,43 @@ def _ranks_text(raw: Any) -> tuple[int, ...]:
 def _world_size(folder: Folder, given: int | None) -> int:
     if given:
         return min(given, MAX_RANKS)
-    sizes = [len(_ranks_text(cfg.get("ranks"))) for d in folder.dumps.values() for cfg in d.pg_config.values()
-             if isinstance(cfg, dict)]  # fmt: skip
-    return min(MAX_RANKS, max([*sizes, max(folder.dumps, default=-1) + 1]))
+    return min(MAX_RANKS, max(_config_size(folder), max(folder.dumps, default=-1) + 1))
+
+
+def _config_size(folder: Folder) -> int:
+    """The most ranks any dump's group config lists (0: none lists any)."""
+    return max(
+        (len(_ranks_text(cfg.get("ranks"))) for d in folder.dumps.values() for cfg in d.pg_config.values()
+         if isinstance(cfg, dict)),
+        default=0,
+    )  # fmt: skip
+
+
+#: Dumps written this far apart are hardly of one hang (torch's ranks dump within seconds).
+APART_S = 600.0
+
+
+def _other_runs(folder: Folder) -> list[str]:
+    """Signs that some dumps are from another run (torch's default folder is /tmp, where an
+    earlier run's files stay): more ranks than the dumps' own group configs say the job has, or
+    dumps written long apart from the others."""
+    notes = []
+    said = _config_size(folder)
+    beyond = [rk for rk in folder.dumps if said and rk >= said]
+    if beyond:
+        notes.append(
+            f"the dumps' group configs say the job has {said} ranks, yet there are dumps of rank(s) "
+            f"{format_ranks(beyond)}: are some from another run?"
+        )
+    times = sorted(d.written for d in folder.dumps.values())
+    middle = times[len(times) // 2]
+    apart = [rk for rk, d in folder.dumps.items() if abs(d.written - middle) > APART_S]
+    if apart:
+        notes.append(
+            f"the dumps of rank(s) {format_ranks(apart)} were written more than {APART_S:.0f} s apart from "
+            "the others': are they from another run?"
+        )
+    return notes
 
 
 def _groups(folder: Folder, world: int) -> dict[str, tuple[int, ...]]:
@@ -109,7 +143,7 @@ def _groups(folder: Folder, world: int) -> dict[str, tuple[int, ...]]:
     members: dict[str, set[int]] = {}
     for rank, dump in folder.dumps.items():
         names = set(dump.pg_status)
-        names.update(str((e.get("process_group") or [""])[0]) for e in dump.entries)
+        names.update(_seq(e)[0] for e in dump.entries)
         for name in names:
             members.setdefault(name, set()).add(rank)
         for key, cfg in dump.pg_config.items():
@@ -126,9 +160,9 @@ def _seq(entry: dict[str, Any]) -> tuple[str, int]:
     if key is not None:
         return key  # type: ignore[no-any-return]
     try:
-        return str((entry.get("process_group") or [""])[0]), int(entry.get("collective_seq_id") or 0)
+        return group_of(entry), int(entry.get("collective_seq_id") or 0)
     except (TypeError, ValueError):
-        return "", 0
+        return group_of(entry), 0
 
 
 def _tails(folder: Folder) -> dict[str, int]:
@@ -243,6 +277,7 @@ def analyze(folder: Folder, *, stuck_after: float = DEFAULT_STUCK_AFTER_S, world
             "it may have died or been killed before torch's timeout, or written its dump elsewhere; "
             "what the dumps do not show it doing is no proof it did not"
         )
+    notes.extend(_other_runs(folder))
     if p2p:
         notes.append(f"{p2p} p2p entries (send/recv) not analysed: Flight Recorder numbers them apart from collectives")
     if not any(d.frames for d in folder.dumps.values()):
@@ -268,7 +303,7 @@ def _annotate(
     inc.details["postmortem"] = {
         "as_of": as_of,
         "dumps": {str(rk): d.path for rk, d in sorted(folder.dumps.items())},
-        "missing_ranks": missing,
+        "missing_ranks": format_ranks(missing),  # a job of a million ranks: a range, not a list
         "lacks": LACKS,
         "notes": list(notes),
     }
@@ -288,7 +323,7 @@ def _annotate(
         if key not in mine:
             earlier = [k for k in mine if k[0] == inc.group and k[1] < inc.seq]
             if not earlier:
-                inc.stack_notes[rank] = "its dump has no stack frames for this group"
+                inc.stack_notes[rank] = "its dump keeps no stack frames for its calls on this group up to here"
                 continue
             key = max(earlier)
             label = f"issuing its last call on group {inc.group} (seq {key[1]}); not where it is now"
@@ -303,11 +338,9 @@ def slot_evidence(folder: Folder, group: str, seq: int) -> dict[str, dict[str, A
     for rank, dump in sorted(folder.dumps.items()):
         on_group = []
         for e in dump.entries:
-            try:
-                if str((e.get("process_group") or [""])[0]) == group and not e.get("is_p2p"):
-                    on_group.append((int(e.get("collective_seq_id") or 0), e))
-            except (TypeError, ValueError):
-                continue
+            key = _seq(e)
+            if key[0] == group and not e.get("is_p2p"):
+                on_group.append((key[1], e))
         if not on_group:
             continue
         here = [e for s, e in on_group if s == seq]

@@ -69,7 +69,7 @@ def test_a_hang_the_dumps_show_and_the_job_did_not_is_added_found_post_mortem(
     for rank in range(3):
         t.register(_ident(rank))
     result = _import(c, _skipped())
-    assert result["attached"] == [] and len(result["added"]) == 1 and result["ranks"] == [0, 1, 2]
+    assert result["attached"] == [] and len(result["added"]) == 1 and result["ranks"] == "0-2"
     (inc,) = c.incidents_json()
     assert inc["id"] == result["added"][0] and inc["run"] == c.job.run and inc["job"] == "job"
     assert (inc["kind"], inc["culprit_ranks"], inc["waiting_ranks"]) == ("stuck_collective", [1], [0, 2])
@@ -149,4 +149,27 @@ def test_an_import_names_a_job_the_coordinator_follows(coordinator_factory: Call
     c = coordinator_factory(embedded_agent=False)
     with pytest.raises(CoordinatorUnreachable, match="no job 'nope'"):
         _import(c, _skipped(), job="nope")
+    assert c.incidents_json() == []
+
+
+def test_the_same_dumps_imported_twice_add_their_incident_once(coordinator_factory: Callable[..., Coordinator]) -> None:
+    c = coordinator_factory(embedded_agent=False)
+    Transport(f"127.0.0.1:{c.port}", None).register(_ident(0))
+    first, again = _import(c, _skipped()), _import(c, _skipped())
+    assert len(first["added"]) == 1 and again["added"] == [] and again["attached"] == first["added"]
+    assert len(c.incidents_json()) == 1
+
+
+def test_an_import_into_no_job_or_of_too_many_groups_is_refused(
+    coordinator_factory: Callable[..., Coordinator],
+) -> None:
+    c = coordinator_factory(embedded_agent=False)
+    with pytest.raises(CoordinatorUnreachable, match="no job '' to import"):
+        _import(c, _skipped())  # nothing registered: no run to join
+    Transport(f"127.0.0.1:{c.port}", None).register(_ident(0))
+    many = {
+        "ranks": {"0": {"written": T, "entries": [{**_entry(1), "process_group": [str(g), ""]} for g in range(1100)]}}
+    }
+    err = _raw(c, zlib.compress(json.dumps(many).encode()))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than 1024 process groups" in str(err.details())
     assert c.incidents_json() == []

@@ -156,3 +156,25 @@ def test_a_rank_number_no_job_has_is_refused_not_counted(tmp_path: Path) -> None
     assert "beyond the 1048576 ranks" in folder.refused[str(tmp_path / "nccl_trace_rank_99999999999")]
     analysis = replay.analyze(folder, world_size=10**12)  # a mistyped --world-size: bounded too
     assert analysis.world_size == dumps.MAX_RANKS and "1-1048575" in analysis.notes[0]
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b'{"entries": [], "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "not a Flight Recorder dump torch wrote"),
+        (pickle.dumps(_dump([_entry(1)] * 300_000)), "more than any Flight Recorder ring keeps"),
+    ],
+)
+def test_a_dump_too_deep_or_too_long_is_refused_not_a_traceback(tmp_path: Path, data: bytes, why: str) -> None:
+    (tmp_path / "nccl_trace_rank_1").write_bytes(data)
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump([_entry(1)])))
+    folder = dumps.load(tmp_path)
+    assert sorted(folder.dumps) == [0] and why in folder.refused[str(tmp_path / "nccl_trace_rank_1")]
+
+
+def test_an_entry_of_foreign_types_is_passed_over_and_the_rest_analysed(tmp_path: Path) -> None:
+    bad = {**_entry(2), "process_group": 5, "collective_seq_id": "x", "input_sizes": "?"}
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump([_entry(1), bad])))
+    folder = dumps.load(tmp_path)
+    assert folder.refused == {} and len(folder.dumps[0].entries) == 2
+    replay.analyze(folder)  # no exception

@@ -75,3 +75,42 @@ def test_a_group_config_of_impossible_ranks_is_bounded() -> None:
     assert time.monotonic() - started < 30
     assert analysis.world_size == 1_000_000
     assert all(0 <= rk < 1_000_000 for inc in analysis.incidents for rk in inc.culprit_ranks + inc.waiting_ranks)
+
+
+def test_uneven_all_to_all_single_splits_the_ring_does_not_keep_are_no_mismatch() -> None:
+    """MoE-style ``all_to_all_single`` with split sizes: each rank sends a different number of
+    elements, and Flight Recorder keeps no split sizes to compare: no incident (a false shape
+    mismatch before, on dumps and live for C++-issued calls alike)."""
+    folder = _folder(20)
+    for rank, dump in folder.dumps.items():
+        for e in dump.entries:
+            e.update(profiling_name="nccl:all_to_all", input_sizes=[[6 + 3 * rank]])
+    assert replay.analyze(folder, stuck_after=5.0).incidents == []
+
+
+def test_times_no_clock_gives_are_unknown_and_the_json_stays_json() -> None:
+    folder = _folder(20, {20: {"retired": False}})
+    for e in folder.dumps[2].entries:
+        e["time_created_ns"] = float("nan")
+    raw = {
+        "version": "2.10",
+        "entries": [{**e, "time_created_ns": 10**40} for e in folder.dumps[1].entries],
+    }
+    folder.dumps[1] = dumps.parse(pickle.dumps(raw), "r1", 1, T + 100)
+    folder.dumps[2] = dumps.parse(
+        pickle.dumps({"version": "2.10", "entries": folder.dumps[2].entries}), "r2", 2, T + 100
+    )
+    analysis = replay.analyze(folder, stuck_after=5.0)
+    json.dumps(analysis.incidents_json(), allow_nan=False)  # no NaN, no inf
+    assert all("time_created_ns" not in e for e in folder.dumps[1].entries)
+
+
+def test_a_dump_left_from_another_run_is_pointed_out() -> None:
+    folder = _folder(20)
+    for dump in folder.dumps.values():
+        dump.pg_config = {"": {"ranks": "[0, 1, 2]"}}
+    stale = dumps.parse(pickle.dumps({"version": "2.10", "entries": []}), "r3", 3, T - 3600)
+    folder.dumps[3] = stale
+    notes = replay.analyze(folder, stuck_after=5.0).notes
+    assert any("say the job has 3 ranks, yet there are dumps of rank(s) 3" in n for n in notes), notes
+    assert any("rank(s) 3 were written more than 600 s apart" in n for n in notes), notes

@@ -200,7 +200,7 @@ def _repeat(first: First, kind: IncidentKind, group: str, op: str, step: int) ->
         culprit_ranks=first.culprits,
         waiting_ranks=first.waiting,
         summary=f"{first.summary}; the same mismatch came back {first.repeats} {times} since, the latest at seq "
-        f"{first.last_seq} (step {first.last_step})",
+        f"{first.last_seq}{in_step(first.last_step, ' (step {})')}",
         hint="",
         onset_time=0.0,
         op=op,

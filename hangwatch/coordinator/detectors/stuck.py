@@ -247,7 +247,8 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         return finding(
             IncidentKind.STUCK_COLLECTIVE,
             unregistered,
-            f"ranks {format_ranks(waiting)} wait in {where} for {waited:.0f} s; rank(s) "
+            f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
+            f"{where} for {waited:.0f} s; rank(s) "
             f"{format_ranks(unregistered)} wrote no Flight Recorder dump: what they did instead is unknown",
             "Look at those ranks' logs: a rank that died or was killed writes no dump, nor may one frozen "
             "holding the GIL; a rank that wrote its dump elsewhere (TORCH_FR_DUMP_TEMP_FILE) can be added.",
@@ -257,7 +258,8 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         return finding(
             IncidentKind.STUCK_COLLECTIVE,
             unregistered,
-            f"ranks {format_ranks(waiting)} wait in {where} for {waited:.0f} s; rank(s) "
+            f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
+            f"{where} for {waited:.0f} s; rank(s) "
             f"{format_ranks(unregistered)} never registered with hangwatch",
             "Check that every rank started and has HANGWATCH_ADDR set; look at its launcher's logs.",
             waiting[:2],
