@@ -19,6 +19,7 @@ What a dump cannot say is said, not guessed:
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -264,7 +265,14 @@ def analyze(folder: Folder, *, stuck_after: float = DEFAULT_STUCK_AFTER_S, world
         for event in events:
             seq = event.seq if isinstance(event, r.CallRecord) else 0
             windows.setdefault(seq // WINDOW, {}).setdefault(rank, []).append(event)
-    engine = Engine(job, threading.RLock(), stuck_after=stuck_after, detectors=[mismatch.detect, stuck.detect])
+    numbers = itertools.count(1)
+    engine = Engine(
+        job,
+        threading.RLock(),
+        stuck_after=stuck_after,
+        detectors=[mismatch.detect, stuck.detect],
+        next_id=lambda: f"dump-{next(numbers):04d}",  # never mistaken for a live incident, in a log or a report
+    )
     for window in sorted(windows):
         for rank, events in windows[window].items():
             written = folder.dumps[rank].written
