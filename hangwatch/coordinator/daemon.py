@@ -607,7 +607,9 @@ class Coordinator:
             known = {inc.key for inc in live}
             skipped = 0
             for inc in found.values():
-                key = f"{job.run}/postmortem/{inc.key}"
+                # the job's run, then the finding's own key without the analysis's throwaway run:
+                # the same dumps give the same key, and the run is the job's (``run_of``)
+                key = f"{job.run}/postmortem.{inc.key.split('/', 1)[-1]}"
                 if key in known or len(added) >= MAX_IMPORTED_INCIDENTS:
                     skipped += 1  # imported before (the same dumps again), or past the bound
                     continue
