@@ -147,6 +147,7 @@ def _groups(folder: Folder, world: int) -> dict[str, tuple[int, ...]]:
         names.update(_seq(e)[0] for e in dump.entries)
         for name in names:
             members.setdefault(name, set()).add(rank)
+    for dump in folder.dumps.values():  # once every rank's groups are known, whichever dump lists them
         for key, cfg in dump.pg_config.items():
             ranks = _ranks_text(cfg.get("ranks")) if isinstance(cfg, dict) else ()
             if ranks and str(key) in members:
@@ -164,6 +165,12 @@ def _seq(entry: dict[str, Any]) -> tuple[str, int]:
         return group_of(entry), int(entry.get("collective_seq_id") or 0)
     except (TypeError, ValueError):
         return group_of(entry), 0
+
+
+def _site(entry: dict[str, Any]) -> tuple[str, list[str]]:
+    """An entry's call site (the loader's, read once from its frames) and its frames as text."""
+    site, lines = user_site(entry.get("frames"))
+    return str(entry.get("call_site", site)), lines
 
 
 def _tails(folder: Folder) -> dict[str, int]:
@@ -215,8 +222,7 @@ def _records(
         if not isinstance(event, r.CallRecord):
             continue
         entry = by_key.get((event.group, event.seq), {})
-        site, lines = user_site(entry.get("frames"))
-        site = str(entry.get("call_site", site))
+        site, lines = _site(entry)
         event.step = -1  # unknown: a dump keeps no training step
         event.call_site = site  # unknown without frames (not "issued from C++": nobody knows)
         if lines:
@@ -353,8 +359,7 @@ def slot_evidence(folder: Folder, group: str, seq: int) -> dict[str, dict[str, A
             continue
         here = [e for s, e in on_group if s == seq]
         entry = here[0] if here else max(on_group, key=lambda item: item[0])[1]
-        site, lines = user_site(entry.get("frames"))
-        site = str(entry.get("call_site", site))
+        site, lines = _site(entry)
         out[str(rank)] = {
             "dump": dump.path,
             "written": dump.written,

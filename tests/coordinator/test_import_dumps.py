@@ -25,22 +25,13 @@ from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
 from tests import factories
 from tests.conftest import wait_for
+from tests.postmortem.factories import fr_entry
 
 T = 1_795_000_000.0
 
 
 def _entry(seq: int, retired: bool = True, t: float = T) -> dict[str, Any]:
-    return {
-        "collective_seq_id": seq,
-        "process_group": ["0", "default_pg"],
-        "profiling_name": "gloo:all_reduce",
-        "input_sizes": [[4]],
-        "input_dtypes": ["Float"],
-        "retired": retired,
-        "state": "scheduled",
-        "time_created_ns": int((t + seq) * 1e9),
-        "frames": [{"filename": "/home/me/train.py", "line": 40 + seq, "name": "step"}],
-    }
+    return fr_entry(seq, int((t + seq) * 1e9), retired=retired, state="scheduled", line=40 + seq)
 
 
 def _skipped(t: float = T) -> dumps.Folder:

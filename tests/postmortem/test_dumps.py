@@ -16,26 +16,15 @@ from typing import Any
 import pytest
 
 from hangwatch.postmortem import dumps, replay
+from tests.postmortem.factories import fr_dump, fr_entry
 
 
 def _dump(entries: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
-    return {"version": "2.10", "pg_config": {}, "pg_status": {"0": {"last_enqueued_collective": 1}},
-            "entries": entries or [], **extra}  # fmt: skip
+    return fr_dump(entries or [], **{"pg_status": {"0": {"last_enqueued_collective": 1}}, **extra})
 
 
 def _entry(seq: int, frames: bool = False) -> dict[str, Any]:
-    e: dict[str, Any] = {
-        "collective_seq_id": seq,
-        "process_group": ("0", "default_pg"),
-        "profiling_name": "gloo:all_reduce",
-        "input_sizes": [[4]],
-        "input_dtypes": ["Float"],
-        "retired": True,
-        "time_created_ns": 1_795_000_000_000_000_000 + seq,
-    }
-    if frames:
-        e["frames"] = [{"filename": "/home/me/train.py", "line": 42, "name": "step"}]
-    return e
+    return fr_entry(seq, 1_795_000_000_000_000_000 + seq, line=42 if frames else None)
 
 
 class _Boom:
