@@ -13,7 +13,9 @@ $(BIN)/python:
 
 # An editable install of the package with its test extras (torch 2.13.0 CPU included): edits to
 # hangwatch/ take effect at once, in tests, in the `hangwatch` command and in attached ranks.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+# The hook's C fast path is compiled by that install (hatch_build.py): a change to its source
+# installs again.
+$(VENV)/.installed: pyproject.toml hatch_build.py hangwatch/client/_fastpath.c | $(BIN)/python
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@

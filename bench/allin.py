@@ -68,6 +68,8 @@ WARMUP = 200  # calls before the first measured loop (the first call of a kind i
 REWARM = 20  # calls before each later loop
 TENSOR = 4  # elements, float32
 MODES = ("off", "on")
+#: the hook with its fast path in Python (``HANGWATCH_NATIVE=0``), beside "on" where the C build exists
+PYTHON_MODE = "python"
 DEAD_MODES = ("refused", "black hole")
 
 
@@ -242,6 +244,14 @@ def _worker(spec: dict[str, Any]) -> None:
         )
         if not rate:
             max_rate = _slowest(dist, torch, calls / (w1 - w0))
+    if mode in ("on", PYTHON_MODE):  # the variant measured is the one that served the calls
+        from hangwatch.client import capture
+
+        served = getattr(all_reduce, "served", None)
+        if mode == PYTHON_MODE:
+            assert served is None, "HANGWATCH_NATIVE=0, yet the C fast path wrapped all_reduce"
+        elif capture._native is not None:
+            assert served, "the C fast path is built, yet it served no call"
     Path(spec["out"]).write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -288,7 +298,8 @@ def _run_job(
     from hangwatch.testing import free_port, job_env
 
     port = free_port()
-    env = job_env(addr, {"HANGWATCH_JOB_ID": job_id, **(args.hook_env if addr is not None else {})})
+    extra = {**args.hook_env, **({"HANGWATCH_NATIVE": "0"} if mode == PYTHON_MODE else {})} if addr else {}
+    env = job_env(addr, {"HANGWATCH_JOB_ID": job_id, **extra})
     procs: list[tuple[subprocess.Popen[str], str]] = []
     with tempfile.TemporaryDirectory() as d:
         for rank in range(world):
@@ -382,7 +393,7 @@ def _report(
             if not off:
                 continue
             idle = statistics.median(f["coordinator_s"] / f["window_s"] for f in off)  # CPU s per s
-            for mode in ("on", *DEAD_MODES):
+            for mode in ("on", PYTHON_MODE, *DEAD_MODES):
                 on = results.get((world, mode, name), [])
                 if not on:
                     continue
@@ -400,9 +411,9 @@ def _report(
                     (f["coordinator_s"] - idle * f["window_s"]) / f["total_calls"] * 1e6 for f in on
                 )
                 sender = [f["sender_us"] for f in on if "sender_us" in f]
-                label = name
+                label = name if mode != PYTHON_MODE else f"{name}, fast path in Python (HANGWATCH_NATIVE=0)"
                 reachable = results.get((world, "on", name), [])
-                if mode != "on" and reachable:  # what the outage adds to the hook's usual cost
+                if mode in DEAD_MODES and reachable:  # what the outage adds to the hook's usual cost
                     more = statistics.median(f["thread_us"] for f in on) - statistics.median(
                         f["thread_us"] for f in reachable
                     )
@@ -445,6 +456,9 @@ def _parse() -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="extra environment for the hooked ranks only (repeatable), e.g. HANGWATCH_FLIGHT_RECORDER=0",
     )
+    ap.add_argument(
+        "--no-python", action="store_true", help="skip the hook with its fast path in Python (HANGWATCH_NATIVE=0)"
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 pair, fewer calls, shorter loops")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -469,6 +483,12 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     workloads: list[tuple[str, int]] = [("tight", 0)] + [(f"paced {r:,}/s", r) for r in args.rates]
     results: dict[tuple[int, str, str], list[dict[str, float]]] = {}
+    try:
+        from hangwatch.client import _fastpath  # type: ignore[attr-defined]  # noqa: F401
+
+        native = True
+    except ImportError:
+        native = False
     began = time.time()
     load = os.getloadavg()
     jobs = 0
@@ -479,12 +499,20 @@ def main() -> None:
             for world in args.ranks:
                 for pair in range(args.pairs):
                     modes: list[str] = list(MODES)
+                    if native and not args.no_python:
+                        modes.append(PYTHON_MODE)
                     if world == 1 and not args.no_unreachable:
                         modes += DEAD_MODES
                     if pair % 2:
                         modes.reverse()  # off, on, … then …, on, off: linear drift cancels
                     for mode in modes:
-                        addr = {"off": None, "on": coordinator.addr, "refused": refused, "black hole": hole.addr}[mode]
+                        addr = {
+                            "off": None,
+                            "on": coordinator.addr,
+                            PYTHON_MODE: coordinator.addr,
+                            "refused": refused,
+                            "black hole": hole.addr,
+                        }[mode]
                         wl = workloads[:1] if mode in DEAD_MODES else workloads
                         jobs += 1
                         started = time.time()

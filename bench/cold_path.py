@@ -109,6 +109,39 @@ def main() -> None:
     variants["enter/exit + call"] = loop([], True, True)
     variants["all pieces, warm"] = loop([piece(n) for n in pieces], False, False)
     variants["enter/exit, warm"] = loop([], False, True)
+    # the whole wrapper, as ``capture`` installs it: its fast path in C and in Python
+    from hangwatch.client import capture
+
+    class _Session:  # what the wrapper reads of a session
+        recorder = rec
+
+        def fail(self, what: str, exc: BaseException) -> None:
+            raise AssertionError(f"{what}: {exc}")
+
+    capture.set_session(_Session())
+
+    def noop(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        return None
+
+    def wrapped(original: Callable[..., Any], native: bool) -> Callable[..., Any]:
+        os.environ["HANGWATCH_NATIVE"] = "1" if native else "0"
+        fn = capture._wrap_op(spec, original)
+        for _ in range(3):
+            fn(t)  # the first call remembers the call site; the rest take the fast path
+        return fn
+
+    def call_loop(fn: Callable[..., Any]) -> Callable[[int], None]:
+        def run(n: int) -> None:
+            for _ in range(n):
+                fn(t)
+                sync()
+
+        return run
+
+    for native in (True, False) if capture._native is not None else (False,):
+        which = "C" if native else "Python"
+        variants[f"{which} wrapper + call"] = call_loop(wrapped(c10d.all_reduce, native))
+        variants[f"{which} wrapper, warm"] = call_loop(wrapped(noop, native))
     results: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, run in variants.items():

@@ -56,6 +56,9 @@ ENV_NODE_NAME = "HANGWATCH_NODE_NAME"
 #: Set by the hook in a registered rank's environment: the pid of that rank. A process that
 #: inherits it with a different pid is a subprocess of a rank and never registers itself.
 ENV_RANK_PID = "HANGWATCH_RANK_PID"
+#: ``0`` keeps the hook's fast path in Python even where its C build (``client/_fastpath.c``) is
+#: installed (for A/B measurements and to rule it out); default: C where built.
+ENV_NATIVE = "HANGWATCH_NATIVE"
 #: ``0`` disables Flight Recorder polling (collectives issued from C++, e.g. DDP).
 ENV_FLIGHT_RECORDER = "HANGWATCH_FLIGHT_RECORDER"
 #: ``1`` aborts (terminates) the job's ranks once a hang is diagnosed and stored.

@@ -15,15 +15,21 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any
 
-from hangwatch import catalogue
+from hangwatch import catalogue, config
 from hangwatch.client.ops import OPS, OpSpec
 from hangwatch.client.recorder import _ENTER, _EXIT, _MASK, _now
 from hangwatch.ring import HEADER_SIZE, SLOT_SIZE
 
 log = logging.getLogger("hangwatch.client")
+
+_native: ModuleType | None
+try:  # the fast path in C, where it was built at install (``_fastpath.c``); Python otherwise
+    from hangwatch.client import _fastpath as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
 
 #: The longest a call with a new signature waits for its record to reach the coordinator.
 NOVEL_FLUSH_TIMEOUT_S = 0.5
@@ -33,9 +39,14 @@ _originals: dict[str, Callable[..., Any]] = {}
 _active: Any = None  # the Session that receives records, or None
 
 
+_natives: list[Any] = []  # the C wrappers made: each holds the session it last served
+
+
 def set_session(session: Any) -> None:
     global _active
     _active = session
+    for fast in _natives:
+        fast.forget()  # the session that ends is not kept alive by a wrapper
 
 
 def active_session() -> Any:
@@ -91,10 +102,12 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 frame = getframe(1)
                 recorder = session.recorder
-                memo = recorder.memo.get((frame.f_code, frame.f_lasti))
+                code = frame.f_code
+                memo = recorder.memo.get(id(code) << 16 | frame.f_lasti)  # ``recorder.memo_key``
                 if (
                     memo is not None
                     and memo[0] is spec
+                    and memo[8] is code
                     and not memo[7]  # async calls: the general path (their work is polled)
                     and not recorder.covers  # Flight Recorder read in the rank: the general path
                     and args[k:] == memo[1]
@@ -104,7 +117,7 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
                     sink = recorder.sink
                     if sink.mm is not mm:
                         positions, pack, mm, capacity = sink.positions, sink.pack, sink.mm, sink.capacity
-                    seq = memo[4]._get_sequence_number_for_group() - recorder.groups.p2p_ops.get(memo[5], 0) + 1
+                    seq = memo[9]() - recorder.groups.p2p_ops.get(memo[5], 0) + 1
                     call_id = next(recorder._ids)
                     h = next(positions)
                     pack(mm, HEADER_SIZE + (h % capacity) * SLOT_SIZE, h + 1, _ENTER, False, 0, memo[6],
@@ -170,7 +183,38 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     wrapper.__hangwatch_original__ = original  # type: ignore[attr-defined]
-    return wrapper
+    if k is None or _native is None or not native_enabled():
+        return wrapper
+    try:
+        fast: Callable[..., Any] = _native.FastOp(spec, k, original, wrapper, globals(), _tls, _fast_error, _fast_exit_error, HEADER_SIZE)
+        for name in functools.WRAPPER_ASSIGNMENTS:
+            if hasattr(wrapper, name):
+                setattr(fast, name, getattr(wrapper, name))
+        fast.__dict__.update(wrapper.__dict__)  # __wrapped__, __hangwatch_original__
+        fast.__hangwatch_python__ = wrapper  # type: ignore[attr-defined]
+        _natives.append(fast)
+    except Exception as exc:  # never: the Python wrapper serves
+        log.debug("hangwatch: native fast path unavailable for %s: %s", spec.name, exc)
+        return wrapper
+    return fast
+
+
+def native_enabled() -> bool:
+    """Whether new wrappers take the C fast path: built, and not turned off by ``HANGWATCH_NATIVE=0``."""
+    return _native is not None and config.env_flag(config.ENV_NATIVE, True)
+
+
+def _fast_error(session: Any, spec: OpSpec, memo: Any, call_id: int, seq: int, exc: BaseException) -> None:
+    """The C fast path's call raised: its exit recorded with the error, as the Python fast path does."""
+    try:
+        raw = (call_id, spec, memo[5], seq, None, None, None, None, None, False)
+        session.recorder.exit(raw, memo[4], memo[4]._get_sequence_number_for_group() - 1, exc)
+    except Exception as inner:
+        session.fail("recording a call's exit", inner)
+
+
+def _fast_exit_error(session: Any, exc: BaseException) -> None:
+    session.fail("recording a call's exit", exc)
 
 
 def _same_tensors(args: tuple[Any, ...], metas: Any) -> bool:
@@ -265,6 +309,9 @@ def uninstrument() -> None:
             if getattr(current, "__hangwatch_original__", None) is original:
                 setattr(module, name, original)
     _originals.clear()
+    for fast in _natives:
+        fast.forget()
+    _natives.clear()
 
 
 def is_instrumented() -> bool:

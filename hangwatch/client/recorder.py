@@ -135,7 +135,7 @@ class Recorder:
         #: call sites seen making the same call again (``remember``): (caller's code, its
         #: instruction) -> (spec, other arguments, keyword arguments, tensors' (shape, dtype,
         #: is_cuda), process group, its name, signature ref, async); see ``capture``'s fast path
-        self.memo: dict[tuple[CodeType, int], Memo] = {}
+        self.memo: dict[int, Memo] = {}
         self.last_ref = 0  # the signature ref of the call ``enter`` recorded last
 
     # ---- helpers ------------------------------------------------------------------------
@@ -241,12 +241,13 @@ class Recorder:
         place must repeat to be recorded without looking at it again (``capture``'s fast path:
         the same other arguments, tensors of the same shapes, dtypes and device, the same
         process group). Cleared whenever a process group is destroyed or made the default."""
-        if len(self.memo) >= MAX_MEMO or (frame.f_code, frame.f_lineno) not in self._sites:
+        code, lasti = frame.f_code, frame.f_lasti
+        if len(self.memo) >= MAX_MEMO or lasti >= MAX_LASTI or (code, frame.f_lineno) not in self._sites:
             # a library's call (``enter``'s call-site walk cached only a user frame): the user's
             # call site above it may differ each time
             return
         tensors = tuple((t.shape, t.dtype, t.is_cuda) for t in args[:k])
-        self.memo[(frame.f_code, frame.f_lasti)] = (
+        self.memo[memo_key(code, lasti)] = (
             raw[1],
             args[k:],
             dict(kwargs),
@@ -255,6 +256,8 @@ class Recorder:
             raw[2],
             self.last_ref,
             raw[9],
+            code,
+            pg._get_sequence_number_for_group,
         )
 
     def is_novel(self, raw: RawCall) -> bool:
@@ -411,7 +414,22 @@ def _frozen(extra: dict[str, str]) -> tuple[tuple[str, str], ...]:
 #: Call sites remembered for the fast path, at most.
 MAX_MEMO = 4096
 #: A remembered call site (see ``Recorder.remember``).
-Memo = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[tuple[Any, Any, bool], ...], Any, str, int, bool]
+#: What ``remember`` keeps of a call site: (spec, other arguments, keyword arguments, tensors'
+#: (shape, dtype, is_cuda), process group, its name, signature ref, async, the caller's code object
+#: (its key holds only its id: the memo keeps it alive and checks it), the group's seq counter).
+Memo = tuple[
+    Any, tuple[Any, ...], dict[str, Any], tuple[tuple[Any, Any, bool], ...], Any, str, int, bool, CodeType, Any
+]
+#: Instruction offsets a memo key holds (a call site further into its function is not remembered).
+MAX_LASTI = 1 << 16
+
+
+def memo_key(code: CodeType, lasti: int) -> int:
+    """A call site's memo key: the code object's id and the call's instruction offset in one int
+    (a tuple holding the code object hashes the whole code object on every lookup: measured
+    about a tenth of the C fast path's warm cost). ``_fastpath.c`` computes the same."""
+    return id(code) << 16 | lasti
+
 
 #: A raw call as the hot path records it: (call_id, spec, group, seq, inputs, outputs, reduce op,
 #: root, peer, async, step, call site, enter time, extra). See ``Recorder.materialize``.

@@ -1,0 +1,558 @@
+/* The hook's fast path in C: ``hangwatch.client.capture``'s wrapper for a call site that repeats
+ * its call, with no Python bytecode run per call.
+ *
+ * Why native: every Python operation run between two collectives costs 4-10x its warm cost
+ * (the collective's thread hand-off leaves the caches cold; BENCHMARKS.md "Where the calling
+ * thread's cost goes"), and the Python fast path, which already does as little as a faithful
+ * record allows, still added about 20 us per call on a 2-core VM. This file does the same steps
+ * in the same order, writes the same two ring slots byte for byte, and hands every other case to
+ * the Python wrapper (``general``): a first call, a call site that changed its arguments, async
+ * calls, nested calls, Flight Recorder read in the rank, any error. The Python fast path in
+ * ``capture.py`` stays the reference (and the fallback where this extension is not built);
+ * ``tests/client/test_fastpath.py`` checks that both write the same slots.
+ *
+ * Nothing here raises into the user's code: a failure before the user's call falls back to
+ * ``general``; a failure after it is reported to the session (``on_exit_error``), and the
+ * user's result or exception passes through untouched.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include <frameobject.h>
+
+#if PY_VERSION_HEX < 0x030C0000
+#include <structmember.h>
+#define Py_T_PYSSIZET T_PYSSIZET
+#define Py_READONLY READONLY
+#endif
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the ring's slots are little endian: build without the fast path"
+#endif
+
+/* One ring slot, as hangwatch.ring.SLOT ("<QBBHIIIIIdQ", 48 bytes) lays it out. */
+#pragma pack(push, 1)
+typedef struct {
+    uint64_t stamp;
+    uint8_t kind;
+    uint8_t flags;
+    uint16_t aux;
+    uint32_t ref;
+    uint32_t call_id;
+    uint32_t seq;
+    uint32_t step;
+    uint32_t arg;
+    double time;
+    uint64_t stamp_end;
+} slot_t;
+#pragma pack(pop)
+
+_Static_assert(sizeof(slot_t) == 48, "a ring slot is 48 bytes");
+
+#define KIND_ENTER 1
+#define KIND_EXIT 2
+
+static PyObject *s_active, *s_depth, *s_recorder, *s_memo, *s_covers, *s_sink, *s_mm, *s_positions,
+    *s_capacity, *s_groups, *s_p2p_ops, *s_ids, *s_step, *s_shape, *s_dtype, *s_is_cuda;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *spec;      /* the op's OpSpec: a memo entry is this op's only if it holds this object */
+    Py_ssize_t k;        /* leading positional arguments that are the op's tensors */
+    PyObject *original;  /* torch's function */
+    PyObject *general;   /* the Python wrapper: every case this file does not serve */
+    PyObject *globals;   /* capture's module dict: "_active" is the session */
+    PyObject *tls;       /* capture's threading.local: "depth" is set inside a recorded call */
+    PyObject *on_error;  /* on_error(session, spec, memo, call_id, seq, exc): the user's call raised */
+    PyObject *on_exit_error; /* on_exit_error(session, exc): recording the exit failed */
+    Py_ssize_t header;   /* ring.HEADER_SIZE */
+    PyObject *dict;      /* __dict__: __wrapped__, __name__, __doc__... as functools.wraps sets them */
+    /* What the session this wrapper last served holds; none of it is replaced in a session's
+     * life (``Recorder.__init__``, ``RingSink.__init__``), so it is read again only when the
+     * session changes. Strong references: a cached object's address cannot be reused. */
+    PyObject *session, *recorder, *memos, *mm, *positions, *ids, *p2p;
+    long long capacity;
+    vectorcallfunc vectorcall;
+    unsigned long long served; /* calls recorded here (tests and benches read it) */
+} FastOp;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts); /* what time.time() reads */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* An attribute as a C integer; -1 with an exception set on failure. */
+static int attr_ll(PyObject *obj, PyObject *name, long long *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int next_ll(PyObject *it, long long *out) {
+    PyObject *v = PyIter_Next(it);
+    if (v == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "counter ended");
+        return -1;
+    }
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Write one slot at position h of the ring held by ``mm``; -1 with an exception on failure. */
+static int put_slot(PyObject *mm, Py_ssize_t header, long long capacity, long long h, slot_t *slot) {
+    Py_buffer view;
+    if (capacity <= 0 || h < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad ring position");
+        return -1;
+    }
+    if (PyObject_GetBuffer(mm, &view, PyBUF_WRITABLE) < 0) return -1;
+    Py_ssize_t at = header + (Py_ssize_t)(h % capacity) * (Py_ssize_t)sizeof(slot_t);
+    if (at < 0 || at + (Py_ssize_t)sizeof(slot_t) > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "ring slot out of range");
+        return -1;
+    }
+    slot->stamp = slot->stamp_end = (uint64_t)h + 1;
+    memcpy((char *)view.buf + at, slot, sizeof(slot_t)); /* one copy, both stamps in it */
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* The exception being raised, taken (as a new reference), and the same put back. */
+static PyObject *take_exception(void) {
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+static void give_exception(PyObject *exc) { /* steals ``exc`` */
+#if PY_VERSION_HEX >= 0x030C0000
+    give_exception(exc);
+#else
+    if (exc == NULL) return;
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+static int truthy_attr(PyObject *obj, PyObject *name) {
+    /* 1 true, 0 false or absent, -1 error */
+    PyObject *v;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyObject_GetOptionalAttr(obj, name, &v) < 0) return -1;
+#else
+    if (_PyObject_LookupAttr(obj, name, &v) < 0) return -1;
+#endif
+    if (v == NULL) return 0;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* Whether the call matches ``memo`` (1), does not (0), or the check failed (-1). */
+static int matches(FastOp *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                   PyObject *const *kwvalues, PyObject *memo) {
+    if (PyTuple_GET_ITEM(memo, 0) != self->spec) return 0;
+    int t = PyObject_IsTrue(PyTuple_GET_ITEM(memo, 7)); /* async: the general path */
+    if (t != 0) return t < 0 ? -1 : 0;
+    PyObject *rest = PyTuple_GET_ITEM(memo, 1);
+    if (!PyTuple_Check(rest) || PyTuple_GET_SIZE(rest) != nargs - self->k) return 0;
+    for (Py_ssize_t i = self->k; i < nargs; i++) {
+        PyObject *a = args[i], *b = PyTuple_GET_ITEM(rest, i - self->k);
+        if (a == b) continue;
+        int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+        if (eq != 1) return eq;
+    }
+    PyObject *kw = PyTuple_GET_ITEM(memo, 2);
+    if (!PyDict_Check(kw)) return 0;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (PyDict_GET_SIZE(kw) != nkw) return 0;
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *want = PyDict_GetItemWithError(kw, PyTuple_GET_ITEM(kwnames, i));
+        if (want == NULL) return PyErr_Occurred() ? -1 : 0;
+        if (want == kwvalues[i]) continue;
+        int eq = PyObject_RichCompareBool(kwvalues[i], want, Py_EQ);
+        if (eq != 1) return eq;
+    }
+    PyObject *metas = PyTuple_GET_ITEM(memo, 3);
+    if (!PyTuple_Check(metas) || PyTuple_GET_SIZE(metas) < self->k) return 0;
+    for (Py_ssize_t i = 0; i < self->k; i++) {
+        PyObject *meta = PyTuple_GET_ITEM(metas, i);
+        if (!PyTuple_Check(meta) || PyTuple_GET_SIZE(meta) != 3) return 0;
+        PyObject *v = PyObject_GetAttr(args[i], s_dtype);
+        if (v == NULL) return -1;
+        int same = v == PyTuple_GET_ITEM(meta, 1);
+        Py_DECREF(v);
+        if (!same) return 0;
+        v = PyObject_GetAttr(args[i], s_is_cuda);
+        if (v == NULL) return -1;
+        same = v == PyTuple_GET_ITEM(meta, 2);
+        Py_DECREF(v);
+        if (!same) return 0;
+        v = PyObject_GetAttr(args[i], s_shape);
+        if (v == NULL) return -1;
+        int eq = PyObject_RichCompareBool(v, PyTuple_GET_ITEM(meta, 0), Py_EQ);
+        Py_DECREF(v);
+        if (eq != 1) return eq;
+    }
+    return 1;
+}
+
+static PyObject *call_general(FastOp *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+}
+
+static void forget_session(FastOp *self) {
+    Py_CLEAR(self->session);
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->memos);
+    Py_CLEAR(self->mm);
+    Py_CLEAR(self->positions);
+    Py_CLEAR(self->ids);
+    Py_CLEAR(self->p2p);
+    self->capacity = 0;
+}
+
+/* Read what ``session`` holds into the cache; -1 with an exception on failure (cache cleared). */
+static int learn_session(FastOp *self, PyObject *session) {
+    forget_session(self);
+    PyObject *sink = NULL, *groups = NULL;
+    self->recorder = PyObject_GetAttr(session, s_recorder);
+    if (self->recorder == NULL) goto fail;
+    self->memos = PyObject_GetAttr(self->recorder, s_memo);
+    if (self->memos == NULL) goto fail;
+    if (!PyDict_Check(self->memos)) {
+        PyErr_SetString(PyExc_TypeError, "recorder.memo is not a dict");
+        goto fail;
+    }
+    sink = PyObject_GetAttr(self->recorder, s_sink);
+    if (sink == NULL) goto fail;
+    self->mm = PyObject_GetAttr(sink, s_mm);
+    if (self->mm == NULL) goto fail;
+    self->positions = PyObject_GetAttr(sink, s_positions);
+    if (self->positions == NULL || attr_ll(sink, s_capacity, &self->capacity) < 0) goto fail;
+    self->ids = PyObject_GetAttr(self->recorder, s_ids);
+    if (self->ids == NULL) goto fail;
+    groups = PyObject_GetAttr(self->recorder, s_groups);
+    if (groups == NULL) goto fail;
+    self->p2p = PyObject_GetAttr(groups, s_p2p_ops);
+    if (self->p2p == NULL) goto fail;
+    if (!PyDict_Check(self->p2p)) {
+        PyErr_SetString(PyExc_TypeError, "p2p_ops is not a dict");
+        goto fail;
+    }
+    Py_DECREF(sink);
+    Py_DECREF(groups);
+    self->session = Py_NewRef(session);
+    return 0;
+fail:
+    Py_XDECREF(sink);
+    Py_XDECREF(groups);
+    forget_session(self);
+    return -1;
+}
+
+static PyObject *fastop_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    FastOp *self = (FastOp *)op;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *session = PyDict_GetItemWithError(self->globals, s_active); /* borrowed */
+    if (session == NULL || session == Py_None) {
+        PyErr_Clear();
+        if (self->session != NULL) forget_session(self); /* let a finished session go */
+        return call_general(self, args, nargsf, kwnames);
+    }
+    if (nargs < self->k) return call_general(self, args, nargsf, kwnames);
+    if (session != self->session && learn_session(self, session) < 0) {
+        PyErr_Clear();
+        return call_general(self, args, nargsf, kwnames);
+    }
+    /* held for the call: the cache may be refilled by a nested or concurrent call meanwhile */
+    PyObject *recorder = Py_NewRef(self->recorder), *memos = Py_NewRef(self->memos), *mm = Py_NewRef(self->mm),
+             *positions = Py_NewRef(self->positions), *ids = Py_NewRef(self->ids), *p2p = Py_NewRef(self->p2p),
+             *memo = NULL, *key = NULL;
+    long long seq = 0, call_id = 0, step = 0, capacity = self->capacity, h = 0, ref = 0, p2p_ops = 0;
+    int served = 0;
+    Py_INCREF(session);
+
+    if (truthy_attr(self->tls, s_depth) != 0) goto done; /* inside another recorded call (or failed) */
+    PyFrameObject *frame = PyEval_GetFrame(); /* the caller's: this callable pushes no frame */
+    if (frame == NULL) goto done;
+    PyCodeObject *code = PyFrame_GetCode(frame); /* new reference */
+#if PY_VERSION_HEX >= 0x030B0000
+    int lasti = PyFrame_GetLasti(frame);
+#else
+    int lasti = frame->f_lasti * (int)sizeof(_Py_CODEUNIT); /* what frame.f_lasti says on 3.10 */
+#endif
+    Py_DECREF(code); /* the frame holds it; only compared below */
+    if (lasti < 0 || lasti >= (1 << 16)) goto done;
+    /* recorder.memo_key(code, lasti): id(code) << 16 | lasti */
+    key = PyLong_FromUnsignedLongLong(((unsigned long long)(uintptr_t)code << 16) | (unsigned long long)lasti);
+    if (key == NULL) goto done;
+    memo = PyDict_GetItemWithError(memos, key);
+    if (memo == NULL) goto done;
+    Py_INCREF(memo);
+    if (!PyTuple_Check(memo) || PyTuple_GET_SIZE(memo) != 10 || PyTuple_GET_ITEM(memo, 8) != (PyObject *)code)
+        goto done; /* another code object that had the same address: not this call site's */
+    if (truthy_attr(recorder, s_covers) != 0) goto done; /* Flight Recorder read in the rank: general */
+    if (matches(self, args, nargs, kwnames, args + nargs, memo) != 1) goto done;
+    /* the seq torch gives this call on its group, net of the group's p2p ops (as ``enter``) */
+    PyObject *seqobj = PyObject_CallNoArgs(PyTuple_GET_ITEM(memo, 9));
+    if (seqobj == NULL) goto done;
+    seq = PyLong_AsLongLong(seqobj);
+    Py_DECREF(seqobj);
+    if (seq == -1 && PyErr_Occurred()) goto done;
+    PyObject *issued = PyDict_GetItemWithError(p2p, PyTuple_GET_ITEM(memo, 5));
+    if (issued == NULL && PyErr_Occurred()) goto done;
+    if (issued != NULL) {
+        p2p_ops = PyLong_AsLongLong(issued);
+        if (p2p_ops == -1 && PyErr_Occurred()) goto done;
+    }
+    seq = seq - p2p_ops + 1;
+    ref = PyLong_AsLongLong(PyTuple_GET_ITEM(memo, 6));
+    if (ref == -1 && PyErr_Occurred()) goto done;
+    if (attr_ll(recorder, s_step, &step) < 0) goto done;
+    if (next_ll(ids, &call_id) < 0) goto done;
+    if (next_ll(positions, &h) < 0) goto done;
+    slot_t slot = {0};
+    slot.kind = KIND_ENTER;
+    slot.ref = (uint32_t)ref;
+    slot.call_id = (uint32_t)call_id;
+    slot.seq = (uint32_t)seq;
+    slot.step = (uint32_t)step;
+    slot.time = now_s();
+    if (put_slot(mm, self->header, capacity, h, &slot) < 0) goto done;
+    served = 1;
+
+done:
+    Py_XDECREF(key);
+    Py_DECREF(memos);
+    Py_DECREF(ids);
+    Py_DECREF(p2p);
+    if (!served) {
+        PyErr_Clear(); /* the general path records the call, or fails once and says so */
+        Py_XDECREF(memo);
+        Py_DECREF(recorder);
+        Py_DECREF(mm);
+        Py_DECREF(positions);
+        Py_DECREF(session);
+        return call_general(self, args, nargsf, kwnames);
+    }
+    self->served++;
+    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    if (result == NULL) {
+        /* the user's call raised: its exit recorded with the error, then the error passes on */
+        PyObject *exc = take_exception();
+        PyObject *r = PyObject_CallFunction(self->on_error, "OOOLLO", session, self->spec, memo, call_id, seq, exc);
+        if (r == NULL) PyErr_Clear();
+        Py_XDECREF(r);
+        give_exception(exc);
+    } else {
+        long long h2 = 0;
+        slot_t out = {0};
+        out.kind = KIND_EXIT;
+        out.aux = 1;
+        out.call_id = (uint32_t)call_id;
+        if (next_ll(positions, &h2) < 0 || (out.time = now_s(), put_slot(mm, self->header, capacity, h2, &out)) < 0) {
+            PyObject *exc = take_exception();
+            PyObject *r = PyObject_CallFunctionObjArgs(self->on_exit_error, session, exc, NULL);
+            if (r == NULL) PyErr_Clear();
+            Py_XDECREF(r);
+            Py_XDECREF(exc);
+        }
+    }
+    Py_DECREF(memo);
+    Py_DECREF(recorder);
+    Py_DECREF(mm);
+    Py_DECREF(positions);
+    Py_DECREF(session);
+    return result;
+}
+
+static PyObject *fastop_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"spec", "k", "original", "general", "globals", "tls", "on_error", "on_exit_error",
+                            "header", NULL};
+    PyObject *spec, *original, *general, *globals, *tls, *on_error, *on_exit_error;
+    Py_ssize_t k, header;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnOOO!OOOn", names, &spec, &k, &original, &general,
+                                     &PyDict_Type, &globals, &tls, &on_error, &on_exit_error, &header))
+        return NULL;
+    if (k < 0 || header < 0) {
+        PyErr_SetString(PyExc_ValueError, "k and header must be >= 0");
+        return NULL;
+    }
+    FastOp *self = (FastOp *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->spec = Py_NewRef(spec);
+    self->k = k;
+    self->original = Py_NewRef(original);
+    self->general = Py_NewRef(general);
+    self->globals = Py_NewRef(globals);
+    self->tls = Py_NewRef(tls);
+    self->on_error = Py_NewRef(on_error);
+    self->on_exit_error = Py_NewRef(on_exit_error);
+    self->header = header;
+    self->dict = NULL;
+    self->session = self->recorder = self->memos = self->mm = self->positions = self->ids = self->p2p = NULL;
+    self->capacity = 0;
+    self->vectorcall = fastop_vectorcall;
+    self->served = 0;
+    return (PyObject *)self;
+}
+
+static int fastop_traverse(FastOp *self, visitproc visit, void *arg) {
+    Py_VISIT(self->spec);
+    Py_VISIT(self->original);
+    Py_VISIT(self->general);
+    Py_VISIT(self->globals);
+    Py_VISIT(self->tls);
+    Py_VISIT(self->on_error);
+    Py_VISIT(self->on_exit_error);
+    Py_VISIT(self->dict);
+    Py_VISIT(self->session);
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->memos);
+    Py_VISIT(self->mm);
+    Py_VISIT(self->positions);
+    Py_VISIT(self->ids);
+    Py_VISIT(self->p2p);
+    return 0;
+}
+
+static int fastop_clear(FastOp *self) {
+    Py_CLEAR(self->spec);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->general);
+    Py_CLEAR(self->globals);
+    Py_CLEAR(self->tls);
+    Py_CLEAR(self->on_error);
+    Py_CLEAR(self->on_exit_error);
+    Py_CLEAR(self->dict);
+    forget_session(self);
+    return 0;
+}
+
+static void fastop_dealloc(FastOp *self) {
+    PyObject_GC_UnTrack(self);
+    fastop_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Bound like a function: ``obj.all_reduce`` of a class that holds it passes ``obj`` first. */
+static PyObject *fastop_descr_get(PyObject *self, PyObject *obj, PyObject *type) {
+    (void)type;
+    if (obj == NULL || obj == Py_None) return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+/* Pickled by name, as the function it stands for is. */
+static PyObject *fastop_reduce(PyObject *self, PyObject *unused) {
+    (void)unused;
+    return PyObject_GetAttrString(self, "__qualname__");
+}
+
+static PyObject *fastop_served(FastOp *self, void *closure) {
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->served);
+}
+
+static PyObject *fastop_forget(FastOp *self, PyObject *unused) {
+    (void)unused;
+    forget_session(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef fastop_methods[] = {
+    {"__reduce__", fastop_reduce, METH_NOARGS, NULL},
+    {"forget", (PyCFunction)fastop_forget, METH_NOARGS, "let go of the session this wrapper last served"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef fastop_members[] = {
+    {"__dictoffset__", Py_T_PYSSIZET, offsetof(FastOp, dict), Py_READONLY, NULL},
+    {"__vectorcalloffset__", Py_T_PYSSIZET, offsetof(FastOp, vectorcall), Py_READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef fastop_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {"served", (getter)fastop_served, NULL, "calls this wrapper recorded itself", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FastOpType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hangwatch.client._fastpath.FastOp",
+    .tp_basicsize = sizeof(FastOp),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A recorded torch.distributed function whose repeated calls are recorded in C.",
+    .tp_new = fastop_new,
+    .tp_dealloc = (destructor)fastop_dealloc,
+    .tp_traverse = (traverseproc)fastop_traverse,
+    .tp_clear = (inquiry)fastop_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(FastOp, vectorcall),
+    .tp_descr_get = fastop_descr_get,
+    .tp_dictoffset = offsetof(FastOp, dict),
+    .tp_methods = fastop_methods,
+    .tp_members = fastop_members,
+    .tp_getset = fastop_getset,
+};
+
+static struct PyModuleDef module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_fastpath",
+    .m_doc = "The hook's fast path in C (see _fastpath.c).",
+    .m_size = -1,
+};
+
+#define INTERN(var, text)                                   \
+    do {                                                    \
+        if ((var = PyUnicode_InternFromString(text)) == NULL) \
+            return NULL;                                    \
+    } while (0)
+
+PyMODINIT_FUNC PyInit__fastpath(void) {
+    INTERN(s_active, "_active");
+    INTERN(s_depth, "depth");
+    INTERN(s_recorder, "recorder");
+    INTERN(s_memo, "memo");
+    INTERN(s_covers, "covers");
+    INTERN(s_sink, "sink");
+    INTERN(s_mm, "mm");
+    INTERN(s_positions, "positions");
+    INTERN(s_capacity, "capacity");
+    INTERN(s_groups, "groups");
+    INTERN(s_p2p_ops, "p2p_ops");
+    INTERN(s_ids, "_ids");
+    INTERN(s_step, "step");
+    INTERN(s_shape, "shape");
+    INTERN(s_dtype, "dtype");
+    INTERN(s_is_cuda, "is_cuda");
+    if (PyType_Ready(&FastOpType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&FastOpType);
+    if (PyModule_AddObject(m, "FastOp", (PyObject *)&FastOpType) < 0) {
+        Py_DECREF(&FastOpType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "SLOT_SIZE", (long)sizeof(slot_t)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

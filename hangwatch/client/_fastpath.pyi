@@ -1,0 +1,28 @@
+"""Types of the hook's C fast path (``_fastpath.c``); built at install where a C compiler is."""
+
+from collections.abc import Callable
+from typing import Any
+
+SLOT_SIZE: int
+
+class FastOp:
+    """A recorded ``torch.distributed`` function whose repeated calls are recorded in C."""
+
+    served: int
+    __wrapped__: Callable[..., Any]
+    __hangwatch_original__: Callable[..., Any]
+    __hangwatch_python__: Callable[..., Any]
+    def __init__(
+        self,
+        spec: Any,
+        k: int,
+        original: Callable[..., Any],
+        general: Callable[..., Any],
+        globals: dict[str, Any],
+        tls: Any,
+        on_error: Callable[..., None],
+        on_exit_error: Callable[..., None],
+        header: int,
+    ) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def forget(self) -> None: ...
