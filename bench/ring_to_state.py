@@ -1,10 +1,20 @@
-"""The embedded agent's path from a rank's ring to the job state, per call: through the wire
-(``RingEncoder.encode`` → protobuf bytes → ``CallDecoder.decode``, as a remote agent's batches
-go) against typed (``RingEncoder.decode``, what the coordinator's own agent does since issue 16),
-each followed by ``JobState.ingest``. One rank's ring of completed 4-float ``all_reduce`` calls
-on one call site, read in polls of ``--batch`` calls; medians of ``--repeats`` interleaved runs.
+"""The coordinator's cost per call, from its ranks' rings to its job state, by path:
 
-    .venv/bin/python bench/ring_to_state.py [--calls 20000] [--batch 500] [--repeats 7]
+- ``wire``: ``RingEncoder.encode`` → protobuf bytes → ``CallDecoder.decode`` → ``JobState.ingest``,
+  call by call (a remote agent's or a relay's batches);
+- ``typed``: ``RingEncoder.decode(runs=False)`` → ``JobState.ingest``, call by call (the embedded
+  agent before runs);
+- ``runs``: ``RingEncoder.decode`` → ``JobState.ingest`` with runs of alike calls
+  (``records.CallRun``: the embedded agent now).
+
+``--ranks`` ranks (a real ``JobState`` with that many registered), each a ring of completed
+4-float ``all_reduce`` calls on one call site, read in polls of each ``--batches`` size in turn
+(the embedded agent reads every 50 ms: 5 calls a poll is 100 calls/s, 500 is 10,000/s), every
+rank's poll in a round, then the engine's ``take_changes``. The reading of the ring itself
+(``RingReader.poll``) is left out: it is the same for every path. Medians of ``--repeats``
+interleaved runs.
+
+    .venv/bin/python bench/ring_to_state.py [--ranks 4] [--calls 5000] [--batches 5,50,500] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -22,89 +32,93 @@ from hangwatch import records as r
 from hangwatch.coordinator import budget
 from hangwatch.coordinator.state import JobState
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Kind, RingReader, RingWriter
+from hangwatch.ring import Batch, Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob
 from hangwatch.signatures import CallDecoder
 
-
-def _polls(calls: int, batch: int) -> tuple[list, RingWriter]:  # type: ignore[type-arg]
-    w = RingWriter(capacity=4 * calls, blob_bytes=1 << 16)
-    reader = RingReader(w.fd)
-    meta = (r.TensorMeta((4,), "float32"),)
-    ref = w.blob(call_blob(r.CallRecord(0, 0, "all_reduce", "0", 0, meta, (), "sum", call_site="train.py:9 in step")))
-    polls = []
-    t = 1.795e9
-    for i in range(1, calls + 1):
-        w.write(Kind.ENTER, 0, 0, ref, i, i, 0, 0, t)
-        w.write(Kind.EXIT, 0, 1, 0, i, 0, 0, 0, t + 1e-5)
-        t += 1e-4
-        if i % batch == 0:
-            polls.append(reader.poll())
-    return polls, w
+PATHS = ("wire", "typed", "runs")
 
 
-def _job() -> tuple[JobState, str]:
-    job, session = JobState(), uuid.uuid4().hex
-    job.register(r.RankIdentity("bench", 0, 1, "node0", 1000, session=session), 0.0)
-    return job, session
+def _polls(ranks: int, calls: int, batch: int) -> list[list[Batch]]:
+    """Each rank's ring, written as the hook writes it, read in polls of ``batch`` calls."""
+    out = []
+    for rank in range(ranks):
+        w = RingWriter(capacity=2 * calls + 8, blob_bytes=1 << 16, rank=rank)
+        reader = RingReader(w.fd)
+        meta = (r.TensorMeta((4,), "float32"),)
+        record = r.CallRecord(rank, 0, "all_reduce", "0", 0, meta, meta, "sum", call_site="train.py:9 in step")
+        ref = w.blob(call_blob(record))
+        t = 1.795e9 + rank * 1e-5
+        for i in range(1, calls + 1):
+            w.write(Kind.ENTER, 0, 0, ref, i, i, 0, 0, t)
+            w.write(Kind.EXIT, 0, 1, 0, i, 0, 0, 0, t + 1e-5)
+            t += 1e-4
+        out.append([reader.poll(2 * batch) for _ in range(calls // batch)])
+        reader.close()
+        w.close()
+    return out
 
 
-def wire(polls: list, ingest: bool = True) -> float:  # type: ignore[type-arg]
-    job, session = _job()
-    enc, dec = RingEncoder(), CallDecoder(cost=budget.call_bytes, charge=lambda n: True)
-    n = 0
-    t0 = time.perf_counter()
-    for ring in polls:
-        batch = pb.ReportBatch(rank=0, session=session)
-        enc.encode(ring, batch)
-        msg = pb.ReportBatch.FromString(batch.SerializeToString())
-        events = dec.decode(0, msg)[0]
-        if ingest:
-            job.ingest(session, 0, events, now=0.0)
-        n += len(ring.slots) // 2
-    return 1e6 * (time.perf_counter() - t0) / n
+def _job(ranks: int) -> tuple[JobState, list[str]]:
+    job, sessions = JobState(), []
+    for rank in range(ranks):
+        session = uuid.uuid4().hex
+        job.register(r.RankIdentity("bench", rank, ranks, "node0", 1000 + rank, session=session), 0.0)
+        sessions.append(session)
+    return job, sessions
 
 
-def typed(polls: list, ingest: bool = True) -> float:  # type: ignore[type-arg]
-    job, session = _job()
-    enc = RingEncoder()
-    n = 0
-    t0 = time.perf_counter()
-    for ring in polls:
-        events = enc.decode(ring, 0, budget.call_bytes)
-        if ingest:
-            job.ingest(session, 0, events, now=0.0)
-        n += len(ring.slots) // 2
-    return 1e6 * (time.perf_counter() - t0) / n
+def run(path: str, polls: list[list[Batch]]) -> tuple[float, JobState]:
+    """µs of CPU per call on ``path``, and the job state it left."""
+    ranks = len(polls)
+    job, sessions = _job(ranks)
+    encoders = [RingEncoder() for _ in range(ranks)]
+    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True) for _ in range(ranks)]
+    calls = 0
+    t0 = time.process_time()
+    for k in range(len(polls[0])):
+        for rank in range(ranks):
+            ring = polls[rank][k]
+            if path == "wire":
+                batch = pb.ReportBatch(rank=rank, session=sessions[rank])
+                encoders[rank].encode(ring, batch)
+                events = decoders[rank].decode(rank, pb.ReportBatch.FromString(batch.SerializeToString()))[0]
+            else:
+                events = encoders[rank].decode(ring, rank, budget.call_bytes, runs=path == "runs")
+            job.ingest(sessions[rank], rank, events, now=1.795e9)
+            calls += len(ring.slots) // 2
+        job.take_changes()
+    return 1e6 * (time.process_time() - t0) / calls, job
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=20000)
-    ap.add_argument("--batch", type=int, default=500)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=5000, help="calls per rank")
+    ap.add_argument("--batches", default="5,50,500", help="calls per poll, comma-separated")
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    polls, w = _polls(args.calls, args.batch)
-    runs: dict[str, list[float]] = {
-        "wire, records only": [],
-        "typed, records only": [],
-        "wire, into the job state": [],
-        "typed, into the job state": [],
-    }
-    for _ in range(args.repeats):
-        runs["wire, records only"].append(wire(polls, ingest=False))
-        runs["typed, records only"].append(typed(polls, ingest=False))
-        runs["wire, into the job state"].append(wire(polls))
-        runs["typed, into the job state"].append(typed(polls))
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    print("| path, ring to job state | µs per call (median) | runs |\n| --- | ---: | --- |")
-    for k, v in runs.items():
-        print(f"| {k} | {med[k]:.2f} | {', '.join(f'{x:.2f}' for x in v)} |")
-    print(
-        f"typed / wire: records {med['typed, records only'] / med['wire, records only']:.2f}, "
-        f"into the state {med['typed, into the job state'] / med['wire, into the job state']:.2f}"
-    )
-    w.close()
+    batches = [int(x) for x in args.batches.split(",") if x]
+    print(f"{args.ranks} ranks x {args.calls:,} completed all_reduce calls; CPU µs per call, median of {args.repeats}")
+    print("| calls per poll | " + " | ".join(PATHS) + " | typed / runs | held by the job state after (typed / runs) |")
+    print("| ---: |" + " ---: |" * (len(PATHS) + 2))
+    for batch in batches:
+        polls = _polls(args.ranks, args.calls, batch)
+        figures: dict[str, list[float]] = {p: [] for p in PATHS}
+        held: dict[str, int] = {}
+        for _ in range(args.repeats):
+            for path in PATHS:
+                us, job = run(path, polls)
+                figures[path].append(us)
+                held[path] = job.held
+                if path == "runs":
+                    assert job.runs_taken > 0 or batch < 2, "no run was taken"
+                assert job.records_received == args.ranks * (args.calls // batch) * batch
+        med = {p: statistics.median(v) for p, v in figures.items()}
+        print(
+            f"| {batch:,} | " + " | ".join(f"{med[p]:.2f}" for p in PATHS) + f" | {med['typed'] / med['runs']:.1f}x "
+            f"| {held['typed'] / 1024:,.0f} / {held['runs'] / 1024:,.0f} KiB |"
+        )
 
 
 if __name__ == "__main__":

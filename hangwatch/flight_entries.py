@@ -104,6 +104,22 @@ class PythonSeqs:
             ranges = self._ranges[group] = collections.deque(maxlen=self._keep)
         ranges.append((seq, seq + max(issued, 1) - 1))
 
+    def ran(self, group: str, lo: int, hi: int) -> None:
+        """Synchronous calls that began and finished one after another covered ``lo`` to ``hi``
+        (a run of them: ``records.CallRun``), as their ``entered`` and ``exited`` would say."""
+        here = self._open.get(group)
+        if here:
+            for other in [c for c, (_, was_async) in here.items() if not was_async]:
+                del here[other]
+                self._groups.pop(other, None)
+        ranges = self._ranges.get(group)
+        if ranges is None:
+            ranges = self._ranges[group] = collections.deque(maxlen=self._keep)
+        if ranges and ranges[-1][1] == lo - 1:
+            ranges[-1] = (ranges[-1][0], hi)  # one range for calls that follow on
+        else:
+            ranges.append((lo, hi))
+
     def _open_covers(self, group: str, seq: int) -> bool:
         for start, async_op in tuple(self._open.get(group, {}).values()):
             if start == seq or (start < seq and not async_op):

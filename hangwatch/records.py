@@ -225,7 +225,51 @@ class GroupProgress:
     started_time: float = 0.0
 
 
-RankEvent = CallRecord | CallExit | GroupEvent | StepEvent | MarkerEvent | RankEnd | Heartbeat | GroupProgress
+@dataclass(eq=False, slots=True)
+class CallRun:
+    """Consecutive calls of one rank that are alike but for their ids, seqs and times: the same
+    collective signature (``template``: a call whose per-call fields are unset), call ids and
+    seqs one apart, one training step, each returned without error having issued one
+    collective. What a rank in its steady state sends most: the job state takes it whole and
+    makes a call of it only where a table needs one (``CallRun.call``), so the coordinator's
+    cost per call falls with the run's length (issue 16). ``enters`` and ``exits`` are the
+    calls' times, on the rank's clock."""
+
+    rank: int
+    template: CallRecord
+    first_call_id: int
+    first_seq: int
+    step: int
+    enters: list[float]
+    exits: list[float]
+    #: coordinator only: the rank's clock offset when it was taken, so that a call made of it
+    #: later has the times it would have had then
+    offset: float = 0.0
+    #: coordinator only: the bytes it is charged while the job state holds it, and to whom
+    cost: int = 0
+    holder: object = None
+
+    def __len__(self) -> int:
+        return len(self.enters)
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + len(self.enters) - 1
+
+    def call(self, i: int) -> CallRecord:
+        """The ``i``-th call, as the rank would have sent it alone (times on the rank's clock)."""
+        t = self.template
+        return CallRecord(
+            self.rank, self.first_call_id + i, t.op, t.group, self.first_seq + i, t.inputs, t.outputs, t.reduce_op,
+            t.root, t.peer, t.async_op, self.step, t.call_site, self.enters[i], self.exits[i], t.source, None, 1,
+            t.extra, None, t.cost,
+        )  # fmt: skip
+
+    def calls(self) -> list[CallRecord]:
+        return [self.call(i) for i in range(len(self.enters))]
+
+
+RankEvent = CallRecord | CallExit | GroupEvent | StepEvent | MarkerEvent | RankEnd | Heartbeat | GroupProgress | CallRun
 
 
 class ProcState(str, enum.Enum):

@@ -22,8 +22,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
+from hangwatch import catalogue, wire
 from hangwatch import records as r
-from hangwatch import wire
 from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind
@@ -35,6 +35,7 @@ TAG_TEXT = b"T"
 _PER_CALL_FIELDS = ("call_id", "seq", "step", "enter_time", "exit_time", "seq_count", "error")
 _NAN = float("nan")
 _WRAP = 1 << 32
+_MASK32 = _WRAP - 1
 _HALF = 1 << 31
 
 
@@ -62,6 +63,27 @@ def text_blob(text: str) -> bytes:
 
 
 # ---- the shipping side ---------------------------------------------------------------------
+
+#: The fewest calls that travel as a run (``RingEncoder.decode``); fewer travel one by one.
+RUN_MIN = 2
+
+
+class _Run:
+    """A run being gathered by ``RingEncoder.decode``: its calls' times so far, and the call
+    under way (``open``: entered, its exit not read yet), if any."""
+
+    __slots__ = ("enters", "exits", "first_call_id", "first_seq", "lane", "next_id", "next_seq", "open", "ref",
+                 "step", "template")  # fmt: skip
+
+    def __init__(
+        self, ref: int, template: r.CallRecord, lane: tuple[str, int], call_id: int, seq: int, step: int, open_: int
+    ) -> None:
+        self.ref, self.template, self.lane, self.step = ref, template, lane, step
+        self.first_call_id, self.first_seq = call_id, seq
+        self.next_id, self.next_seq = call_id + 1, seq + 1
+        self.open: int | None = open_
+        self.enters: list[float] = []
+        self.exits: list[float] = []
 
 
 def _extend(value: int, last: int) -> int:
@@ -99,12 +121,18 @@ class RingEncoder:
         #: ``decode``'s: signature blob -> the call it describes (None: not a call signature);
         #: bounded, as ``blobs`` is, by the ring's blob area
         self._templates: dict[int, r.CallRecord | None] = {}
+        #: signature blobs whose calls may travel as runs (``_runnable``), and those a call of
+        #: which was handed over alone since the last ``reset`` (a run never starts with a
+        #: signature the coordinator has not seen alone)
+        self._run_ok: dict[int, bool] = {}
+        self._whole: set[int] = set()
 
     def reset(self) -> None:
         """Forget the wire ids (after a registration: the coordinator's table starts empty)."""
         self._ids.clear()
         self._free.clear()
         self._next = 1
+        self._whole.clear()
 
     def _signature(self, blob_id: int, used: set[int], batch: pb.ReportBatch) -> int | None:
         sid = self._ids.get(blob_id)
@@ -272,19 +300,46 @@ class RingEncoder:
         self._templates[blob_id] = template
         return template
 
-    def decode(self, ring: Batch, rank: int, cost: Callable[[r.CallRecord], int] | None = None) -> list[r.RankEvent]:
+    def decode(
+        self, ring: Batch, rank: int, cost: Callable[[r.CallRecord], int] | None = None, runs: bool = True
+    ) -> list[r.RankEvent]:
         """``ring``'s records as typed events, in the order the rank wrote them: what ``encode``
         and the coordinator's decoder make of them, without the wire in between (the
         coordinator's embedded agent hands them to its own state). An exit in the same batch is
         folded into its call. ``cost``: a signature's byte cost (the memory budget's), worked
-        out once per signature and carried by each call made from it."""
+        out once per signature and carried by each call made from it.
+
+        With ``runs``, consecutive calls alike but for their ids, seqs and times (one collective
+        signature, ids and seqs one apart, one step, each returned without error before the
+        next began: the steady state of a training loop) travel as one :class:`records.CallRun`
+        (``_Run``), which the job state takes whole. A signature's first call this decoder
+        hands over always travels alone, so the detectors see each signature at least once as
+        the rank made it."""
         self.blobs.update(ring.blobs)
         out: list[r.RankEvent] = []
         position: dict[int, r.CallRecord] = {}
         record = r.CallRecord
+        run: _Run | None = None
         for s in ring.slots:
             kind = s.kind
             if kind == Kind.ENTER:
+                if (
+                    run is not None
+                    and run.open is None
+                    and s.ref == run.ref
+                    and s.call_id == run.next_id & _MASK32
+                    and s.seq == run.next_seq & _MASK32
+                    and s.step == run.step & _MASK32
+                    and not s.flags & 1
+                ):  # the run goes on (compared modulo 2**32, as the slot holds them: no extending)
+                    self._last_call = run.open = run.next_id
+                    run.enters.append(s.time)
+                    run.next_id += 1
+                    run.next_seq += 1
+                    continue
+                if run is not None:
+                    self._flush(run, out, position, rank)
+                    run = None
                 call_id = self._last_call = _extend(s.call_id, self._last_call)
                 step = self._last_step = _extend(s.step, self._last_step)
                 async_op = bool(s.flags & 1)
@@ -297,9 +352,14 @@ class RingEncoder:
                     self.unnamed += 1
                     continue
                 seq = self._seq(s.ref, s.seq)
-                self._entered(s.ref, call_id, seq, async_op)
                 if cost is not None and not t.cost:
                     t.cost = cost(t)
+                if runs and not async_op and s.ref in self._whole and self._runnable(s.ref, t):
+                    run = _Run(s.ref, t, self._lanes.get(s.ref, ("", -1)), call_id, seq, step, call_id)
+                    run.enters.append(s.time)
+                    continue
+                self._entered(s.ref, call_id, seq, async_op)
+                self._whole.add(s.ref)
                 call = record(
                     rank, call_id, t.op, t.group, seq, t.inputs, t.outputs, t.reduce_op, t.root, t.peer, async_op,
                     step, t.call_site, s.time, None, t.source, None, 1, t.extra, None, t.cost,
@@ -307,6 +367,13 @@ class RingEncoder:
                 position[call_id] = call
                 out.append(call)
             elif kind == Kind.EXIT:
+                if run is not None:
+                    if run.open is not None and s.call_id == run.open & _MASK32 and not s.ref and s.aux <= 1:
+                        run.exits.append(s.time)
+                        run.open = None
+                        continue
+                    self._flush(run, out, position, rank)
+                    run = None
                 call_id = _extend(s.call_id, self._last_call)
                 count = s.aux or 1
                 self.python.exited(call_id, count)
@@ -325,11 +392,17 @@ class RingEncoder:
                     )
                 out.append(r.CallExit(rank, call_id, s.time, error, count))
             elif kind == Kind.STEP:
+                if run is not None:
+                    self._flush(run, out, position, rank)
+                    run = None
                 self._last_step = _extend(s.step, self._last_step)
                 if self.skip_through and not self._past_skip:
                     continue  # a step the coordinator had before this ring changed hands
                 out.append(r.StepEvent(rank, self._last_step, s.time))
             elif kind == Kind.EVENT:
+                if run is not None:
+                    self._flush(run, out, position, rank)
+                    run = None
                 blob = self.blobs.get(s.ref, b"")
                 if not blob.startswith(TAG_EVENT):
                     continue
@@ -339,8 +412,51 @@ class RingEncoder:
                     out.append(wire.event_from_pb(rank, msg))
                 except Exception:
                     continue
+        if run is not None:
+            self._flush(run, out, position, rank)
         self.last_step = self._last_step
         return out
+
+    def _runnable(self, blob_id: int, template: r.CallRecord) -> bool:
+        """Whether calls of this signature may travel as runs: Python-issued collectives whose
+        seqs every rank numbers alike."""
+        ok = self._run_ok.get(blob_id)
+        if ok is None:
+            ok = self._run_ok[blob_id] = (
+                template.kind is r.OpKind.COLLECTIVE
+                and template.source == "python"
+                and template.peer is None
+                and not catalogue.uneven_seqs(template.op)
+                and blob_id in self._collective
+            )
+        return ok
+
+    def _flush(self, run: _Run, out: list[r.RankEvent], position: dict[int, r.CallRecord], rank: int) -> None:
+        """What a run gathered, handed over: its finished calls as one ``CallRun`` (alone, where
+        there is one), and a call still under way, alone (its exit may come later in the batch,
+        or in a later one)."""
+        t = run.template
+        done = len(run.exits)
+        group = self._collective.get(run.ref, t.group)
+        self._last_seq[run.lane] = run.next_seq - 1  # the seq of its last call (``_seq``'s)
+        if done >= RUN_MIN:
+            out.append(
+                r.CallRun(rank, t, run.first_call_id, run.first_seq, run.step, run.enters[:done], run.exits[:done])
+            )
+            self.python.ran(group, run.first_seq, run.first_seq + done - 1)
+        else:
+            for i in range(done):
+                call = r.CallRun(rank, t, run.first_call_id, run.first_seq, run.step, run.enters, run.exits).call(i)
+                self.python.entered(call.call_id, group, call.seq)
+                self.python.exited(call.call_id, 1)
+                out.append(call)
+        if run.open is not None:
+            i = len(run.enters) - 1
+            call = r.CallRun(rank, t, run.first_call_id, run.first_seq, run.step, run.enters, run.enters).call(i)
+            call.exit_time = None
+            self.python.entered(call.call_id, group, call.seq)
+            position[call.call_id] = call
+            out.append(call)
 
     def _entered(self, blob_id: int, call_id: int, seq: int, async_op: bool) -> None:
         group = self._collective.get(blob_id)

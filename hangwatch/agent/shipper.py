@@ -232,7 +232,7 @@ class Shipper:
                 if self.direct.accept_events(header, events) is None:
                     state.registered = False
                     return  # register on the next tick and send the same records again
-                carried = len(events)
+                carried = len(pending.slots) // 2 if pending is not None else 0  # calls, as a run counts one
             else:
                 batch = self._batch(state, pending, now)
                 reply = self.intake.accept_report(batch)

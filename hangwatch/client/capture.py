@@ -186,7 +186,9 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
     if k is None or _native is None or not native_enabled():
         return wrapper
     try:
-        fast: Callable[..., Any] = _native.FastOp(spec, k, original, wrapper, globals(), _tls, _fast_error, _fast_exit_error, HEADER_SIZE)
+        fast: Callable[..., Any] = _native.FastOp(
+            spec, k, original, wrapper, globals(), _tls, _fast_error, _fast_exit_error, HEADER_SIZE
+        )
         for name in functools.WRAPPER_ASSIGNMENTS:
             if hasattr(wrapper, name):
                 setattr(fast, name, getattr(wrapper, name))

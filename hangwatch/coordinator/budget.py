@@ -53,12 +53,20 @@ FORWARD_BYTES = 256 + 4 * 256 + 80
 SHIFT_BYTES = 128
 #: One group's device progress (NCCL) in a rank's table.
 PROGRESS_BYTES = 512
+#: A run of calls (``records.CallRun``) held whole: the object and its two lists, then each
+#: call's two times (a float and its list entry, each).
+RUN_BYTES = 512
+RUN_CALL_BYTES = 2 * (24 + 8) + 8
 #: A rank's own state before any call: its dataclass, deques and tables, markers at their cap.
 RANK_BYTES = 8192 + 2 * (80 + 4 * 1024)  # and its latest ``where`` and ``where_user`` (cut to 1 KiB)
 
 
 def text_bytes(text: str | None) -> int:
     return 0 if text is None else sys.getsizeof(text)  # exact for a str, wide characters included
+
+
+def run_bytes(calls: int) -> int:
+    return RUN_BYTES + RUN_CALL_BYTES * calls
 
 
 def call_bytes(call: r.CallRecord) -> int:

@@ -25,7 +25,6 @@ from hangwatch.client.ops import OPS_BY_NAME
 from hangwatch.client.session import Session
 from tests.client.fakes import FakeC10d, make_session, recorded
 
-
 NATIVE = [True, False] if capture._native is not None else [False]
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from hangwatch import catalogue, wire
 from hangwatch import records as r
 from hangwatch.coordinator import budget as b
+from hangwatch.coordinator.rules.collective import compare_collective
 from hangwatch.coordinator.state.ranks import (
     CLOCK_JUMP_S,
     CLOCK_STEP_S,
@@ -117,6 +118,19 @@ class JobState:
         #: claims refused or overridden (a second process for a held rank, another world size, an
         #: older attempt): what ``status`` shows of them, newest last
         self.conflicts: collections.deque[dict[str, object]] = collections.deque(maxlen=CONFLICTS_KEPT)
+        # Runs of alike calls (``records.CallRun``, see ``_run``): per group and rank, the runs
+        # holding seqs no slot was made for (a slot made at one later takes the rank's call from
+        # it); per group, the highest seq each rank passed in order, the lowest of those over the
+        # members and how many ranks stand there; and what the first run through each range of
+        # seqs was ([lo, hi, key], oldest first), which the others' runs are compared with
+        self.passed: dict[str, dict[int, collections.deque[r.CallRun]]] = {}
+        self.passed_to: dict[str, dict[int, int]] = {}
+        self.passed_low: dict[str, tuple[int, int]] = {}
+        self.run_refs: dict[str, collections.deque[_RunRef]] = {}
+        self.pinned: list[Slot] = []  # slots made from runs, kept until the engine's next tick
+        self._faults: dict[int, tuple[r.CallRecord, int | None, bool]] = {}  # see ``_faulty``
+        self.runs_taken = 0  # runs taken whole, and the calls in them
+        self.run_calls = 0
 
     # ---- registration ---------------------------------------------------------------------
 
@@ -285,6 +299,9 @@ class JobState:
 
     def take_changes(self) -> Changes:
         """What changed since the last call (the engine calls it once per tick), and forget it."""
+        for slot in self.pinned:
+            slot.pinned = False  # the detectors look at it in this tick: prunable after it
+        self.pinned = []
         changes = Changes(self.changed_slots, self.groups_changed, self.p2p_changed)
         self.changed_slots = set()
         self.groups_changed = self.p2p_changed = False
@@ -297,6 +314,8 @@ class JobState:
             state.end = None  # destroy_process_group(), then init_process_group() again: it goes on
         if isinstance(event, r.CallRecord):
             self._enter(state, event, now)
+        elif isinstance(event, r.CallRun):
+            self._run(state, event, now)
         elif isinstance(event, r.CallExit):
             self._exit(state, event, now)
         elif isinstance(event, r.StepEvent):
@@ -371,6 +390,12 @@ class JobState:
                 owner.calls = owner.calls - n if owner.calls > n else 0
         for slot in (self.slots.pop(name, None) or {}).values():
             self._free_slot(slot)
+        for runs in (self.passed.pop(name, None) or {}).values():
+            for run in runs:
+                self._drop_run(run)
+        self.passed_to.pop(name, None)
+        self.passed_low.pop(name, None)
+        self.run_refs.pop(name, None)
         self.arrivals.pop(name, None)
         self.changed_slots = {key for key in self.changed_slots if key[0] != name}
         for st in self.ranks.values():
@@ -474,7 +499,9 @@ class JobState:
         self.held -= freed
         self.ledger.held -= freed
 
-    def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
+    def _enter(self, state: RankState, call: r.CallRecord, now: float, passing: bool = False) -> None:
+        """Apply one call. ``passing``: a completed call of a run (``_run``) whose seq no slot
+        needs: the run keeps it, and a slot made at it later takes it from there."""
         # the hot path of ingest (every call of every rank): locals, one kind lookup, no scans
         group, seq = call.group, call.seq
         slots = self.slots.get(group)
@@ -585,21 +612,22 @@ class JobState:
                 return
             if kind is not r.OpKind.COLLECTIVE:
                 return
+            if passing and (slots is None or seq not in slots):
+                self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
+                return
             if slots is None:
                 slots = self.slots[group] = collections.OrderedDict()
             slot = slots.get(seq)
             if slot is None:
-                slot = slots[seq] = Slot(group, seq, first_enter=enter, last_enter=enter)
-                self.held += b.SLOT_BYTES
-                self.ledger.held += b.SLOT_BYTES
-                while len(slots) > MAX_SLOTS_PER_GROUP:
-                    self._free_slot(slots.popitem(last=False)[1])
+                slot = self._new_slot(group, seq, slots, enter, state.rank)
             elif enter > slot.last_enter:
                 slot.last_enter = enter
             elif enter < slot.first_enter:
                 slot.first_enter = enter
             before_here = slot.calls.get(state.rank)
             slot.add(call)
+            if slot.differs and not slot.pinned:
+                self._pin(slot)
             call.holds += 1
             if before_here is None:
                 self.held += b.SLOT_ENTRY_BYTES
@@ -618,6 +646,8 @@ class JobState:
             if done and call.error is None:  # reported already complete
                 self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
                 self._prune(group, seq, members)
+                if group in self.passed_to:
+                    self._advance(group, state.rank, seq, members)
             if done and call.seq_count > UNEVEN_SEQS_ELSEWHERE and catalogue.uneven_seqs(call.op):
                 self._shift_after(state, call)
         finally:  # the hold it had while it was applied (inlined ``_unhold``: every call)
@@ -742,6 +772,8 @@ class JobState:
         if call.kind is r.OpKind.COLLECTIVE and error is None:
             self.wait_durations.append(max(0.0, when - call.enter_time))
             self._prune(call.group, call.seq)
+            if call.group in self.passed_to:
+                self._advance(call.group, state.rank, call.seq, self.members(call.group))
 
     def _drop_open(self, state: RankState, call: r.CallRecord) -> None:
         self.p2p_open.pop((state.rank, call.call_id), None)
@@ -770,17 +802,328 @@ class JobState:
         while slots:
             first_seq, first = next(iter(slots.items()))
             if first_seq > seq + 8 and not first.open:
-                # older than every slot after it, yet numbered ahead: left by a run whose
-                # numbering restarted (torchelastic restarts every worker; seqs start from 1)
+                if not self._left_behind(group, first):
+                    break  # ahead of this rank: others passed the seqs between in runs
+                # older than every slot after it, yet numbered ahead, and every rank in it has
+                # called below it since: left by a numbering that started again (the group
+                # made anew; torchelastic restarts every worker, and seqs start from 1)
                 self._free_slot(slots.popitem(last=False)[1])
                 continue
             if first_seq >= seq - 8:
                 break
-            if first.open:
+            if first.open or first.pinned:
                 break
             if members and len(first.calls) < len(members) and first_seq >= seq - 256:
                 break  # someone has not arrived yet: keep it for the detectors
             self._free_slot(slots.popitem(last=False)[1])
+
+    # ---- runs of alike calls (``records.CallRun``) -------------------------------------------
+
+    def _run(self, state: RankState, run: r.CallRun, now: float) -> None:
+        """Apply a run of calls alike (``records.CallRun``) with what each of them would have
+        done, except that a call is made only where a table needs one: a slot that exists at
+        its seq (made by a rank that sent that call alone), and the rank's history (its last
+        ``HISTORY_PER_GROUP`` calls). The other seqs stay the run's (``passed``): a slot made at
+        one later takes the call from it (``_pull_passed``); the run is compared with the first
+        run through the same seqs (``_compare_run``), and where they differ slots are made
+        for the detectors; once every member has passed a seq, its arrivals are counted
+        (``_runs_complete``) and the runs below it let go (``_prune_runs``). A run that its
+        rank's state would treat call by call (device progress watched, seqs renumbered, a
+        first call on the group, a call sent again) is applied call by call."""
+        group = run.template.group
+        n = len(run.enters)
+        if (
+            n < 2
+            or len(run.exits) != n
+            or run.template.kind is not r.OpKind.COLLECTIVE
+            or self._faulty(run.template, group)
+            or group not in state.history
+            or state.progress
+            or state.seq_shifts.get(group)
+            or run.first_call_id <= state.last_call_id
+            or not self._room(state, b.run_bytes(n) + min(n, HISTORY_PER_GROUP) * (run.template.cost or b.CALL_BYTES))
+        ):
+            for i in range(n):
+                self._enter(state, run.call(i), now)
+            return
+        offset = run.offset = state.clock_offset
+        first = run.first_seq
+        slots = self.slots.get(group)
+        open_here = state.open_collectives.get(group)
+        if open_here:  # collectives on one group complete in order (as ``_enter`` closes them)
+            for other in [c for c in open_here.values() if c.seq < first and c.returned_time is None]:
+                self._close(state, other, run.enters[0] + offset, None)
+        whole_from = n - min(n, HISTORY_PER_GROUP)  # from here on, calls are made for the history
+        hist = state.history[group]
+        passed = False
+        durations = self.wait_durations
+        ledger = self.ledger
+        enters, exits = run.enters, run.exits
+        last: r.CallRecord | None = None
+        for i in range(n):
+            if slots is not None and first + i in slots:
+                self._enter(state, run.call(i), now)  # a slot waits for it: the call, whole
+                continue
+            passed = True
+            state.last_call_id = run.first_call_id + i
+            self.records_received += 1
+            durations.append(max(0.0, exits[i] - enters[i]))
+            if i < whole_from:
+                continue
+            # kept in the rank's history (what ``_enter`` does for a completed call, but a slot)
+            call = last = run.call(i)
+            call.enter_time += offset
+            call.exit_time += offset  # type: ignore[operator]
+            cost = call.cost = call.cost or b.call_bytes(call)
+            call.holds = 1
+            state.calls += cost
+            self.held += cost
+            ledger.held += cost
+            if len(hist) == HISTORY_PER_GROUP:
+                oldest = hist[0]
+                oldest.holds -= 1
+                if not oldest.holds:
+                    self._unhold_last(state, oldest)
+            hist.append(call)
+        if last is not None:
+            before = state.last_call
+            if before is None or last.enter_time >= before.enter_time:
+                state.last_call = last
+                if state.last_kept:
+                    self._release_kept(state)
+                if last.enter_time > state.last_sent:
+                    state.last_sent = last.enter_time
+            state.last_progress = now
+            if run.step > state.step:
+                state.step = run.step
+        self.runs_taken += 1
+        self.run_calls += n
+        if passed:
+            self._keep_run(state, run)
+        if slots:
+            self._prune(group, run.last_seq)
+
+    def _faulty(self, template: r.CallRecord, group: str) -> bool:
+        """Whether a call of ``template`` is wrong in itself (against its group's size): each
+        such call is a repeat the mismatch detector counts, so a run of them goes call by call."""
+        size = len(self.members(group)) or None
+        known = self._faults.get(id(template))
+        if known is not None and known[0] is template and known[1] == size:
+            return known[2]
+        faulty = compare_collective({template.rank: template}, size) is not None
+        if len(self._faults) >= MAX_SLOTS_PER_GROUP:
+            self._faults.clear()
+        self._faults[id(template)] = (template, size, faulty)
+        return faulty
+
+    def _keep_run(self, state: RankState, run: r.CallRun) -> None:
+        group = run.template.group
+        run.cost = b.run_bytes(len(run.enters))
+        run.holder = state
+        self._charge(state, run.cost)
+        byrank = self.passed.get(group)
+        if byrank is None:
+            byrank = self.passed[group] = {}
+        runs = byrank.get(state.rank)
+        if runs is None:
+            runs = byrank[state.rank] = collections.deque()
+        elif runs and runs[-1].last_seq >= run.first_seq:
+            # numbered from below again (the group was made anew): the older runs are another
+            # numbering's, and so is what the others' runs were compared with
+            while runs:
+                self._drop_run(runs.popleft())
+            self.run_refs.pop(group, None)
+        runs.append(run)
+        while runs[-1].last_seq - runs[0].first_seq >= MAX_SLOTS_PER_GROUP:
+            self._drop_run(runs.popleft())  # a member that never comes: bounded as slots are
+        members = self.members(group)
+        self._compare_run(group, run)
+        self._advance(group, state.rank, run.last_seq, members)
+
+    def _drop_run(self, run: r.CallRun) -> None:
+        holder = run.holder
+        state = holder if isinstance(holder, RankState) and self.ranks.get(holder.rank) is holder else None
+        self._charge(state, -run.cost)
+        run.cost = 0
+        run.holder = None
+
+    def _compare_run(self, group: str, run: r.CallRun) -> None:
+        """Compare ``run`` with the first run through its seqs; where they differ, make the slots
+        of the seqs they share, for the detectors to judge as they judge any slot (each one
+        a mismatch's repeat, or a difference no rule minds: split sizes of ``all_to_all``).
+        A call site is no difference: rules judge it only where a slot is made anyway."""
+        t = run.template
+        key = (t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra)
+        refs = self.run_refs.get(group)
+        if refs is None:
+            refs = self.run_refs[group] = collections.deque()
+        lo, hi = run.first_seq, run.last_seq
+        covered = refs[-1].hi if refs else lo - 1
+        for ref in reversed(refs):
+            if ref.hi < lo:
+                break
+            if ref.lo > hi or ref.key == key:
+                continue
+            for seq in range(max(lo, ref.lo), min(hi, ref.hi) + 1):
+                self._materialize(group, seq)
+        if hi > covered:
+            start = max(lo, covered + 1)
+            last = refs[-1] if refs else None
+            if last is not None and last.key == key and last.hi == start - 1:
+                last.hi = hi
+            else:
+                refs.append(_RunRef(start, hi, key))
+                if len(refs) > MAX_SLOTS_PER_GROUP:
+                    refs.popleft()
+
+    def _new_slot(
+        self, group: str, seq: int, slots: collections.OrderedDict[int, Slot], enter: float, rank: int
+    ) -> Slot:
+        """A slot at (group, seq), with the calls other ranks' runs hold at that seq."""
+        slot = slots[seq] = Slot(group, seq, first_enter=enter, last_enter=enter)
+        self.held += b.SLOT_BYTES
+        self.ledger.held += b.SLOT_BYTES
+        # Slots stand in seq order (``_prune`` reads them oldest first). One made below slots
+        # already there is a slow rank's (others passed its seq in runs, making no slot): put in
+        # its place. Unless ``rank`` has calls in those slots: then its numbering started again
+        # (its group made anew), and the old slots are left to ``_prune`` as such.
+        higher = []
+        for k in reversed(slots):
+            if k < seq:
+                break
+            if k != seq:
+                higher.append(k)
+        if higher and not any(rank in slots[k].calls for k in higher):
+            for k in reversed(higher):
+                slots.move_to_end(k)
+        while len(slots) > MAX_SLOTS_PER_GROUP:
+            self._free_slot(slots.popitem(last=False)[1])
+        if self.passed.get(group):
+            self._pull_passed(group, seq, slot, rank)
+        return slot
+
+    def _pull_passed(self, group: str, seq: int, slot: Slot, skip: int) -> None:
+        """Put into ``slot`` the calls that ranks' runs hold at its seq (each charged as the
+        call it is), but ``skip``'s and those it has."""
+        byrank = self.passed.get(group)
+        if not byrank:
+            return
+        ledger = self.ledger
+        for rank, runs in byrank.items():
+            if rank == skip or rank in slot.calls:
+                continue
+            run = _run_at(runs, seq)
+            if run is None:
+                continue
+            call = run.call(seq - run.first_seq)
+            call.enter_time += run.offset
+            call.exit_time += run.offset  # type: ignore[operator]
+            cost = call.cost = call.cost or b.call_bytes(call)
+            call.holds = 1
+            empty = not slot.calls and not slot.last_enter  # made by ``_materialize``: no time yet
+            slot.add(call)
+            if slot.differs and not slot.pinned:
+                self._pin(slot)
+            enter = call.enter_time
+            if empty or enter < slot.first_enter:
+                slot.first_enter = enter
+            if empty or enter > slot.last_enter:
+                slot.last_enter = enter
+            st = self.ranks.get(rank)
+            if st is not None:
+                st.calls += cost
+            self.held += cost + b.SLOT_ENTRY_BYTES
+            ledger.held += cost + b.SLOT_ENTRY_BYTES
+
+    def _materialize(self, group: str, seq: int) -> None:
+        """Make (or fill) the slot at (group, seq) from the runs that hold it, for the detectors."""
+        slots = self.slots.get(group)
+        if slots is None:
+            slots = self.slots[group] = collections.OrderedDict()
+        slot = slots.get(seq)
+        if slot is None:
+            slot = self._new_slot(group, seq, slots, 0.0, -1)
+        else:
+            self._pull_passed(group, seq, slot, -1)
+        if not slot.pinned:
+            self._pin(slot)
+        self.changed_slots.add((group, seq))
+
+    def _advance(self, group: str, rank: int, seq: int, members: tuple[int, ...]) -> None:
+        """``rank`` passed every seq of ``group`` up to ``seq``. When the lowest rank moves up,
+        what every member has now passed is counted and the runs below let go."""
+        passed_to = self.passed_to.get(group)
+        if passed_to is None:
+            passed_to = self.passed_to[group] = {}
+        before = passed_to.get(rank, 0)
+        if seq <= before:
+            return
+        passed_to[rank] = seq
+        low, at_low = self.passed_low.get(group, (0, 0))
+        if before != low:
+            return
+        at_low -= 1
+        if at_low <= 0 and members:
+            new_low = min(passed_to.get(m, 0) for m in members)
+            at_low = sum(1 for m in members if passed_to.get(m, 0) == new_low)
+            if new_low > low:
+                self._runs_complete(group, low, new_low, members)
+                self._prune_runs(group, new_low)
+            low = new_low
+        self.passed_low[group] = (low, at_low)
+
+    def _runs_complete(self, group: str, low: int, new_low: int, members: tuple[int, ...]) -> None:
+        """Every member passed the seqs above ``low`` up to ``new_low``: the arrivals of those
+        the runs hold (their newest ``ARRIVALS_KEPT``: the detectors read no more) are counted
+        as a complete slot's are."""
+        if len(members) < 2:
+            return
+        byrank = self.passed.get(group, {})
+        slots: dict[int, Slot] = self.slots.get(group) or {}
+        lasts = self.arrivals.get(group)
+        for seq in range(max(low + 1, new_low - ARRIVALS_KEPT + 1), new_low + 1):
+            if seq in slots:
+                continue  # counted where the slot completed
+            times = []
+            for m in members:
+                run = _run_at(byrank.get(m, ()), seq)
+                if run is None:
+                    break
+                times.append((run.enters[seq - run.first_seq] + run.offset, m))
+            else:
+                times.sort()
+                median = times[(len(times) - 1) // 2][0]
+                if lasts is None:
+                    lasts = self.arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
+                lasts.append((times[-1][1], times[-1][0] - median, seq, times[0][0]))
+
+    def _prune_runs(self, group: str, low: int) -> None:
+        """Let go of runs every member has passed (keeping a short tail, as slots are kept)."""
+        for runs in self.passed.get(group, {}).values():
+            while runs and runs[0].last_seq < low - 8:
+                self._drop_run(runs.popleft())
+        refs = self.run_refs.get(group)
+        while refs and refs[0].hi < low - 8:
+            refs.popleft()
+
+    def _pin(self, slot: Slot) -> None:
+        """Keep ``slot`` until the engine's next tick has looked at it (``take_changes``)."""
+        slot.pinned = True
+        self.pinned.append(slot)
+        if len(self.pinned) > MAX_SLOTS_PER_GROUP:  # no engine ticks (a replay, a bench): bounded
+            for old in self.pinned[: MAX_SLOTS_PER_GROUP // 2]:
+                old.pinned = False
+            del self.pinned[: MAX_SLOTS_PER_GROUP // 2]
+
+    def _left_behind(self, group: str, slot: Slot) -> bool:
+        """Whether every rank with a call in ``slot`` has since made a call on ``group`` numbered
+        below it (its numbering started again), or is gone from the job's state."""
+        for rank in slot.calls:
+            st = self.ranks.get(rank)
+            hist = st.history.get(group) if st is not None else None
+            if hist and hist[-1].seq >= slot.seq:
+                return False
+        return True
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -808,12 +1151,31 @@ class JobState:
         return data[min(len(data) - 1, int(q * len(data)))]
 
 
+@dataclasses.dataclass(slots=True)
+class _RunRef:
+    """The first run through seqs ``lo`` to ``hi`` of a group: what it called (``key``)."""
+
+    lo: int
+    hi: int
+    key: tuple[object, ...]
+
+
+def _run_at(runs: Sequence[r.CallRun], seq: int) -> r.CallRun | None:
+    """The run of ``runs`` (oldest first) that holds ``seq``, if any."""
+    for run in reversed(runs):
+        if run.first_seq <= seq:
+            return run if seq <= run.first_seq + len(run.enters) - 1 else None
+    return None
+
+
 def _active(event: r.RankEvent, since: float) -> bool:
     """An event of a process group made after ``since`` (rank clock): a Python call or a step, or
     a group created. (A Flight Recorder read after the rank's end still ships calls made before
     it: those are no sign of a new process group.)"""
     if isinstance(event, r.CallRecord):
         return event.source == "python" and event.enter_time > since
+    if isinstance(event, r.CallRun):
+        return bool(event.enters) and event.enters[-1] > since
     if isinstance(event, r.StepEvent):
         return event.time > since
     return isinstance(event, r.GroupEvent) and event.kind is r.GroupEventKind.CREATED and event.time > since

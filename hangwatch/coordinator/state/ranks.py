@@ -176,6 +176,13 @@ class Slot:
     #: mismatch the last full check did not see (see detectors/mismatch.py).
     key: tuple[object, ...] | None = None
     uniform: bool = True
+    #: not pruned before the engine's next tick (``JobState.take_changes`` lets it go): made
+    #: from runs for the detectors to look at (``JobState._materialize``), or holding calls that
+    #: differ (a mismatch every rank returned from is still told)
+    pinned: bool = False
+    #: the first call's signature, and whether a later call's differs from it
+    sig: tuple[object, ...] | None = None
+    differs: bool = False
 
     def add(self, call: r.CallRecord) -> None:
         prev = self.calls.get(call.rank)
@@ -184,6 +191,11 @@ class Slot:
         self.calls[call.rank] = call
         if call.exit_time is None:
             self.open += 1
+        sig = (call.op, call.inputs, call.outputs, call.reduce_op, call.root, call.async_op, call.extra)
+        if self.sig is None:
+            self.sig = sig
+        elif not self.differs and sig != self.sig:
+            self.differs = True
         if self.uniform:
             if call.root is not None or call.extra:
                 self.uniform = False

@@ -1,0 +1,297 @@
+"""Runs of alike calls (issue 16): the embedded agent hands a rank's steady state to the job state
+as ``records.CallRun``s, and the job state makes a call of a run only where a table needs one.
+Nothing a detector says may change: the same rings, read in the same batches, ingested call by
+call (``RingEncoder.decode(runs=False)``, as before) and as runs, must give the same incidents
+and leave each rank in the same place.
+
+Real rings (``RingWriter``) written as the hook writes them, real decoders, real ``JobState``s
+and the real engine (``tests.factories.SimJob``); the programs are generated (hypothesis): a
+training loop of collectives on the world group and a subgroup, healthy or with a fault on one
+rank (another shape or op, a skipped call, a rank that stops, a hang), cut into batches of
+random lengths per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hangwatch import records as r
+from hangwatch.coordinator import budget
+from hangwatch.coordinator.incidents import Incident
+from hangwatch.ring import Kind, RingReader, RingWriter
+from hangwatch.ringwire import RingEncoder, call_blob, event_blob
+from tests.factories import T0, SimJob
+
+SITE_A = "train.py:10 in step"
+SITE_B = "train.py:12 in step"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sig:
+    op: str = "all_reduce"
+    shape: tuple[int, ...] = (4,)
+    site: str = SITE_A
+
+
+@dataclasses.dataclass
+class Program:
+    world: int
+    seqs: list[Sig]  # what every rank calls on the world group, seq by seq (from 1)
+    fault: str  # "none", "shape", "diverge", "op", "skip", "stop", "hang"
+    rank: int  # the rank the fault is on
+    at: int  # the seq it is at
+    batches: list[list[int]]  # per rank: slots per batch, cycled
+    sub_every: int  # a subgroup {0, 1} collective after every this many world seqs (0: none)
+
+
+def _calls(p: Program, rank: int) -> list[tuple[str, int, Sig, bool]]:
+    """What ``rank`` calls: (group, seq, signature, returns), in order."""
+    out: list[tuple[str, int, Sig, bool]] = []
+    sub = 0
+    seqs = list(p.seqs)
+    for i, sig in enumerate(seqs, start=1):
+        done = True
+        if p.fault in ("stop", "hang") and i >= p.at:
+            if p.fault == "stop" and rank == p.rank:
+                break  # it left: the others wait at ``at``
+            if p.fault == "hang":
+                if rank == p.rank:
+                    break  # busy elsewhere, never calls
+                done = False
+            elif rank != p.rank:
+                done = False
+        if p.fault == "skip" and rank == p.rank and i >= p.at:
+            # skipped one call: its seq i is the program's i + 1, and it stops one short
+            if i == len(seqs):
+                break
+            sig = seqs[i]
+        elif p.fault == "shape" and rank == p.rank and i == p.at:
+            sig = dataclasses.replace(sig, shape=(*sig.shape, 2))
+        elif p.fault == "diverge" and rank == p.rank and i >= p.at:
+            sig = dataclasses.replace(sig, shape=(*sig.shape, 3))  # from here on (gloo's broadcast returns)
+        elif p.fault == "op" and rank == p.rank and i == p.at:
+            sig = dataclasses.replace(sig, op="broadcast")
+        out.append(("0", i, sig, done))
+        if not done:
+            break
+        if p.sub_every and rank in (0, 1) and i % p.sub_every == 0:
+            sub += 1
+            out.append(("sub", sub, Sig(shape=(2,), site=SITE_B), True))
+    return out
+
+
+def _ring(p: Program, rank: int) -> tuple[RingWriter, float]:
+    """``rank``'s ring, as the hook fills it; and the time of its last record."""
+    w = RingWriter(capacity=1 << 15, blob_bytes=1 << 20, rank=rank)
+    w.write(Kind.EVENT, 0, 0, w.blob(event_blob(r.GroupEvent(rank, r.GroupEventKind.CREATED, _group("0", p), T0))),
+            0, 0, 0, 0, T0)  # fmt: skip
+    if p.sub_every and rank in (0, 1):
+        info = _group("sub", p)
+        w.write(Kind.EVENT, 0, 0, w.blob(event_blob(r.GroupEvent(rank, r.GroupEventKind.CREATED, info, T0))),
+                0, 0, 0, 0, T0)  # fmt: skip
+    refs: dict[tuple[str, Sig], int] = {}
+    t = T0 + 1.0
+    for call_id, (group, seq, sig, done) in enumerate(_calls(p, rank), start=1):
+        key = (group, sig)
+        if key not in refs:
+            meta = (r.TensorMeta(sig.shape, "float32"),)
+            record = r.CallRecord(rank, 0, sig.op, group, 0, meta, meta, "sum" if sig.op == "all_reduce" else None,
+                                  0 if sig.op == "broadcast" else None, call_site=sig.site)  # fmt: skip
+            refs[key] = w.blob(call_blob(record))
+        t = T0 + 1.0 + call_id * 0.01 + rank * 0.001
+        w.write(Kind.ENTER, 0, 0, refs[key], call_id, seq, 0, 0, t)
+        if done:
+            w.write(Kind.EXIT, 0, 1, 0, call_id, 0, 0, 0, t + 0.002)
+    return w, t
+
+
+def _group(name: str, p: Program) -> r.GroupInfo:
+    ranks = tuple(range(p.world)) if name == "0" else (0, 1)
+    return r.GroupInfo(name=name, ranks=ranks, backend="gloo", index=0 if name == "0" else 1)
+
+
+@dataclasses.dataclass
+class Outcome:
+    incidents: list[tuple[object, ...]]
+    ranks: dict[int, tuple[object, ...]]
+    received: int
+    runs: int
+
+
+def _play(p: Program, runs: bool) -> Outcome:
+    """Read every rank's ring in its batches, round after round, into a real job state, with a
+    tick of the real engine after each round; then long enough after for a hang to be told."""
+    job = SimJob(p.world, registered=T0)
+    readers = []
+    end = T0
+    for rank in range(p.world):
+        ring, last = _ring(p, rank)
+        readers.append((ring, RingReader(ring.fd), RingEncoder()))
+        end = max(end, last)
+    cursors = [0] * p.world
+    now = T0 + 1.0
+    busy = True
+    while busy:
+        busy = False
+        now += 0.05
+        for rank, (_, reader, encoder) in enumerate(readers):
+            sizes = p.batches[rank]
+            batch = reader.poll(sizes[cursors[rank] % len(sizes)])
+            cursors[rank] += 1
+            if not batch.slots and not batch.blobs:
+                continue
+            busy = True
+            events = encoder.decode(batch, rank, budget.call_bytes, runs=runs)
+            job.deliver(rank, events, now, sent_time=now)
+        job.tick(now)
+    for dt in (1.0, 12.0, 25.0, 40.0):
+        job.beat(end + dt)
+        job.tick(end + dt)
+    incidents = sorted(_incident(inc) for inc in job.tick_engine.incidents.values())
+    ranks = {}
+    for rank, state in job.states.items():
+        last = state.last_call
+        ranks[rank] = (
+            None if last is None else (last.group, last.seq, last.call_id, last.op, last.exit_time is None),
+            state.step,
+            state.last_call_id,
+            sorted((c.group, c.seq) for c in state.open_calls.values()),
+            {g: [(c.seq, c.call_id, c.call_site) for c in hist] for g, hist in state.history.items()},
+        )
+    for ring, reader, _ in readers:
+        reader.close()
+        ring.close()
+    return Outcome(incidents, ranks, job.job.records_received, job.job.runs_taken)
+
+
+def _incident(inc: Incident) -> tuple[object, ...]:
+    return (
+        str(inc.kind),
+        inc.status,
+        inc.summary,
+        tuple(inc.culprit_ranks),
+        tuple(inc.waiting_ranks),
+        inc.group,
+        inc.seq,
+        inc.onset_time,
+        inc.detected_time,
+    )
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> Program:
+    world = draw(st.integers(2, 4))
+    n = draw(st.integers(4, 160))
+    # a training loop: a repeated pattern of one to three signatures
+    pattern = draw(
+        st.lists(
+            st.sampled_from([Sig(), Sig(shape=(8,)), Sig(op="broadcast"), Sig(site=SITE_B), Sig(op="all_gather")]),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    seqs = [pattern[i % len(pattern)] for i in range(n)]
+    fault = draw(st.sampled_from(["none", "none", "shape", "diverge", "op", "skip", "stop", "hang"]))
+    rank = draw(st.integers(0, world - 1))
+    at = draw(st.integers(2, n))
+    batches = [draw(st.lists(st.integers(1, 300), min_size=1, max_size=4)) for _ in range(world)]
+    sub_every = draw(st.sampled_from([0, 0, 3, 7]))
+    return Program(world, seqs, fault, rank, at, batches, sub_every)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_runs_change_no_diagnosis_and_no_rank_state(p: Program) -> None:
+    alone = _play(p, runs=False)
+    runs = _play(p, runs=True)
+    assert alone.runs == 0
+    assert runs.incidents == alone.incidents
+    assert runs.ranks == alone.ranks
+    assert runs.received == alone.received
+
+
+def _steady(world: int = 3, n: int = 400, batch: int = 200, **kw: object) -> Program:
+    return Program(world, [Sig()] * n, "none", 0, 1, [[batch]] * world, 0, **kw)  # type: ignore[arg-type]
+
+
+def test_a_steady_loop_travels_as_runs_and_raises_nothing() -> None:
+    p = _steady()
+    out = _play(p, runs=True)
+    assert out.incidents == []
+    assert out.runs >= 3 * 3  # each rank's batches past its first call
+    assert out.received == 3 * 400
+
+
+@pytest.mark.parametrize("fault", ["shape", "op"])
+def test_a_mismatch_inside_a_steady_loop_is_told_as_before(fault: str) -> None:
+    p = dataclasses.replace(_steady(n=300), fault=fault, rank=2, at=150)
+    alone, runs = _play(p, runs=False), _play(p, runs=True)
+    assert runs.runs > 0
+    assert runs.incidents == alone.incidents
+    kinds = {inc[0] for inc in runs.incidents}
+    assert kinds & {"shape_mismatch", "op_mismatch"}, runs.incidents
+    assert any(inc[6] == 150 for inc in runs.incidents), runs.incidents
+
+
+def test_a_rank_that_stops_inside_a_steady_loop_is_told_as_before() -> None:
+    p = dataclasses.replace(_steady(n=300), fault="stop", rank=1, at=200)
+    alone, runs = _play(p, runs=False), _play(p, runs=True)
+    assert runs.runs > 0 and runs.incidents == alone.incidents
+    assert runs.incidents and all(1 in inc[3] for inc in runs.incidents), runs.incidents
+
+
+def test_runs_are_let_go_once_every_member_passed_them() -> None:
+    """Memory: the runs a job state holds stay near the members' slack, not the job's length."""
+    p = _steady(world=3, n=3000, batch=100)
+    job = SimJob(3, registered=T0)
+    readers = [(_ring(p, rank)[0], RingEncoder()) for rank in range(3)]
+    reading = [RingReader(ring.fd) for ring, _ in readers]
+    now = T0 + 1
+    for _ in range(40):
+        now += 0.05
+        for rank, (_, encoder) in enumerate(readers):
+            batch = reading[rank].poll(200)
+            job.deliver(rank, encoder.decode(batch, rank, budget.call_bytes), now, sent_time=now)
+    held = sum(len(run.enters) for runs in job.job.passed.get("0", {}).values() for run in runs)
+    assert job.job.runs_taken > 60
+    assert held <= 3 * 2 * 100, held  # two batches' worth per rank, not 3,000 calls each
+    assert len(job.job.arrivals["0"]) == 32  # arrivals counted from runs, as from slots
+
+
+def test_arrivals_from_runs_name_the_same_last_rank_as_slots() -> None:
+    p = _steady(world=4, n=600, batch=50)
+    outcomes = []
+    for runs in (False, True):
+        job = SimJob(4, registered=T0)
+        readers = []
+        for rank in range(4):
+            ring, _ = _ring(p, rank)
+            readers.append((ring, RingReader(ring.fd), RingEncoder()))
+        now = T0 + 1
+        for _ in range(20):
+            now += 0.05
+            for rank, (_, reader, encoder) in enumerate(readers):
+                job.deliver(rank, encoder.decode(reader.poll(100), rank, budget.call_bytes, runs=runs), now,
+                            sent_time=now)  # fmt: skip
+        outcomes.append([(last, round(lag, 6), seq) for last, lag, seq, _ in job.job.arrivals["0"]])
+    assert outcomes[1] == outcomes[0]
+    assert {last for last, _, _ in outcomes[1]} == {3}  # the ring builder makes rank 3 the latest
+
+
+def test_a_run_that_would_refuse_calls_for_memory_is_taken_call_by_call() -> None:
+    job = SimJob(2, registered=T0)
+    job.job.ledger.budget = budget.Budget(rank=200_000, job=1 << 40, total=1 << 40)
+    p = _steady(world=2, n=3000, batch=500)
+    rings = [_ring(p, rank)[0] for rank in range(2)]
+    readers = [(RingReader(ring.fd), RingEncoder()) for ring in rings]
+    now = T0 + 1
+    for _ in range(8):
+        now += 0.05
+        for rank, (reader, encoder) in enumerate(readers):
+            job.deliver(rank, encoder.decode(reader.poll(1000), rank, budget.call_bytes), now, sent_time=now)
+    for st_ in job.states.values():
+        assert st_.held + st_.calls <= 200_000
