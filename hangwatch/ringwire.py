@@ -20,13 +20,13 @@ between two records of its kind.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hangwatch import catalogue, wire
 from hangwatch import records as r
 from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Batch, Kind
+from hangwatch.ring import Batch, Kind, Slot
 from hangwatch.signatures import MAX_SIGNATURES, Columns
 
 TAG_CALL = b"C"
@@ -69,21 +69,36 @@ RUN_MIN = 2
 
 
 class _Run:
-    """A run being gathered by ``RingEncoder.decode``: its calls' times so far, and the call
-    under way (``open``: entered, its exit not read yet), if any."""
+    """Calls alike, gathered from a batch's slots (``RingEncoder._gather``): each an ENTER slot
+    and its EXIT right after it, of one signature blob, call ids and seqs one apart, one step,
+    returned without error having issued one collective. Values as the slots hold them (modulo
+    2**32); the times of each call."""
 
-    __slots__ = ("enters", "exits", "first_call_id", "first_seq", "lane", "next_id", "next_seq", "open", "ref",
-                 "step", "template")  # fmt: skip
+    __slots__ = ("call_id", "enters", "exits", "ref", "seq", "step")
 
-    def __init__(
-        self, ref: int, template: r.CallRecord, lane: tuple[str, int], call_id: int, seq: int, step: int, open_: int
-    ) -> None:
-        self.ref, self.template, self.lane, self.step = ref, template, lane, step
-        self.first_call_id, self.first_seq = call_id, seq
-        self.next_id, self.next_seq = call_id + 1, seq + 1
-        self.open: int | None = open_
-        self.enters: list[float] = []
-        self.exits: list[float] = []
+    def __init__(self, enter: Slot, exit_: Slot) -> None:
+        self.ref, self.call_id, self.seq, self.step = enter.ref, enter.call_id, enter.seq, enter.step
+        self.enters = [enter.time]
+        self.exits = [exit_.time]
+
+    def follows(self, enter: Slot) -> bool:
+        """Whether ``enter`` is the next call of this run."""
+        k = len(self.enters)
+        return (
+            enter.ref == self.ref
+            and enter.call_id == (self.call_id + k) & _MASK32
+            and enter.seq == (self.seq + k) & _MASK32
+            and enter.step == self.step
+        )
+
+    def slots(self) -> list[Slot]:
+        """The slots it was gathered from (their stamps aside): where it travels call by call."""
+        out = []
+        for i, (enter, exit_) in enumerate(zip(self.enters, self.exits, strict=True)):
+            cid = (self.call_id + i) & _MASK32
+            out.append(Slot(0, Kind.ENTER, 0, 0, self.ref, cid, (self.seq + i) & _MASK32, self.step, 0, enter, 0))
+            out.append(Slot(0, Kind.EXIT, 0, 1, 0, cid, 0, 0, 0, exit_, 0))
+        return out
 
 
 def _extend(value: int, last: int) -> int:
@@ -126,6 +141,8 @@ class RingEncoder:
         #: signature the coordinator has not seen alone)
         self._run_ok: dict[int, bool] = {}
         self._whole: set[int] = set()
+        #: ``encode`` sends runs (``CallColumns.run``): the coordinator said it takes them
+        self.send_runs = False
 
     def reset(self) -> None:
         """Forget the wire ids (after a registration: the coordinator's table starts empty)."""
@@ -180,6 +197,13 @@ class RingEncoder:
             self._lanes[blob_id] = (call.group, call.peer if call.HasField("peer") else -1)
             if r.op_kind(call.op) is r.OpKind.COLLECTIVE:
                 self._collective[blob_id] = call.group
+                # calls that may travel as runs: Python-issued collectives every rank numbers alike
+                self._run_ok[blob_id] = (
+                    not catalogue.uneven_seqs(call.op)
+                    and call.source in ("", "python")
+                    and not call.HasField("peer")
+                    and not call.async_op
+                )
 
     def _whole_call(
         self, blob_id: int, call_id: int, seq: int, step: int, t: float, batch: pb.ReportBatch
@@ -214,7 +238,10 @@ class RingEncoder:
         wholes: dict[int, pb.Call] = {}
         used: set[int] = set()
         carried = 0
-        for s in ring.slots:
+        for s in self._gather(ring.slots) if self.send_runs else ring.slots:
+            if isinstance(s, _Run):
+                carried += self._encode_run(s, cols, used, batch)
+                continue
             kind = s.kind
             if kind == Kind.ENTER:
                 call_id = self._last_call = _extend(s.call_id, self._last_call)
@@ -238,6 +265,7 @@ class RingEncoder:
                 used.add(sid)
                 seq = self._seq(s.ref, s.seq)
                 self._entered(s.ref, call_id, seq, bool(s.flags & 1))
+                self._whole.add(s.ref)
                 position[call_id] = cols.add(sid, call_id, seq, step, s.time, _NAN, 1)
             elif kind == Kind.EXIT:
                 call_id = _extend(s.call_id, self._last_call)
@@ -307,39 +335,18 @@ class RingEncoder:
         and the coordinator's decoder make of them, without the wire in between (the
         coordinator's embedded agent hands them to its own state). An exit in the same batch is
         folded into its call. ``cost``: a signature's byte cost (the memory budget's), worked
-        out once per signature and carried by each call made from it.
-
-        With ``runs``, consecutive calls alike but for their ids, seqs and times (one collective
-        signature, ids and seqs one apart, one step, each returned without error before the
-        next began: the steady state of a training loop) travel as one :class:`records.CallRun`
-        (``_Run``), which the job state takes whole. A signature's first call this decoder
-        hands over always travels alone, so the detectors see each signature at least once as
-        the rank made it."""
+        out once per signature and carried by each call made from it. With ``runs``, calls
+        alike travel as one :class:`records.CallRun` (see ``_gather``)."""
         self.blobs.update(ring.blobs)
         out: list[r.RankEvent] = []
         position: dict[int, r.CallRecord] = {}
         record = r.CallRecord
-        run: _Run | None = None
-        for s in ring.slots:
+        for s in self._gather(ring.slots) if runs else ring.slots:
+            if isinstance(s, _Run):
+                self._decode_run(s, out, rank, cost)
+                continue
             kind = s.kind
             if kind == Kind.ENTER:
-                if (
-                    run is not None
-                    and run.open is None
-                    and s.ref == run.ref
-                    and s.call_id == run.next_id & _MASK32
-                    and s.seq == run.next_seq & _MASK32
-                    and s.step == run.step & _MASK32
-                    and not s.flags & 1
-                ):  # the run goes on (compared modulo 2**32, as the slot holds them: no extending)
-                    self._last_call = run.open = run.next_id
-                    run.enters.append(s.time)
-                    run.next_id += 1
-                    run.next_seq += 1
-                    continue
-                if run is not None:
-                    self._flush(run, out, position, rank)
-                    run = None
                 call_id = self._last_call = _extend(s.call_id, self._last_call)
                 step = self._last_step = _extend(s.step, self._last_step)
                 async_op = bool(s.flags & 1)
@@ -352,14 +359,10 @@ class RingEncoder:
                     self.unnamed += 1
                     continue
                 seq = self._seq(s.ref, s.seq)
-                if cost is not None and not t.cost:
-                    t.cost = cost(t)
-                if runs and not async_op and s.ref in self._whole and self._runnable(s.ref, t):
-                    run = _Run(s.ref, t, self._lanes.get(s.ref, ("", -1)), call_id, seq, step, call_id)
-                    run.enters.append(s.time)
-                    continue
                 self._entered(s.ref, call_id, seq, async_op)
                 self._whole.add(s.ref)
+                if cost is not None and not t.cost:
+                    t.cost = cost(t)
                 call = record(
                     rank, call_id, t.op, t.group, seq, t.inputs, t.outputs, t.reduce_op, t.root, t.peer, async_op,
                     step, t.call_site, s.time, None, t.source, None, 1, t.extra, None, t.cost,
@@ -367,13 +370,6 @@ class RingEncoder:
                 position[call_id] = call
                 out.append(call)
             elif kind == Kind.EXIT:
-                if run is not None:
-                    if run.open is not None and s.call_id == run.open & _MASK32 and not s.ref and s.aux <= 1:
-                        run.exits.append(s.time)
-                        run.open = None
-                        continue
-                    self._flush(run, out, position, rank)
-                    run = None
                 call_id = _extend(s.call_id, self._last_call)
                 count = s.aux or 1
                 self.python.exited(call_id, count)
@@ -392,17 +388,11 @@ class RingEncoder:
                     )
                 out.append(r.CallExit(rank, call_id, s.time, error, count))
             elif kind == Kind.STEP:
-                if run is not None:
-                    self._flush(run, out, position, rank)
-                    run = None
                 self._last_step = _extend(s.step, self._last_step)
                 if self.skip_through and not self._past_skip:
                     continue  # a step the coordinator had before this ring changed hands
                 out.append(r.StepEvent(rank, self._last_step, s.time))
             elif kind == Kind.EVENT:
-                if run is not None:
-                    self._flush(run, out, position, rank)
-                    run = None
                 blob = self.blobs.get(s.ref, b"")
                 if not blob.startswith(TAG_EVENT):
                     continue
@@ -412,51 +402,87 @@ class RingEncoder:
                     out.append(wire.event_from_pb(rank, msg))
                 except Exception:
                     continue
-        if run is not None:
-            self._flush(run, out, position, rank)
         self.last_step = self._last_step
         return out
 
-    def _runnable(self, blob_id: int, template: r.CallRecord) -> bool:
-        """Whether calls of this signature may travel as runs: Python-issued collectives whose
-        seqs every rank numbers alike."""
-        ok = self._run_ok.get(blob_id)
-        if ok is None:
-            ok = self._run_ok[blob_id] = (
-                template.kind is r.OpKind.COLLECTIVE
-                and template.source == "python"
-                and template.peer is None
-                and not catalogue.uneven_seqs(template.op)
-                and blob_id in self._collective
-            )
-        return ok
+    def _gather(self, slots: list[Slot]) -> Sequence[Slot | _Run]:
+        """``slots`` with each stretch of calls alike (``_Run``: two or more, each an ENTER and its
+        EXIT right after it, of a signature that may travel as runs and that a call handed over
+        alone has shown already, ids and seqs one apart, one step, returned without error having
+        issued one collective) in place of their slots. A training loop's steady state is
+        mostly such stretches; where the coordinator's records were taken over from another
+        agent (``skip_through``), nothing is gathered until they are past."""
+        if self.skip_through and not self._past_skip:
+            return slots
+        ok, whole = self._run_ok, self._whole
+        out: list[Slot | _Run] = []
+        run: _Run | None = None
+        i, n = 0, len(slots)
+        while i < n:
+            s = slots[i]
+            if s.kind == Kind.ENTER and i + 1 < n and not s.flags & 1 and s.ref in whole and ok.get(s.ref):
+                x = slots[i + 1]
+                if x.kind == Kind.EXIT and x.call_id == s.call_id and not x.ref and x.aux <= 1:
+                    if run is not None and run.follows(s):
+                        run.enters.append(s.time)
+                        run.exits.append(x.time)
+                    else:
+                        if run is not None:
+                            out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
+                        run = _Run(s, x)
+                    i += 2
+                    continue
+            if run is not None:
+                out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
+                run = None
+            out.append(s)
+            i += 1
+        if run is not None:
+            out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
+        return out
 
-    def _flush(self, run: _Run, out: list[r.RankEvent], position: dict[int, r.CallRecord], rank: int) -> None:
-        """What a run gathered, handed over: its finished calls as one ``CallRun`` (alone, where
-        there is one), and a call still under way, alone (its exit may come later in the batch,
-        or in a later one)."""
-        t = run.template
-        done = len(run.exits)
-        group = self._collective.get(run.ref, t.group)
-        self._last_seq[run.lane] = run.next_seq - 1  # the seq of its last call (``_seq``'s)
-        if done >= RUN_MIN:
-            out.append(
-                r.CallRun(rank, t, run.first_call_id, run.first_seq, run.step, run.enters[:done], run.exits[:done])
-            )
-            self.python.ran(group, run.first_seq, run.first_seq + done - 1)
-        else:
-            for i in range(done):
-                call = r.CallRun(rank, t, run.first_call_id, run.first_seq, run.step, run.enters, run.exits).call(i)
-                self.python.entered(call.call_id, group, call.seq)
-                self.python.exited(call.call_id, 1)
-                out.append(call)
-        if run.open is not None:
-            i = len(run.enters) - 1
-            call = r.CallRun(rank, t, run.first_call_id, run.first_seq, run.step, run.enters, run.enters).call(i)
-            call.exit_time = None
-            self.python.entered(call.call_id, group, call.seq)
-            position[call.call_id] = call
-            out.append(call)
+    def _open_run(self, run: _Run) -> tuple[int, int, int, int]:
+        """A gathered run's first call id, seq and step, extended, and its length; the counters
+        set past its last call."""
+        k = len(run.enters)
+        call_id = _extend(run.call_id, self._last_call)
+        step = self._last_step = _extend(run.step, self._last_step)
+        seq = self._seq(run.ref, run.seq)
+        self._last_call = call_id + k - 1
+        self._last_seq[self._lanes.get(run.ref, ("", -1))] = seq + k - 1
+        self._past_skip = True
+        self.python.ran(self._collective.get(run.ref, ""), seq, seq + k - 1)
+        return call_id, seq, step, k
+
+    def _decode_run(
+        self, run: _Run, out: list[r.RankEvent], rank: int, cost: Callable[[r.CallRecord], int] | None
+    ) -> None:
+        t = self._template(run.ref, rank)
+        call_id, seq, step, _ = self._open_run(run)
+        if t is None:  # cannot be: gathered runs are of signatures read already
+            self.unnamed += len(run.enters)
+            return
+        if cost is not None and not t.cost:
+            t.cost = cost(t)
+        out.append(r.CallRun(rank, t, call_id, seq, step, run.enters, run.exits))
+
+    def _encode_run(self, run: _Run, cols: Columns, used: set[int], batch: pb.ReportBatch) -> int:
+        """A gathered run into ``batch``: one column entry (``Columns.add_run``); call by call, as
+        whole calls, where its signature cannot get a wire id now. The calls it carries."""
+        call_id, seq, step, k = self._open_run(run)
+        sid = self._signature(run.ref, used, batch)
+        if sid is None:
+            for i in range(k):
+                whole = self._whole_call(run.ref, call_id + i, seq + i, step, run.enters[i], batch)
+                if whole is None:
+                    self.unnamed += 1
+                    continue
+                whole.exit_time = run.exits[i]
+                whole.seq_count = 1
+            return k
+        used.add(sid)
+        cols.add_run(sid, call_id, seq, step, run.enters, run.exits)
+        return k
 
     def _entered(self, blob_id: int, call_id: int, seq: int, async_op: bool) -> None:
         group = self._collective.get(blob_id)

@@ -38,7 +38,7 @@ def _key(c: r.CallRecord) -> Key:
 class Columns:
     """Calls being put into a batch's ``CallColumns``, one list per column (both encoders)."""
 
-    __slots__ = ("counts", "enters", "exits", "ids", "seqs", "sigs", "steps")
+    __slots__ = ("counts", "enters", "exits", "ids", "run_enters", "run_exits", "runs", "seqs", "sigs", "steps")
 
     def __init__(self) -> None:
         self.sigs: list[int] = []
@@ -48,6 +48,9 @@ class Columns:
         self.enters: list[float] = []
         self.exits: list[float] = []
         self.counts: list[int] = []
+        self.runs: list[int] = []  # filled from the first run on (the proto's ``run``)
+        self.run_enters: list[float] = []
+        self.run_exits: list[float] = []
 
     def add(self, sid: int, call_id: int, seq: int, step: int, enter: float, exit_time: float, count: int) -> int:
         """Append a call (``exit_time`` NaN: still under way); its index."""
@@ -58,7 +61,18 @@ class Columns:
         self.enters.append(enter)
         self.exits.append(exit_time)
         self.counts.append(count)
+        if self.runs:
+            self.runs.append(1)
         return len(self.ids) - 1
+
+    def add_run(self, sid: int, call_id: int, seq: int, step: int, enters: list[float], exits: list[float]) -> None:
+        """Append a run of alike calls (``records.CallRun``): one entry, the others' times after."""
+        i = self.add(sid, call_id, seq, step, enters[0], exits[0], 1)
+        if not self.runs:
+            self.runs = [1] * (i + 1)
+        self.runs[i] = len(enters)
+        self.run_enters.extend(enters[1:])
+        self.run_exits.extend(exits[1:])
 
     def fold_exit(self, i: int, exit_time: float, count: int) -> bool:
         """Fold an exit into call ``i`` if it is still open there; whether it was."""
@@ -79,6 +93,10 @@ class Columns:
         cols.enter_time.extend(self.enters)
         cols.exit_time.extend(self.exits)
         cols.seq_count.extend(self.counts)
+        if self.runs:
+            cols.run.extend(self.runs)
+            cols.run_enter.extend(self.run_enters)
+            cols.run_exit.extend(self.run_exits)
 
 
 class CallEncoder:
@@ -174,6 +192,11 @@ def _shared(value: Any) -> Any:
     return value
 
 
+#: Calls a batch's runs may stand for beyond their entries (``CallColumns.run``): a batch of
+#: more is refused whole, as a batch whose columns do not line up is.
+MAX_RUN_CALLS = 1 << 20
+
+
 class CallDecoder:
     """The coordinator's side for one rank session: its signature table."""
 
@@ -258,17 +281,45 @@ class CallDecoder:
             return [], 0, 0
         lengths = {len(cols.call_id), len(cols.seq), len(cols.step), len(cols.enter_time), len(cols.exit_time)}
         counts = list(cols.seq_count) or [1] * n
-        if lengths != {n} or len(counts) != n:
+        runs = list(cols.run) or [1] * n
+        extra = sum(k - 1 for k in runs if k > 1)
+        if (
+            lengths != {n}
+            or len(counts) != n
+            or len(runs) != n
+            or extra > MAX_RUN_CALLS
+            or len(cols.run_enter) != extra
+            or len(cols.run_exit) != extra
+        ):
             return [], n, 0  # columns that do not line up cannot be trusted at all
         table = self.table
         calls: list[r.RankEvent] = []
         rejected = folded = 0
         record = r.CallRecord
-        for sid, cid, seq, step, enter, exit_time, count in zip(
-            cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, strict=True
+        at = 0  # the next of a run's other calls' times
+        for sid, cid, seq, step, enter, exit_time, count, k in zip(
+            cols.signature,
+            cols.call_id,
+            cols.seq,
+            cols.step,
+            cols.enter_time,
+            cols.exit_time,
+            counts,
+            runs,
+            strict=True,
         ):
             t = table.get(sid)
             done = exit_time == exit_time  # not NaN: NaN marks a call still under way
+            if k > 1:
+                enters = [enter, *cols.run_enter[at : at + k - 1]]
+                exits = [exit_time, *cols.run_exit[at : at + k - 1]]
+                at += k - 1
+                if t is None or not all(math.isfinite(x) for x in (*enters, *exits)) or count > 1:
+                    rejected += k  # a run is whole (complete, finite, one seq each) or not taken
+                    continue
+                folded += k
+                calls.append(r.CallRun(rank, t, cid, seq, step, enters, exits))
+                continue
             if t is None or enter - enter != 0 or (done and exit_time - exit_time != 0):  # infinite times
                 rejected += 1
                 continue

@@ -8,6 +8,7 @@ it, with rings small enough to wrap, id tables small enough to evict, and polls 
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,13 +102,24 @@ _ACTIONS = st.lists(
 )
 
 
+def _flat(events: list[r.RankEvent]) -> list[r.RankEvent]:
+    """Runs of alike calls (``records.CallRun``) as the calls they stand for."""
+    out: list[r.RankEvent] = []
+    for event in events:
+        out.extend(event.calls() if isinstance(event, r.CallRun) else [event])
+    return out
+
+
 @settings(max_examples=80, deadline=None)
-@given(actions=_ACTIONS, capacity=st.integers(2, 8))
-def test_round_trip_through_the_ring_and_the_wire(actions: list[tuple[object, ...]], capacity: int) -> None:
+@given(actions=_ACTIONS, capacity=st.integers(2, 8), runs=st.booleans())
+def test_round_trip_through_the_ring_and_the_wire(actions: list[tuple[object, ...]], capacity: int, runs: bool) -> None:
+    """Also with runs of alike calls (``CallColumns.run``), as a coordinator that takes them gets
+    them: the calls they stand for are the rank's, one for one."""
     w = RingWriter(capacity=256, blob_bytes=1 << 16)
     rank = RankSide(w)
     reader = RingReader(w.fd)
     encoder = RingEncoder(capacity=capacity)  # a small id table: signatures get evicted and redefined
+    encoder.send_runs = runs
     decoder = CallDecoder(capacity=capacity)
     got: list[r.RankEvent] = []
     t = 1000.0
@@ -115,9 +127,10 @@ def test_round_trip_through_the_ring_and_the_wire(actions: list[tuple[object, ..
     def ship() -> None:
         batch = pb.ReportBatch()
         encoder.encode(reader.poll(), batch)
+        assert runs or not batch.calls.run
         events, rejected, _folded = decoder.decode(RANK, batch)
         assert rejected == 0
-        got.extend(events)
+        got.extend(_flat(events))
 
     rank.group_created("1", t)
     for action in actions:
@@ -142,14 +155,6 @@ def test_round_trip_through_the_ring_and_the_wire(actions: list[tuple[object, ..
     assert len(_merge(got)) == len(_merge(rank.expected))
     w.close()
     reader.close()
-
-
-def _flat(events: list[r.RankEvent]) -> list[r.RankEvent]:
-    """Runs of alike calls (``records.CallRun``) as the calls they stand for."""
-    out: list[r.RankEvent] = []
-    for event in events:
-        out.extend(event.calls() if isinstance(event, r.CallRun) else [event])
-    return out
 
 
 @settings(max_examples=80, deadline=None)
@@ -209,3 +214,66 @@ def test_a_lost_signature_blob_is_counted_not_guessed() -> None:
     encoder.encode(RingReader(w.fd).poll(), batch)
     assert encoder.unnamed == 1 and len(batch.calls.call_id) == 0
     assert [e.done.call_id for e in batch.events] == [1]  # its exit still travels
+
+
+def _run_batch(**change: object) -> pb.ReportBatch:
+    """A batch of one signature and one entry standing for a run of three calls."""
+    batch = pb.ReportBatch()
+    sig = batch.signatures.add(id=1)
+    sig.call.op, sig.call.group = "all_reduce", "0"
+    cols = batch.calls
+    cols.signature.append(1)
+    cols.call_id.append(5)
+    cols.seq.append(7)
+    cols.step.append(0)
+    cols.enter_time.append(10.0)
+    cols.exit_time.append(10.5)
+    cols.seq_count.append(1)
+    cols.run.append(3)
+    cols.run_enter.extend([11.0, 12.0])
+    cols.run_exit.extend([11.5, 12.5])
+    for name, value in change.items():
+        field = getattr(cols, name)
+        del field[:]
+        field.extend(value)  # type: ignore[call-overload]
+    return batch
+
+
+def test_a_run_on_the_wire_is_the_calls_it_stands_for() -> None:
+    events, rejected, folded = CallDecoder().decode(RANK, _run_batch())
+    assert rejected == 0 and folded == 3
+    (run,) = events
+    assert isinstance(run, r.CallRun)
+    calls = run.calls()
+    assert [(c.call_id, c.seq, c.enter_time, c.exit_time) for c in calls] == [
+        (5, 7, 10.0, 10.5),
+        (6, 8, 11.0, 11.5),
+        (7, 9, 12.0, 12.5),
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"run_enter": [11.0]},  # times that do not line up with the runs
+        {"run_exit": [11.5, 12.5, 13.5]},
+        {"run": [3, 1]},  # more run counts than entries
+    ],
+)
+def test_runs_that_do_not_line_up_refuse_the_whole_columns(change: dict[str, object]) -> None:
+    events, rejected, _ = CallDecoder().decode(RANK, _run_batch(**change))
+    assert events == [] and rejected == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"run_enter": [11.0, float("inf")]},  # a time no clock gives
+        {"run_exit": [float("nan"), 12.5]},  # a call of a run still under way
+        {"exit_time": [float("nan")]},
+        {"seq_count": [2]},  # a run's calls issue one collective each
+    ],
+)
+def test_a_run_that_is_not_whole_is_refused_with_its_calls(change: dict[str, object]) -> None:
+    events, rejected, _ = CallDecoder().decode(RANK, _run_batch(**change))
+    assert events == [] and rejected == 3

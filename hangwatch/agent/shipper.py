@@ -218,6 +218,7 @@ class Shipper:
             state.encoder.reset()
             # what the coordinator holds already (this ring shipped by an agent before this one)
             state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
+            state.encoder.send_runs = registration.takes_runs  # runs of alike calls in one column entry
         while True:
             # an empty batch kept back (nothing to send before the next heartbeat) is no reason
             # not to look again: the rank may have written since, or just died

@@ -64,6 +64,7 @@ class Transport:
         reply: pb.RegisterReply = self._get_stub().Register(req, timeout=self.timeout_s)
         # calls the coordinator holds already (an agent shipped this ring before): not again
         self.encoder.skip_through = max(self.encoder.skip_through, reply.last_call_id)
+        self.encoder.send_runs = reply.takes_runs  # runs of alike calls in one column entry
         return reply
 
     def report(

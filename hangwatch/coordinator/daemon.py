@@ -344,6 +344,7 @@ class Coordinator:
             server_time=time.time(),
             report_interval_s=interval,
             last_call_id=last_call_id,
+            takes_runs=True,
         )
 
     def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:

@@ -22,8 +22,10 @@ from hypothesis import strategies as st
 from hangwatch import records as r
 from hangwatch.coordinator import budget
 from hangwatch.coordinator.incidents import Incident
+from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob, event_blob
+from hangwatch.signatures import CallDecoder
 from tests.factories import T0, SimJob
 
 SITE_A = "train.py:10 in step"
@@ -122,15 +124,20 @@ class Outcome:
     runs: int
 
 
-def _play(p: Program, runs: bool) -> Outcome:
+def _play(p: Program, runs: bool, wire: bool = False) -> Outcome:
     """Read every rank's ring in its batches, round after round, into a real job state, with a
-    tick of the real engine after each round; then long enough after for a hang to be told."""
+    tick of the real engine after each round; then long enough after for a hang to be told.
+    ``wire``: through the wire, as a remote agent or relay ships them (``RingEncoder.encode``,
+    protobuf bytes, ``CallDecoder``), runs in column entries where ``runs``."""
     job = SimJob(p.world, registered=T0)
     readers = []
+    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True) for _ in range(p.world)]
     end = T0
     for rank in range(p.world):
         ring, last = _ring(p, rank)
-        readers.append((ring, RingReader(ring.fd), RingEncoder()))
+        encoder = RingEncoder()
+        encoder.send_runs = runs
+        readers.append((ring, RingReader(ring.fd), encoder))
         end = max(end, last)
     cursors = [0] * p.world
     now = T0 + 1.0
@@ -145,7 +152,13 @@ def _play(p: Program, runs: bool) -> Outcome:
             if not batch.slots and not batch.blobs:
                 continue
             busy = True
-            events = encoder.decode(batch, rank, budget.call_bytes, runs=runs)
+            if wire:
+                msg = pb.ReportBatch(rank=rank)
+                encoder.encode(batch, msg)
+                events, rejected, _ = decoders[rank].decode(rank, pb.ReportBatch.FromString(msg.SerializeToString()))
+                assert rejected == 0
+            else:
+                events = encoder.decode(batch, rank, budget.call_bytes, runs=runs)
             job.deliver(rank, events, now, sent_time=now)
         job.tick(now)
     for dt in (1.0, 12.0, 25.0, 40.0):
@@ -207,11 +220,17 @@ def programs(draw: st.DrawFn) -> Program:
 @given(programs())
 def test_runs_change_no_diagnosis_and_no_rank_state(p: Program) -> None:
     alone = _play(p, runs=False)
-    runs = _play(p, runs=True)
     assert alone.runs == 0
-    assert runs.incidents == alone.incidents
-    assert runs.ranks == alone.ranks
-    assert runs.received == alone.received
+    for runs in (_play(p, runs=True), _play(p, runs=True, wire=True)):
+        assert runs.incidents == alone.incidents
+        assert runs.ranks == alone.ranks
+        assert runs.received == alone.received
+
+
+def test_runs_travel_on_the_wire_where_the_coordinator_takes_them() -> None:
+    p = _steady(n=400, batch=200)
+    assert _play(p, runs=True, wire=True).runs >= 3 * 3
+    assert _play(p, runs=False, wire=True).runs == 0  # an older coordinator: calls one by one
 
 
 def _steady(world: int = 3, n: int = 400, batch: int = 200, **kw: object) -> Program:
