@@ -70,6 +70,9 @@ TENSOR = 4  # elements, float32
 MODES = ("off", "on")
 #: the hook with its fast path in Python (``HANGWATCH_NATIVE=0``), beside "on" where the C build exists
 PYTHON_MODE = "python"
+#: before issue 16's native fast path and runs: the Python fast path, and a second coordinator
+#: that takes every call one by one (``HANGWATCH_RUNS=0``)
+BEFORE_MODE = "before"
 DEAD_MODES = ("refused", "black hole")
 
 
@@ -244,11 +247,11 @@ def _worker(spec: dict[str, Any]) -> None:
         )
         if not rate:
             max_rate = _slowest(dist, torch, calls / (w1 - w0))
-    if mode in ("on", PYTHON_MODE):  # the variant measured is the one that served the calls
+    if mode in ("on", PYTHON_MODE, BEFORE_MODE):  # the variant measured is the one that served the calls
         from hangwatch.client import capture
 
         served = getattr(all_reduce, "served", None)
-        if mode == PYTHON_MODE:
+        if mode in (PYTHON_MODE, BEFORE_MODE):
             assert served is None, "HANGWATCH_NATIVE=0, yet the C fast path wrapped all_reduce"
         elif capture._native is not None:
             assert served, "the C fast path is built, yet it served no call"
@@ -263,10 +266,10 @@ class _Coordinator:
     """A ``hangwatch coordinator`` process, as the README's quick start starts it; its output is
     drained by a thread (a full pipe would stall it) and kept for a failure's message."""
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, env: dict[str, str] | None = None) -> None:
         from hangwatch.testing import start_coordinator_cli
 
-        self.addr, self.proc = start_coordinator_cli(data_dir)
+        self.addr, self.proc = start_coordinator_cli(data_dir, env=env)
         self.output: list[str] = []
         self._drain = threading.Thread(target=self._read, name="coordinator-output", daemon=True)
         self._drain.start()
@@ -298,7 +301,8 @@ def _run_job(
     from hangwatch.testing import free_port, job_env
 
     port = free_port()
-    extra = {**args.hook_env, **({"HANGWATCH_NATIVE": "0"} if mode == PYTHON_MODE else {})} if addr else {}
+    native_off = {"HANGWATCH_NATIVE": "0"} if mode in (PYTHON_MODE, BEFORE_MODE) else {}
+    extra = {**args.hook_env, **native_off} if addr else {}
     env = job_env(addr, {"HANGWATCH_JOB_ID": job_id, **extra})
     procs: list[tuple[subprocess.Popen[str], str]] = []
     with tempfile.TemporaryDirectory() as d:
@@ -393,7 +397,7 @@ def _report(
             if not off:
                 continue
             idle = statistics.median(f["coordinator_s"] / f["window_s"] for f in off)  # CPU s per s
-            for mode in ("on", PYTHON_MODE, *DEAD_MODES):
+            for mode in (BEFORE_MODE, "on", PYTHON_MODE, *DEAD_MODES):
                 on = results.get((world, mode, name), [])
                 if not on:
                     continue
@@ -411,7 +415,10 @@ def _report(
                     (f["coordinator_s"] - idle * f["window_s"]) / f["total_calls"] * 1e6 for f in on
                 )
                 sender = [f["sender_us"] for f in on if "sender_us" in f]
-                label = name if mode != PYTHON_MODE else f"{name}, fast path in Python (HANGWATCH_NATIVE=0)"
+                label = {
+                    PYTHON_MODE: f"{name}, fast path in Python (HANGWATCH_NATIVE=0)",
+                    BEFORE_MODE: f"{name}, before: fast path in Python, no runs (HANGWATCH_RUNS=0)",
+                }.get(mode, name)
                 reachable = results.get((world, "on", name), [])
                 if mode in DEAD_MODES and reachable:  # what the outage adds to the hook's usual cost
                     more = statistics.median(f["thread_us"] for f in on) - statistics.median(
@@ -459,6 +466,9 @@ def _parse() -> argparse.Namespace:
     ap.add_argument(
         "--no-python", action="store_true", help="skip the hook with its fast path in Python (HANGWATCH_NATIVE=0)"
     )
+    ap.add_argument(
+        "--no-before", action="store_true", help="skip the hook as it was before issue 16 (Python fast path, no runs)"
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 pair, fewer calls, shorter loops")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -494,6 +504,7 @@ def main() -> None:
     jobs = 0
     with tempfile.TemporaryDirectory() as data, BlackHole() as hole:
         coordinator = _Coordinator(data)
+        before = _Coordinator(data + "/before", {"HANGWATCH_RUNS": "0"})
         refused = f"127.0.0.1:{free_port()}"
         try:
             for world in args.ranks:
@@ -501,6 +512,8 @@ def main() -> None:
                     modes: list[str] = list(MODES)
                     if native and not args.no_python:
                         modes.append(PYTHON_MODE)
+                    if not args.no_before:
+                        modes.append(BEFORE_MODE)
                     if world == 1 and not args.no_unreachable:
                         modes += DEAD_MODES
                     if pair % 2:
@@ -510,13 +523,15 @@ def main() -> None:
                             "off": None,
                             "on": coordinator.addr,
                             PYTHON_MODE: coordinator.addr,
+                            BEFORE_MODE: before.addr,
                             "refused": refused,
                             "black hole": hole.addr,
                         }[mode]
                         wl = workloads[:1] if mode in DEAD_MODES else workloads
                         jobs += 1
                         started = time.time()
-                        ranks = _run_job(mode, world, addr, coordinator.proc.pid, wl, args, f"allin-{jobs}")
+                        pid = (before if mode == BEFORE_MODE else coordinator).proc.pid
+                        ranks = _run_job(mode, world, addr, pid, wl, args, f"allin-{jobs}")
                         for name, fig in _job_figures(ranks).items():
                             results.setdefault((world, mode, name), []).append(fig)
                         print(
@@ -524,10 +539,12 @@ def main() -> None:
                             f"{time.time() - started:.1f} s",
                             file=sys.stderr,
                         )
-            if coordinator.proc.poll() is not None:
-                raise AssertionError("the coordinator died:\n" + "".join(coordinator.output))
+            for c in (coordinator, before):
+                if c.proc.poll() is not None:
+                    raise AssertionError("a coordinator died:\n" + "".join(c.output))
         finally:
             coordinator.stop()
+            before.stop()
     print(
         f"\nhangwatch all-in overhead — {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}, "
         f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average at start "

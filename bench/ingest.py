@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--stuck-after", type=float, default=5.0)
     for name in ("ladder", "ceiling", "detect", "profile", "soak"):
         p = sub.add_parser(name)
-        p.add_argument("--pattern", default="ddp", choices=("ddp", "fsdp", "pipeline", "mixed"))
+        p.add_argument("--pattern", default="ddp", choices=("ddp", "fsdp", "pipeline", "mixed", "tp"))
+        p.add_argument("--runs", action="store_true", help="ranks send calls alike as runs (CallColumns.run)")
         p.add_argument("--seconds", type=float, default=15.0)
         p.add_argument("--ranks", type=int, default=1024)
         p.add_argument("--rate", type=float, default=10.0)
@@ -425,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if getattr(args, "replay", False):
         REPLAY.append("--replay")
+    if getattr(args, "runs", False):
+        REPLAY.append("--runs")
     if getattr(args, "relay_interval", None):
         REPLAY.extend(["--relay-interval", str(args.relay_interval)])
     if args.mode == "serve":

@@ -58,12 +58,13 @@ from hangwatch.agent.relay import MAX_INTERVAL_S as RELAY_MAX_INTERVAL_S
 from hangwatch.client.sender import MAX_BATCH, SEND_INTERVAL_S
 from hangwatch.signatures import CallEncoder
 
-PATTERNS = ("ddp", "fsdp", "pipeline", "mixed")
+PATTERNS = ("ddp", "fsdp", "pipeline", "mixed", "tp")
 FAULTS = ("none", "stuck", "shape", "op", "dtype", "early_exit")
 DDP_BUCKETS = 4
 FSDP_LAYERS = 8
 PP_STAGES = 4
 TP_SIZE = 8
+TP_LAYERS = 32  # tp: two all_reduces a layer, one step of 64
 LATENCY_SAMPLES = 20_000  # per process, reservoir
 REPLAY_BASE = 1_000_000.0  # replay mode: batches are built on this time base
 
@@ -86,6 +87,7 @@ class Config:
     ranks_per_node: int = 8
     replay: bool = False  # build every batch before t0, then only send bytes on schedule
     relay_interval: float = RELAY_INTERVAL_S
+    runs: bool = False  # calls alike as runs in one column entry (CallColumns.run), as agents send them
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class Pattern:
             raise SystemExit(f"mixed needs a world size divisible by {self.tp}")
 
     def ops_per_step(self) -> int:
-        return {"ddp": DDP_BUCKETS, "fsdp": 2 * FSDP_LAYERS, "pipeline": 2, "mixed": 4}[self.name]
+        return {"ddp": DDP_BUCKETS, "fsdp": 2 * FSDP_LAYERS, "pipeline": 2, "mixed": 4, "tp": 2 * TP_LAYERS}[self.name]
 
     # groups: (name, members, creation index) for the groups a rank announces
     def groups_of(self, rank: int) -> list[tuple[str, tuple[int, ...], int]]:
@@ -136,6 +138,8 @@ class Pattern:
         return []
 
     def op(self, rank: int, i: int) -> OpSpec:
+        if self.name == "tp":  # the same activation all_reduce twice a layer, from one line
+            return OpSpec("all_reduce", "0", i + 1, (4096, 1024), None, "bfloat16", "sum")
         if self.name == "ddp":
             bucket = i % DDP_BUCKETS
             return OpSpec("all_reduce", "0", i + 1, (6_553_600 - 1_000_000 * bucket,), None, "float32", "sum")
@@ -249,7 +253,9 @@ class Worker:
                 hook_version="loadgen",
             )
             transport = Transport(cfg.addr, cfg.token, timeout_s=cfg.timeout_s, options=OWN_CONNECTION)
-            self.sims.append(RankSim(rk, ident, transport, encoder=CallEncoder()))
+            encoder = CallEncoder()
+            encoder.send_runs = cfg.runs
+            self.sims.append(RankSim(rk, ident, transport, encoder=encoder))
         self.relays: dict[int, Any] = {}
         self.replay_calls = 0
         if cfg.relay:
@@ -339,7 +345,9 @@ class Worker:
             peer=spec.peer,
             async_op=self.pattern.name == "ddp",
             step=i // self.pattern.ops_per_step(),
-            call_site=f"train.py:{120 + i % self.pattern.ops_per_step()}",
+            call_site="layers.py:88 in forward"
+            if self.pattern.name == "tp"
+            else f"train.py:{120 + i % self.pattern.ops_per_step()}",
             enter_time=self.enter_time(i),
             source="python",
         )
@@ -826,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=10.0, help="collectives per second per rank")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--pattern", choices=PATTERNS, default="ddp")
+    ap.add_argument("--runs", action="store_true", help="send calls alike as runs (CallColumns.run), as node agents do")
     ap.add_argument("--fault", choices=FAULTS, default="none")
     ap.add_argument("--fault-rank", type=int, default=-1, help="default: ranks // 2 + 1")
     ap.add_argument("--fault-at", type=float, default=5.0, help="seconds after t0")
@@ -862,6 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         relay=args.relay,
         replay=args.replay,
         relay_interval=args.relay_interval,
+        runs=args.runs,
     )
     result = run(cfg, args.procs)
     text = json.dumps(result)

@@ -59,6 +59,9 @@ ENV_RANK_PID = "HANGWATCH_RANK_PID"
 #: ``0`` keeps the hook's fast path in Python even where its C build (``client/_fastpath.c``) is
 #: installed (for A/B measurements and to rule it out); default: C where built.
 ENV_NATIVE = "HANGWATCH_NATIVE"
+#: Coordinator: ``0`` takes every call one by one, no runs of alike calls (``records.CallRun``):
+#: for A/B measurements and to rule runs out; default: runs.
+ENV_RUNS = "HANGWATCH_RUNS"
 #: ``0`` disables Flight Recorder polling (collectives issued from C++, e.g. DDP).
 ENV_FLIGHT_RECORDER = "HANGWATCH_FLIGHT_RECORDER"
 #: ``1`` aborts (terminates) the job's ranks once a hang is diagnosed and stored.

@@ -74,6 +74,45 @@ class Columns:
         self.run_enters.extend(enters[1:])
         self.run_exits.extend(exits[1:])
 
+    def compact(self) -> None:
+        """Fold each stretch of entries alike (one signature, call ids and seqs one apart, one
+        step, each returned having issued one collective) into one entry standing for a run
+        (the proto's ``run``): what ``RingEncoder`` gathers from a ring, for calls encoded from
+        typed records. Entries that are runs already stay as they are."""
+        if self.runs or len(self.ids) < 2:
+            return
+        sigs, ids, seqs, steps, enters, exits, counts = (
+            self.sigs,
+            self.ids,
+            self.seqs,
+            self.steps,
+            self.enters,
+            self.exits,
+            self.counts,
+        )
+        out = Columns()
+        i, n = 0, len(ids)
+        while i < n:
+            j = i + 1
+            if counts[i] == 1 and exits[i] == exits[i]:
+                while (
+                    j < n
+                    and sigs[j] == sigs[i]
+                    and ids[j] == ids[j - 1] + 1
+                    and seqs[j] == seqs[j - 1] + 1
+                    and steps[j] == steps[i]
+                    and counts[j] == 1
+                    and exits[j] == exits[j]
+                ):
+                    j += 1
+            if j - i >= 2:
+                out.add_run(sigs[i], ids[i], seqs[i], steps[i], enters[i:j], exits[i:j])
+            else:
+                out.add(sigs[i], ids[i], seqs[i], steps[i], enters[i], exits[i], counts[i])
+            i = j
+        for name in self.__slots__:
+            setattr(self, name, getattr(out, name))
+
     def fold_exit(self, i: int, exit_time: float, count: int) -> bool:
         """Fold an exit into call ``i`` if it is still open there; whether it was."""
         if not math.isnan(self.exits[i]):
@@ -107,6 +146,8 @@ class CallEncoder:
         self._ids: collections.OrderedDict[Key, int] = collections.OrderedDict()
         self._free: list[int] = []
         self._next = 1
+        #: fold calls alike into runs (``Columns.compact``): the coordinator said it takes them
+        self.send_runs = False
 
     def reset(self) -> None:
         """Forget every definition (after each registration: the coordinator's table is new)."""
@@ -164,6 +205,8 @@ class CallEncoder:
                 if i is not None and done.error is None and cols.fold_exit(i, done.exit_time, done.seq_count):
                     continue
             wire.event_to_pb(ev, batch.events.add())
+        if self.send_runs:
+            cols.compact()
         cols.write(batch)
 
 

@@ -102,8 +102,10 @@ def start_coordinator_cli(
     cwd: Path | str | None = None,
     stderr: int | IO[Any] | None = subprocess.STDOUT,
     timeout: float = 30.0,
+    env: dict[str, str] | None = None,
 ) -> tuple[str, subprocess.Popen[str]]:
-    """A real ``hangwatch coordinator`` process (metrics off) storing into ``data_dir``.
+    """A real ``hangwatch coordinator`` process (metrics off) storing into ``data_dir``
+    (``env``: more environment for it).
 
     Returns the ``HANGWATCH_ADDR`` it prints once it serves, and the process (its stdout is a
     pipe; ``stderr`` goes into it by default). Kills it and raises AssertionError if it prints
@@ -112,7 +114,14 @@ def start_coordinator_cli(
     args = [str(BIN / "hangwatch"), "coordinator", "--port", str(port), "--data-dir", str(data_dir)]
     if stuck_after is not None:
         args += ["--stuck-after", str(stuck_after)]
-    proc = subprocess.Popen([*args, "--metrics-port", "0"], cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    proc = subprocess.Popen(
+        [*args, "--metrics-port", "0"],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env={**os.environ, **env} if env else None,
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -149,3 +149,24 @@ def test_reset_starts_both_tables_afresh() -> None:
     fresh = CallDecoder()  # what a restarted coordinator (or a new registration) holds
     got, rejected, _, _ = roundtrip(enc, fresh, [call(2, 2)])
     assert rejected == 0 and isinstance(got[0], r.CallRecord) and got[0].op == "all_reduce"
+
+
+def test_calls_alike_travel_as_runs_where_the_coordinator_takes_them() -> None:
+    """``CallEncoder.send_runs`` (``Columns.compact``): a stretch of calls alike is one column
+    entry, and comes back as the calls it stands for; anything that breaks the stretch (another
+    step, an open call, a coalesced call) travels as before."""
+    events: list[r.RankEvent] = []
+    for i in range(1, 41):
+        done = i != 40  # the last is still under way
+        events.append(call(i, i, step=0 if i <= 20 else 1, exit_time=100.0 + i + 0.5 if done else None,
+                           seq_count=3 if i == 10 else 1))  # fmt: skip
+    plain_enc, runs_enc = CallEncoder(), CallEncoder()
+    runs_enc.send_runs = True
+    plain, _, _, plain_size = roundtrip(plain_enc, CallDecoder(), events)
+    got, rejected, folded, size = roundtrip(runs_enc, CallDecoder(), events)
+    assert rejected == 0 and folded == 39
+    runs = [e for e in got if isinstance(e, r.CallRun)]
+    assert [(run.first_seq, len(run)) for run in runs] == [(1, 9), (11, 10), (21, 19)]
+    flat = [c for e in got for c in (e.calls() if isinstance(e, r.CallRun) else [e])]
+    assert flat == plain
+    assert size < plain_size

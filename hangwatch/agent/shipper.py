@@ -72,6 +72,9 @@ class DirectIntake(Intake, Protocol):
 
     def record_cost(self, call: r.CallRecord) -> int: ...
 
+    #: whether its job state takes runs of alike calls (``records.CallRun``)
+    takes_runs: bool
+
 
 @dataclass
 class _Rank:
@@ -229,7 +232,9 @@ class Shipper:
                 break
             if self.direct is not None:
                 header = self._header(state, now)
-                events = state.encoder.decode(pending, state.identity.rank, self.direct.record_cost)
+                events = state.encoder.decode(
+                    pending, state.identity.rank, self.direct.record_cost, runs=self.direct.takes_runs
+                )
                 if self.direct.accept_events(header, events) is None:
                     state.registered = False
                     return  # register on the next tick and send the same records again

@@ -107,6 +107,8 @@ class Coordinator:
             )
         self.options = options
         self.coordinator_id = uuid.uuid4().hex[:12]
+        #: ranks' batches may carry runs of alike calls (``records.CallRun``); ``HANGWATCH_RUNS=0``: not
+        self.takes_runs = config.env_flag(config.ENV_RUNS, True)
         self.lock = threading.RLock()
         try:
             limits = budget.Budget.of_mb(options.rank_budget_mb, options.job_budget_mb, options.memory_budget_mb)
@@ -344,7 +346,7 @@ class Coordinator:
             server_time=time.time(),
             report_interval_s=interval,
             last_call_id=last_call_id,
-            takes_runs=True,
+            takes_runs=self.takes_runs,
         )
 
     def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:

@@ -96,6 +96,7 @@ def status_json(
         "registered": len(job.ranks),
         "states": counts,
         "records_received": job.records_received,
+        "records_in_runs": job.run_calls,  # of them, taken whole in runs of alike calls (issue 16)
         "relays": sorted({rk["relay"] for rk in ranks if rk["relay"]}),
         "dropped": sum(rk["dropped"] for rk in ranks),
         "conflicts": list(job.conflicts),  # registrations refused or overridden, newest last
