@@ -1,7 +1,9 @@
 """The coordinator's cost per call, from its ranks' rings to its job state, by path:
 
 - ``wire``: ``RingEncoder.encode`` → protobuf bytes → ``CallDecoder.decode`` → ``JobState.ingest``,
-  call by call (a remote agent's or a relay's batches);
+  call by call (a remote agent's or a relay's batches, before runs);
+- ``wire runs``: the same with runs of alike calls in column entries (``CallColumns.run``: what a
+  remote agent, a relay or a rank shipping its own ring sends a coordinator that takes runs);
 - ``typed``: ``RingEncoder.decode(runs=False)`` → ``JobState.ingest``, call by call (the embedded
   agent before runs);
 - ``runs``: ``RingEncoder.decode`` → ``JobState.ingest`` with runs of alike calls
@@ -36,7 +38,7 @@ from hangwatch.ring import Batch, Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob
 from hangwatch.signatures import CallDecoder
 
-PATHS = ("wire", "typed", "runs")
+PATHS = ("wire", "wire runs", "typed", "runs")
 
 
 def _polls(ranks: int, calls: int, batch: int) -> list[list[Batch]]:
@@ -73,13 +75,15 @@ def run(path: str, polls: list[list[Batch]]) -> tuple[float, JobState]:
     ranks = len(polls)
     job, sessions = _job(ranks)
     encoders = [RingEncoder() for _ in range(ranks)]
+    for encoder in encoders:
+        encoder.send_runs = path == "wire runs"
     decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True) for _ in range(ranks)]
     calls = 0
     t0 = time.process_time()
     for k in range(len(polls[0])):
         for rank in range(ranks):
             ring = polls[rank][k]
-            if path == "wire":
+            if path.startswith("wire"):
                 batch = pb.ReportBatch(rank=rank, session=sessions[rank])
                 encoders[rank].encode(ring, batch)
                 events = decoders[rank].decode(rank, pb.ReportBatch.FromString(batch.SerializeToString()))[0]
@@ -100,8 +104,11 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",") if x]
     print(f"{args.ranks} ranks x {args.calls:,} completed all_reduce calls; CPU µs per call, median of {args.repeats}")
-    print("| calls per poll | " + " | ".join(PATHS) + " | typed / runs | held by the job state after (typed / runs) |")
-    print("| ---: |" + " ---: |" * (len(PATHS) + 2))
+    print(
+        "| calls per poll | " + " | ".join(PATHS) + " | wire / wire runs | typed / runs "
+        "| held by the job state after (typed / runs) |"
+    )
+    print("| ---: |" + " ---: |" * (len(PATHS) + 3))
     for batch in batches:
         polls = _polls(args.ranks, args.calls, batch)
         figures: dict[str, list[float]] = {p: [] for p in PATHS}
@@ -111,12 +118,15 @@ def main() -> None:
                 us, job = run(path, polls)
                 figures[path].append(us)
                 held[path] = job.held
-                if path == "runs":
+                if "runs" in path:
                     assert job.runs_taken > 0 or batch < 2, "no run was taken"
                 assert job.records_received == args.ranks * (args.calls // batch) * batch
         med = {p: statistics.median(v) for p, v in figures.items()}
         print(
-            f"| {batch:,} | " + " | ".join(f"{med[p]:.2f}" for p in PATHS) + f" | {med['typed'] / med['runs']:.1f}x "
+            f"| {batch:,} | "
+            + " | ".join(f"{med[p]:.2f}" for p in PATHS)
+            + f" | {med['wire'] / med['wire runs']:.1f}x "
+            f"| {med['typed'] / med['runs']:.1f}x "
             f"| {held['typed'] / 1024:,.0f} / {held['runs'] / 1024:,.0f} KiB |"
         )
 

@@ -420,7 +420,17 @@ class RingEncoder:
         i, n = 0, len(slots)
         while i < n:
             s = slots[i]
-            if s.kind == Kind.ENTER and i + 1 < n and not s.flags & 1 and s.ref in whole and ok.get(s.ref):
+            if s.kind == Kind.ENTER and i + 1 < n and not s.flags & 1 and s.ref not in whole:
+                self._known(s.ref)  # its signature read now: may its calls travel as runs?
+                if ok.get(s.ref):
+                    whole.add(s.ref)  # this call travels alone, and the next may join a run
+                if run is not None:
+                    out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
+                    run = None
+                out.append(s)
+                i += 1
+                continue
+            if s.kind == Kind.ENTER and i + 1 < n and not s.flags & 1 and ok.get(s.ref):
                 x = slots[i + 1]
                 if x.kind == Kind.EXIT and x.call_id == s.call_id and not x.ref and x.aux <= 1:
                     if run is not None and run.follows(s):
