@@ -190,6 +190,7 @@ class RankSim:
     announced: bool = False
     stopped: bool = False  # no more batches at all (early_exit culprit)
     ended: bool = False
+    held: list[Any] = field(default_factory=list)  # --runs: a trailing call under way, held back once
 
 
 @dataclass
@@ -389,6 +390,11 @@ class Worker:
         ):
             sim.ended = True
             out.append(r.RankEnd(sim.rank, r.EndKind.CLEAN_EXIT, self.enter_time(self.fault_index), "exit code 0"))
+        if self.cfg.runs:  # as a node agent holds back a trailing call under way once (RingEncoder._hold)
+            fresh = len(out)
+            out, sim.held = sim.held + out, []
+            if fresh and len(out) > 1 and isinstance(out[-1], r.CallRecord):
+                sim.held = [out.pop()]
         return out
 
     # ---- sending ------------------------------------------------------------------------

@@ -277,3 +277,32 @@ def test_runs_that_do_not_line_up_refuse_the_whole_columns(change: dict[str, obj
 def test_a_run_that_is_not_whole_is_refused_with_its_calls(change: dict[str, object]) -> None:
     events, rejected, _ = CallDecoder().decode(RANK, _run_batch(**change))
     assert events == [] and rejected == 3
+
+
+def test_a_node_agent_holds_a_trailing_call_under_way_back_once() -> None:
+    """``RingEncoder.hold`` (a node agent's, while the rank's link is open): a batch's last
+    record, the entry of a call still under way in a steady loop, waits for the next read, which
+    most likely brings its exit; a read that brings nothing new sends it (a hang is told one read
+    later), and without ``hold`` (the last read of a closed link) nothing waits."""
+    w = RingWriter(capacity=256, blob_bytes=1 << 16)
+    rank = RankSide(w)
+    reader = RingReader(w.fd)
+    encoder = RingEncoder()
+    encoder.hold = True
+    t = 1000.0
+    rank.call("all_reduce", "0", 1, "ok", t)
+    assert len(encoder.decode(reader.poll(), RANK)) == 1  # a signature's first call: never held
+    for _ in range(4):
+        t += 1.0
+        rank.call("all_reduce", "0", 1, "ok", t)
+    rank.call("all_reduce", "0", 1, "open", t + 1.0)
+    first = _flat(encoder.decode(reader.poll(), RANK))
+    assert [c.seq for c in first if isinstance(c, r.CallRecord)] == [2, 3, 4, 5]  # the sixth waits
+    then = _flat(encoder.decode(reader.poll(), RANK))  # nothing new: it is under way still
+    assert [(c.seq, c.exit_time) for c in then if isinstance(c, r.CallRecord)] == [(6, None)]
+    rank.call("all_reduce", "0", 1, "open", t + 2.0)  # seq 7, under way
+    encoder.hold = False  # the link closed: everything goes
+    last = _flat(encoder.decode(reader.poll(), RANK))
+    assert [c.seq for c in last if isinstance(c, r.CallRecord)] == [7]
+    w.close()
+    reader.close()

@@ -200,6 +200,7 @@ class Shipper:
     def _ship(self, state: _Rank) -> None:
         link = state.link
         closed = link.closed_at is not None
+        state.encoder.hold = not closed  # a trailing call under way waits one read (runs): not the last read
         if state.flight is not None:
             taken = self.fetcher.take(id(link))
             if taken is not None and (state.fetched is None or taken.time >= state.fetched.time):

@@ -288,7 +288,7 @@ class JobState:
                 continue
             try:
                 self.apply(state, event, now)
-                result.applied += 1
+                result.applied += len(event.enters) if type(event) is r.CallRun else 1  # a run: its calls
             except Exception as exc:  # a bug or a hostile event must not block this rank's stream
                 result.failed += 1
                 if result.error is None:

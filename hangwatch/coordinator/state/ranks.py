@@ -226,6 +226,6 @@ class Changes:
 class IngestResult:
     """What ``JobState.ingest`` did with a batch."""
 
-    applied: int = 0  # events applied
+    applied: int = 0  # events applied (a run of alike calls counts its calls)
     failed: int = 0  # events that raised (a bug or a hostile event): skipped, the rest applied
     error: Exception | None = None  # the first of them
