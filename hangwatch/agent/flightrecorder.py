@@ -267,6 +267,18 @@ class _Watched:
     timeouts: dict[str, int] = field(default_factory=dict)  # group -> timeout_ms seen in entries
     highest: dict[str, int] = field(default_factory=dict)  # group -> highest collective seq seen
     described: set[str] = field(default_factory=set)  # groups a whole read saw with collectives
+    cost: float = 0.0  # seconds a read of its rings took lately (a moving average)
+    every: float = 0.0  # seconds between its reads, as its cost allows (``READ_BUDGET``)
+    due: float = 0.0  # when it may be read next
+
+
+#: The share of a core reading a rank's Flight Recorder rings may take from the rank: the rank's
+#: worker server serialises every entry of its rings for each read (5.6 ms a read of a full
+#: 256-entry CPU ring, 43-59 ms of a full 2,000-entry NCCL ring: BENCHMARKS.md), so a rank whose
+#: reads cost more than this share at the usual interval is read less often, and ``status`` says
+#: so. The read's time as the agent sees it (the round trip, parsing included) stands for the
+#: rank's cost: it is the larger.
+READ_BUDGET = 0.01
 
 
 class RingFetcher:
@@ -392,12 +404,32 @@ class RingFetcher:
         progress = [] if nccl is None else progress_of(nccl, watched.timeouts, watched.highest)
         return Fetched(asked, entries_of(rings), [dataclasses.replace(p, time=read_at) for p in progress])
 
-    def poll_once(self) -> None:
-        """Read every watched rank once (what the thread does every ``interval_s``)."""
+    def note(self, key: int) -> str:
+        """What the budget slowed down for ``key`` (empty: nothing): said in ``status``."""
+        with self._lock:
+            w = self._watched.get(key)
+        if w is None or w.every <= self.interval_s:
+            return ""
+        return (
+            f"Flight Recorder read every {w.every:.1f} s, not every {self.interval_s:g} s: a read costs the rank "
+            f"about {w.cost * 1e3:.0f} ms (kept under {READ_BUDGET:.0%} of a core)"
+        )
+
+    def poll_once(self, due_only: bool = False) -> None:
+        """Read every watched rank once; with ``due_only`` (what the thread does every
+        ``interval_s``), those that are due: one whose reads cost more than ``READ_BUDGET`` of
+        a core at that interval is read less often."""
         with self._lock:
             watched = list(self._watched.items())
         for key, w in watched:
+            started = self._clock()
+            if due_only and started < w.due:
+                continue
             fetched = self._fetch(w, self.timeout_s)
+            took = max(0.0, self._clock() - started)
+            w.cost = took if not w.cost else 0.7 * w.cost + 0.3 * took
+            w.every = max(self.interval_s, w.cost / READ_BUDGET)
+            w.due = started + w.every - self.interval_s / 2  # read on the tick nearest its due time
             if fetched is not None:
                 with self._lock:
                     if self._watched.get(key) is w:
@@ -405,4 +437,4 @@ class RingFetcher:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.poll_once()
+            self.poll_once(due_only=True)

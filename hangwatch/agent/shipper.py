@@ -329,6 +329,8 @@ class Shipper:
             mono_time=self.mono(),  # a step of this host's wall clock shows in sent_time - mono_time
             dropped=state.link.reader.lost,
         )
+        if state.flight is not None:
+            batch.budget_note = self.fetcher.note(id(state.link))
         status = state.link.reader.status()
         if status is not None:
             state.status_time = batch.alive_time = status[0]

@@ -77,6 +77,12 @@ def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
             + "; ".join(f"{ranks_label(sorted(r))} {told.get(v, v)}" for v, r in sorted(paths.items()))
             + "\n"
         )
+    budgets: dict[str, list[int]] = {}
+    for rank in data["ranks"]:
+        if rank.get("budget"):
+            budgets.setdefault(str(rank["budget"]), []).append(rank["rank"])
+    for note, ranks in sorted(budgets.items(), key=lambda kv: kv[1][0]):
+        out.write(f"budget: {ranks_label(sorted(ranks))}: {note}\n")
     groups: dict[str, list[int]] = {}
     for rank in data["ranks"]:
         groups.setdefault(_rank_line(rank, now), []).append(rank["rank"])

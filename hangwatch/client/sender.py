@@ -53,6 +53,52 @@ FALLBACK_AFTER_S = 2.0
 RELINK_EVERY_S = 5.0
 
 
+#: The share of a core a rank's own shipping (reading its ring, encoding, sending; Flight
+#: Recorder read in the rank) may take, judged over ``BUDGET_WINDOW_S``: above it, batches go
+#: less often (larger batches, longer runs, fewer calls: the cost per record falls), down to
+#: one every ``MAX_INTERVAL_S``, and ``status`` says so; well below it, back to the usual pace.
+SHIP_BUDGET = 0.02
+BUDGET_WINDOW_S = 5.0
+
+
+class ShipBudget:
+    """The sender's CPU budget where it ships its own records (no node agent): ``observe`` the
+    thread's CPU clock and the monotonic clock after each round; returns the interval to ship at.
+    ``note`` says what the budget slowed down (empty: nothing)."""
+
+    def __init__(self, base_s: float, budget: float = SHIP_BUDGET, window_s: float = BUDGET_WINDOW_S) -> None:
+        self.base_s = base_s  # the usual interval (the coordinator's word)
+        self.interval_s = base_s
+        self.budget = budget
+        self.window_s = window_s
+        self.share = 0.0  # of a core, over the last window
+        self.note = ""
+        self._start: tuple[float, float] | None = None
+
+    def observe(self, cpu: float, now: float) -> float:
+        if self._start is None:
+            self._start = (cpu, now)
+            return self.interval_s
+        cpu0, t0 = self._start
+        if now - t0 < self.window_s:
+            return self.interval_s
+        self._start = (cpu, now)
+        self.share = max(0.0, cpu - cpu0) / (now - t0)
+        if self.share > self.budget:
+            self.interval_s = min(self.interval_s * 2, max(MAX_INTERVAL_S, self.base_s))
+        elif self.share < self.budget / 4 and self.interval_s > self.base_s:
+            self.interval_s = max(self.base_s, self.interval_s / 2)
+        self.note = (
+            ""
+            if self.interval_s <= self.base_s
+            else (
+                f"records shipped every {self.interval_s:g} s, not every {self.base_s:g} s: shipping took "
+                f"{self.share:.1%} of a core (kept under {self.budget:.0%})"
+            )
+        )
+        return self.interval_s
+
+
 def _closed(sock: socket.socket) -> bool:
     """Whether the agent's end of the link has closed (it never sends anything: readable = EOF)."""
     try:
@@ -64,6 +110,8 @@ def _closed(sock: socket.socket) -> bool:
 
 class ReportTransport(Protocol):
     """What the thread needs of the wire (``transport.Transport``; tests pass fakes)."""
+
+    budget_note: str  # said in every batch (``ShipBudget.note``)
 
     def register(self, identity: r.RankIdentity) -> pb.RegisterReply: ...
 
@@ -85,6 +133,8 @@ class ReportTransport(Protocol):
 
 class Poller(Protocol):
     """What the thread needs of the Flight Recorder reader (``flight_recorder.FlightRecorderPoller``)."""
+
+    interval_s: float  # stretched with the shipping interval (``ShipBudget``)
 
     def due(self, now: float) -> bool: ...
 
@@ -128,8 +178,10 @@ class Sender:
         transport: TransportFactory = _default_transport,
         poller: PollerFactory = _default_poller,
         clock: Callable[[], float] = time.monotonic,
+        cpu: Callable[[], float] = time.thread_time,
     ) -> None:
         self.session = session
+        self._cpu = cpu  # this thread's CPU clock (the shipping budget's)
         self.addr = addr
         self.token = token
         self._transport_factory = transport
@@ -311,10 +363,15 @@ class Sender:
         announce: list[r.RankEvent] = []
         pending: Batch | None = None
         warned = False
+        budget = ShipBudget(self.interval_s)
         while True:
             stopping = self._stop.is_set()
             flushing = self._flush_requested.is_set()
             now = clock()
+            interval = budget.observe(self._cpu(), now)
+            transport.budget_note = budget.note
+            if poller is not None:
+                poller.interval_s = max(config.FR_POLL_INTERVAL_S, interval / budget.base_s * config.FR_POLL_INTERVAL_S)
             self._poll(poller, now, flushing or stopping)
             if now >= retry_at or flushing:
                 try:
@@ -327,6 +384,7 @@ class Sender:
                         self.coordinator_id = reply.coordinator_id
                         if reply.report_interval_s > 0:  # large jobs: the coordinator asks for fewer RPCs
                             self.interval_s = min(max(reply.report_interval_s, MIN_INTERVAL_S), MAX_INTERVAL_S)
+                            budget.base_s = budget.interval_s = self.interval_s
                     if pending is None:
                         pending = reader.poll(MAX_BATCH)
                     if not (
@@ -392,5 +450,5 @@ class Sender:
                     reader.close()
                     self.registered = False
                     return False
-            self._wake.wait(self.interval_s)  # a flush or stop wakes the thread at once
+            self._wake.wait(budget.interval_s)  # a flush or stop wakes the thread at once
             self._wake.clear()

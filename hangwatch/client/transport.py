@@ -41,6 +41,8 @@ class Transport:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CoordinatorStub | None = None
         self.encoder = RingEncoder()
+        #: what the sender slowed down to stay within its CPU budget (``sender.ShipBudget``)
+        self.budget_note = ""
 
     def _get_stub(self) -> pb_grpc.CoordinatorStub:
         if self._stub is None:
@@ -110,6 +112,7 @@ class Transport:
             dropped=dropped,
             where=where,
             where_user=where_user,
+            budget_note=self.budget_note,
         )
         for event in events:
             wire.event_to_pb(event, batch.events.add())

@@ -416,6 +416,7 @@ class Coordinator:
                 dropped=batch.dropped,
                 where=wire.clip(batch.where, wire.MAX_SITE),
                 where_user=wire.clip(batch.where_user, wire.MAX_SITE),
+                budget_note=wire.clip(batch.budget_note, wire.MAX_SITE),
             )
             if result is None:
                 return None

@@ -52,6 +52,8 @@ def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]
         "process": st.proc.state.value if st.proc else None,
         "relay": st.relay or None,
         "via": st.via,
+        # what its hook or node agent slowed down to stay within its CPU budget (None: nothing)
+        "budget": st.budget_note or None,
         "end": (
             {"kind": st.end.kind.value, "detail": st.end.detail, "call_site": st.end.call_site} if st.end else None
         ),

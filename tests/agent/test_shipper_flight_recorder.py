@@ -505,3 +505,32 @@ def test_nccl_p2p_entries_are_not_collectives() -> None:
     assert isinstance(running, r.CallRecord) and running.exit_time is None
     assert tracker.update([coll(1, False), send(1, 1)], python, 0, 2.0) == []
     assert EntryTracker(0).update([send(5, p) for p in range(1, 4)], python, 0, 1.0) == []
+
+
+def test_a_rank_whose_reads_cost_more_than_the_budget_is_read_less_often_and_status_says_so() -> None:
+    """``READ_BUDGET``: a read of a full NCCL ring costs the rank 43-59 ms (BENCHMARKS.md); read
+    every second, that is 5 % of a core. The fetcher spaces such a rank's reads so they stay
+    under 1 %, and says so for ``status``; a cheap read is left as it was."""
+    from hangwatch.agent.flightrecorder import READ_BUDGET
+
+    clock = [1000.0]
+    cost = {4242: 0.05, 4343: 0.002}
+    reads = {4242: 0, 4343: 0}
+
+    def read(path: str, pid: int, **_: Any) -> Any:
+        clock[0] += cost[pid]
+        reads[pid] += 1
+        return {"cpu": {"pg_status": {}, "entries": []}}, {}
+
+    fetcher = RingFetcher(interval_s=1.0, read=read, clock=lambda: clock[0])
+    fetcher.watch(1, "/run/a.sock", 4242)
+    fetcher.watch(2, "/run/b.sock", 4343)
+    for _ in range(30):  # 30 ticks of the fetcher's thread, a second apart
+        fetcher.poll_once(due_only=True)
+        clock[0] += 1.0
+    assert reads[4343] == 30  # cheap: every tick
+    assert 4 <= reads[4242] <= 8  # 50 ms a read under 1 % of a core: one read every 5 s
+    assert fetcher._watched[1].every >= 0.05 / READ_BUDGET - 1e-9
+    assert "Flight Recorder read every 5.0 s, not every 1 s" in fetcher.note(1)
+    assert "about 50 ms" in fetcher.note(1) and fetcher.note(2) == ""
+    assert fetcher.fetch_now(1) is not None  # a rank that is ending is read at once, whatever it costs

@@ -314,3 +314,15 @@ def test_a_run_that_would_refuse_calls_for_memory_is_taken_call_by_call() -> Non
             job.deliver(rank, encoder.decode(reader.poll(1000), rank, budget.call_bytes), now, sent_time=now)
     for st_ in job.states.values():
         assert st_.held + st_.calls <= 200_000
+
+
+def test_a_budget_note_reaches_status_with_the_rank_and_goes_when_its_batches_stop_saying_it() -> None:
+    from hangwatch.coordinator import views
+
+    job = SimJob(2, registered=T0)
+    note = "records shipped every 0.8 s, not every 0.2 s: shipping took 3.1% of a core (kept under 2%)"
+    job.deliver(1, [], T0 + 1, sent_time=T0 + 1, budget_note=note)
+    assert views.rank_json(job.states[1], T0 + 1, 5.0)["budget"] == note
+    assert views.rank_json(job.states[0], T0 + 1, 5.0)["budget"] is None
+    job.deliver(1, [], T0 + 2, sent_time=T0 + 2)
+    assert views.rank_json(job.states[1], T0 + 2, 5.0)["budget"] is None

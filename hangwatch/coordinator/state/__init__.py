@@ -252,6 +252,7 @@ class JobState:
         dropped: int = 0,
         where: str = "",
         where_user: str = "",
+        budget_note: str = "",
     ) -> IngestResult | None:
         """Apply one batch of ``rank``'s session ``session`` that arrived at ``now``.
 
@@ -282,6 +283,7 @@ class JobState:
         state.dropped = dropped
         state.where = where
         state.where_user = where_user
+        state.budget_note = budget_note
         result = IngestResult()
         for event in events:
             if event.rank != rank:

@@ -65,6 +65,8 @@ class RankState:
     proc: r.ProcessStatus | None = None
     where: str = ""
     where_user: str = ""
+    #: what its hook or its node agent slowed down to stay within its CPU budget (its latest batch's word)
+    budget_note: str = ""
     relay: str = ""  # the node agent relaying this rank's batches, if any
     via: str = "direct"  # "agent": a node agent reads the rank's ring and registered it (kernel-proven pid)
     #: a node agent registered this session from the rank's own link (its pid is the kernel's

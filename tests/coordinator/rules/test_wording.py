@@ -116,3 +116,15 @@ def test_status_says_which_path_each_ranks_records_take() -> None:
     assert lines[1] == (
         "records: ranks 0, 1 read by their node agent; rank 2 shipped by the rank itself (no agent linked)"
     )
+
+
+def test_status_says_what_a_budget_slowed_down() -> None:
+    out = io.StringIO()
+    note = "Flight Recorder read every 5.0 s, not every 1 s: a read costs the rank about 50 ms"
+    ranks = [
+        {"rank": 0, "state": "running", "via": "agent", "budget": note},
+        {"rank": 1, "state": "running", "via": "agent", "budget": note},
+        {"rank": 2, "state": "running", "via": "agent"},
+    ]
+    render.render_status({"job": {"id": "j", "registered": 3, "world_size": 3, "time": 1.0}, "ranks": ranks}, out)
+    assert f"budget: ranks 0, 1: {note}" in out.getvalue().splitlines()
