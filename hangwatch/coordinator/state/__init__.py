@@ -501,9 +501,7 @@ class JobState:
         self.held -= freed
         self.ledger.held -= freed
 
-    def _enter(self, state: RankState, call: r.CallRecord, now: float, passing: bool = False) -> None:
-        """Apply one call. ``passing``: a completed call of a run (``_run``) whose seq no slot
-        needs: the run keeps it, and a slot made at it later takes it from there."""
+    def _enter(self, state: RankState, call: r.CallRecord, now: float) -> None:
         # the hot path of ingest (every call of every rank): locals, one kind lookup, no scans
         group, seq = call.group, call.seq
         slots = self.slots.get(group)
@@ -613,9 +611,6 @@ class JobState:
                     self.p2p_open[(state.rank, call.call_id)] = call
                 return
             if kind is not r.OpKind.COLLECTIVE:
-                return
-            if passing and (slots is None or seq not in slots):
-                self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
                 return
             if slots is None:
                 slots = self.slots[group] = collections.OrderedDict()
