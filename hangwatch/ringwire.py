@@ -242,7 +242,8 @@ class RingEncoder:
         wholes: dict[int, pb.Call] = {}
         used: set[int] = set()
         carried = 0
-        for s in self._gather(self._hold(ring.slots)) if self.send_runs else ring.slots:
+        slots = self._hold(ring.slots)
+        for s in self._gather(slots) if self.send_runs else slots:
             if isinstance(s, _Run):
                 carried += self._encode_run(s, cols, used, batch)
                 continue
@@ -345,7 +346,8 @@ class RingEncoder:
         out: list[r.RankEvent] = []
         position: dict[int, r.CallRecord] = {}
         record = r.CallRecord
-        for s in self._gather(self._hold(ring.slots)) if runs else ring.slots:
+        slots = self._hold(ring.slots)
+        for s in self._gather(slots) if runs else slots:
             if isinstance(s, _Run):
                 self._decode_run(s, out, rank, cost)
                 continue
@@ -408,6 +410,18 @@ class RingEncoder:
                     continue
         self.last_step = self._last_step
         return out
+
+    @property
+    def holding(self) -> bool:
+        """Whether an entry is held back for the next batch (``_hold``)."""
+        return bool(self._held)
+
+    def held_mark(self) -> list[Slot]:
+        """What is held back now: ``held_restore`` puts it back when a batch is sent again."""
+        return list(self._held)
+
+    def held_restore(self, mark: list[Slot]) -> None:
+        self._held = list(mark)
 
     def _hold(self, slots: list[Slot]) -> list[Slot]:
         """``slots``, the entry held back from the last batch first, and this batch's last slot

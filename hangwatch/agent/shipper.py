@@ -200,7 +200,6 @@ class Shipper:
     def _ship(self, state: _Rank) -> None:
         link = state.link
         closed = link.closed_at is not None
-        state.encoder.hold = not closed  # a trailing call under way waits one read (runs): not the last read
         if state.flight is not None:
             taken = self.fetcher.take(id(link))
             if taken is not None and (state.fetched is None or taken.time >= state.fetched.time):
@@ -229,8 +228,14 @@ class Shipper:
             pending = state.pending if state.pending is not None and _has_records(state.pending) else self._read(state)
             state.pending = pending
             now = self.clock()
-            if not _has_records(pending) and not self._heartbeat_due(state):
+            # a trailing call under way waits for the next read (runs), where the read reached the
+            # ring's end (the call is in flight) and the link is open (not its last read); a call
+            # held back goes with the next read, empty or not (a frozen rank writes no more)
+            runs = self.direct.takes_runs if self.direct is not None else state.encoder.send_runs
+            state.encoder.hold = runs and not closed and pending is not None and len(pending.slots) < MAX_SLOTS
+            if not _has_records(pending) and not self._heartbeat_due(state) and not state.encoder.holding:
                 break
+            held = state.encoder.held_mark()
             if self.direct is not None:
                 header = self._header(state, now)
                 events = state.encoder.decode(
@@ -238,6 +243,7 @@ class Shipper:
                 )
                 if self.direct.accept_events(header, events) is None:
                     state.registered = False
+                    state.encoder.held_restore(held)  # the same records again: the same held back
                     return  # register on the next tick and send the same records again
                 carried = len(pending.slots) // 2 if pending is not None else 0  # calls, as a run counts one
             else:
@@ -245,6 +251,7 @@ class Shipper:
                 reply = self.intake.accept_report(batch)
                 if reply.reregister:
                     state.registered = False
+                    state.encoder.held_restore(held)  # the same records again: the same held back
                     return  # register on the next tick and send the same records again
                 carried = len(batch.calls.call_id) + len(batch.events)
             state.pending = None

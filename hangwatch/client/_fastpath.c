@@ -142,7 +142,7 @@ static PyObject *take_exception(void) {
 
 static void give_exception(PyObject *exc) { /* steals ``exc`` */
 #if PY_VERSION_HEX >= 0x030C0000
-    give_exception(exc);
+    PyErr_SetRaisedException(exc);
 #else
     if (exc == NULL) return;
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));

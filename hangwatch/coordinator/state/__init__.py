@@ -54,6 +54,9 @@ __all__ = [
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
+#: Slots a new slot is put below to keep seq order (``_new_slot``); past this many (a rank
+#: thousands of seqs behind), it stays last, and the cap on slots bounds what that costs.
+MAX_REORDER = 256
 MAX_OPEN_CALLS = 4096  # per rank
 #: Process groups tracked per job; calls on groups beyond this are counted and dropped (a job with
 #: more real groups than this is not one a single coordinator can diagnose anyway).
@@ -129,6 +132,9 @@ class JobState:
         self.run_refs: dict[str, collections.deque[_RunRef]] = {}
         self.pinned: list[Slot] = []  # slots made from runs, kept until the engine's next tick
         self._faults: dict[int, tuple[r.CallRecord, int | None, bool]] = {}  # see ``_faulty``
+        #: inside ``_run``'s loop: a call it applies whole does not move the rank's passed seq
+        #: (the run does, once kept: its seqs before that call are not in ``passed`` yet)
+        self._in_run = False
         self.runs_taken = 0  # runs taken whole, and the calls in them
         self.run_calls = 0
 
@@ -643,7 +649,7 @@ class JobState:
             if done and call.error is None:  # reported already complete
                 self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
                 self._prune(group, seq, members)
-                if group in self.passed_to:
+                if group in self.passed_to and not self._in_run:
                     self._advance(group, state.rank, seq, members)
             if done and call.seq_count > UNEVEN_SEQS_ELSEWHERE and catalogue.uneven_seqs(call.op):
                 self._shift_after(state, call)
@@ -857,31 +863,35 @@ class JobState:
         ledger = self.ledger
         enters, exits = run.enters, run.exits
         last: r.CallRecord | None = None
-        for i in range(n):
-            if slots is not None and first + i in slots:
-                self._enter(state, run.call(i), now)  # a slot waits for it: the call, whole
-                continue
-            passed = True
-            state.last_call_id = run.first_call_id + i
-            self.records_received += 1
-            durations.append(max(0.0, exits[i] - enters[i]))
-            if i < whole_from:
-                continue
-            # kept in the rank's history (what ``_enter`` does for a completed call, but a slot)
-            call = last = run.call(i)
-            call.enter_time += offset
-            call.exit_time += offset  # type: ignore[operator]
-            cost = call.cost = call.cost or b.call_bytes(call)
-            call.holds = 1
-            state.calls += cost
-            self.held += cost
-            ledger.held += cost
-            if len(hist) == HISTORY_PER_GROUP:
-                oldest = hist[0]
-                oldest.holds -= 1
-                if not oldest.holds:
-                    self._unhold_last(state, oldest)
-            hist.append(call)
+        self._in_run = True
+        try:
+            for i in range(n):
+                if slots is not None and first + i in slots:
+                    self._enter(state, run.call(i), now)  # a slot waits for it: the call, whole
+                    continue
+                passed = True
+                state.last_call_id = run.first_call_id + i
+                self.records_received += 1
+                durations.append(max(0.0, exits[i] - enters[i]))
+                if i < whole_from:
+                    continue
+                # kept in the rank's history (what ``_enter`` does for a completed call, but a slot)
+                call = last = run.call(i)
+                call.enter_time += offset
+                call.exit_time += offset  # type: ignore[operator]
+                cost = call.cost = call.cost or b.call_bytes(call)
+                call.holds = 1
+                state.calls += cost
+                self.held += cost
+                ledger.held += cost
+                if len(hist) == HISTORY_PER_GROUP:
+                    oldest = hist[0]
+                    oldest.holds -= 1
+                    if not oldest.holds:
+                        self._unhold_last(state, oldest)
+                hist.append(call)
+        finally:
+            self._in_run = False
         if last is not None:
             before = state.last_call
             if before is None or last.enter_time >= before.enter_time:
@@ -896,7 +906,9 @@ class JobState:
         self.runs_taken += 1
         self.run_calls += n
         if passed:
-            self._keep_run(state, run)
+            self._keep_run(state, run)  # compared with the others', then the rank's passed seq moves
+        elif group in self.passed_to:
+            self._advance(group, state.rank, run.last_seq, self.members(group))
         if slots:
             self._prune(group, run.last_seq)
 
@@ -984,13 +996,13 @@ class JobState:
         # already there is a slow rank's (others passed its seq in runs, making no slot): put in
         # its place. Unless ``rank`` has calls in those slots: then its numbering started again
         # (its group made anew), and the old slots are left to ``_prune`` as such.
-        higher = []
+        higher: list[int] = []
         for k in reversed(slots):
-            if k < seq:
+            if k < seq or len(higher) > MAX_REORDER:
                 break
             if k != seq:
                 higher.append(k)
-        if higher and not any(rank in slots[k].calls for k in higher):
+        if higher and len(higher) <= MAX_REORDER and not any(rank in slots[k].calls for k in higher):
             for k in reversed(higher):
                 slots.move_to_end(k)
         while len(slots) > MAX_SLOTS_PER_GROUP:
@@ -1078,9 +1090,10 @@ class JobState:
         byrank = self.passed.get(group, {})
         slots: dict[int, Slot] = self.slots.get(group) or {}
         lasts = self.arrivals.get(group)
+        counted = {seq for _, _, seq, _ in lasts} if lasts else set()
         for seq in range(max(low + 1, new_low - ARRIVALS_KEPT + 1), new_low + 1):
-            if seq in slots:
-                continue  # counted where the slot completed
+            if seq in slots or seq in counted:
+                continue  # counted where its slot completed (the slot may be pruned since)
             times = []
             for m in members:
                 run = _run_at(byrank.get(m, ()), seq)
