@@ -19,7 +19,7 @@ from typing import Any
 
 from hangwatch import config
 from hangwatch.client.recorder import Recorder
-from hangwatch.flight_entries import Coverage, EntryTracker
+from hangwatch.flight_entries import EntryTracker
 
 log = logging.getLogger("hangwatch.client")
 
@@ -70,13 +70,7 @@ class FlightRecorderPoller:
         self.interval_s = interval_s
         self._dump = dump if dump is not None else _dump_function()
         self._last_poll = 0.0
-        #: which seqs Python calls covered: the recorder's own (``covers``), or, where the sender
-        #: reads the rank's ring, what the ring says (``sender.CoverageTap``), as a node agent takes it
-        self.coverage: Coverage = _RecorderCoverage(recorder)
-        #: run after the dump and before its entries are matched with Python calls: where coverage
-        #: comes from the ring, the ring is read there (a Python call an entry may belong to began
-        #: before the dump, and its record was in the ring before it began)
-        self.sync: Callable[[], None] | None = None
+        self._coverage = _RecorderCoverage(recorder)
         self._tracker = EntryTracker(recorder.rank, lambda group, seq: next(recorder._ids))
         self.enabled = self._dump is not None
 
@@ -107,7 +101,5 @@ class FlightRecorderPoller:
             return
         if not isinstance(entries, list):
             return
-        if self.sync is not None:
-            self.sync()
-        for event in self._tracker.update(entries, self.coverage, self.recorder.step, time.time()):
+        for event in self._tracker.update(entries, self._coverage, self.recorder.step, time.time()):
             self.recorder.sink.put(event)

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from hangwatch import config
 from hangwatch import records as r
-from hangwatch.flight_entries import Coverage
 from hangwatch.ring import Batch
 
 if TYPE_CHECKING:
@@ -100,34 +99,6 @@ class ShipBudget:
         return self.interval_s
 
 
-class CoverageTap:
-    """The collective seqs the rank's Python calls covered, read from its own ring, as a node
-    agent takes them (``RingEncoder.python``): where the rank reads its own Flight Recorder
-    ring, this tells its C++-issued collectives from its Python calls, so the hook keeps no
-    coverage per call (which kept every call off the fast paths: +34 µs a call measured, the
-    "coordinator unreachable" rows of BENCHMARKS.md). A reader of its own, read to the end just
-    before the Flight Recorder entries are matched (``FlightRecorderPoller.sync``)."""
-
-    def __init__(self, fd: int, rank: int) -> None:
-        from hangwatch.ring import RingReader
-        from hangwatch.ringwire import RingEncoder
-
-        self.reader = RingReader(fd)
-        self.encoder = RingEncoder()
-        self.rank = rank
-        self.python = self.encoder.python
-
-    def read(self) -> None:
-        while True:
-            batch = self.reader.poll(MAX_BATCH)
-            self.encoder.decode(batch, self.rank)  # the records are the sender's to ship: coverage only
-            if len(batch.slots) < MAX_BATCH:
-                return
-
-    def close(self) -> None:
-        self.reader.close()
-
-
 def _closed(sock: socket.socket) -> bool:
     """Whether the agent's end of the link has closed (it never sends anything: readable = EOF)."""
     try:
@@ -164,8 +135,6 @@ class Poller(Protocol):
     """What the thread needs of the Flight Recorder reader (``flight_recorder.FlightRecorderPoller``)."""
 
     interval_s: float  # stretched with the shipping interval (``ShipBudget``)
-    coverage: Coverage  # which seqs Python calls covered (``CoverageTap`` where it reads the ring)
-    sync: Callable[[], None] | None  # run between its dump and matching its entries
 
     def due(self, now: float) -> bool: ...
 
@@ -385,15 +354,6 @@ class Sender:
         poller = self._poller_factory(recorder)
         if resumed and poller is not None:
             poller.skip_existing()  # what is there already was read by the agent, or is Python's
-        tap: CoverageTap | None = None
-        if poller is not None and hasattr(poller, "coverage"):
-            try:
-                tap = CoverageTap(session.sink.fd, session.identity.rank)
-                poller.coverage, poller.sync = tap.python, tap.read
-                recorder.covers = False  # coverage comes from the ring: calls keep the fast paths
-            except Exception as exc:  # the recorder keeps coverage per call, as before
-                log.debug("hangwatch: no coverage tap on the ring: %s", exc)
-                tap = None
         reader = self.reader = RingReader(session.sink.fd)
         relink_at = clock() + RELINK_EVERY_S
         backoff = 0.25
@@ -479,8 +439,6 @@ class Sender:
             if stopping:
                 transport.close()
                 reader.close()
-                if tap is not None:
-                    tap.close()
                 return True
             if session.agent_socket and now >= relink_at and pending is None:
                 # an agent again, or for the first time (the rank started before its node's
@@ -490,8 +448,6 @@ class Sender:
                     log.info("hangwatch: linked to a node agent%s", " again" if resumed else "")
                     transport.close()
                     reader.close()
-                    if tap is not None:
-                        tap.close()
                     self.registered = False
                     return False
             self._wake.wait(budget.interval_s)  # a flush or stop wakes the thread at once

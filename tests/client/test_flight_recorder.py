@@ -295,30 +295,3 @@ def test_a_call_under_way_when_coverage_turns_off_leaves_nothing_behind() -> Non
     current = dump(1, 2, 3)  # DDP's buckets, from C++
     poller.poll()
     assert [e.seq for e in _drain(rec) if isinstance(e, r.CallRecord)] == [2, 3]
-
-
-@pytest.mark.parametrize("open_last", [False, True])
-def test_coverage_read_from_the_ring_tells_the_same_entries_apart(open_last: bool) -> None:
-    """Where the rank reads its own Flight Recorder ring (no agent), the sender takes the Python
-    calls' coverage from the rank's ring (``sender.CoverageTap``), as a node agent does, and the
-    recorder keeps none per call (``covers`` off: the calls keep their fast paths). The entries
-    told apart are the same as with the recorder's own coverage, a call under way included."""
-    from hangwatch.client.sender import CoverageTap
-
-    told = []
-    for tapped in (False, True):
-        rec = _recorder()
-        rec.covers = not tapped
-        _replay(rec, "two_ranks_in_flight.json" if open_last else "one_rank.json", open_last=open_last)
-        assert bool(rec.python_seqs) is not tapped  # tapped: nothing kept per call
-        poller = FlightRecorderPoller(
-            rec, dump=lambda *_: _dump("two_ranks_in_flight.json" if open_last else "one_rank.json")
-        )
-        if tapped:
-            tap = CoverageTap(rec.sink.fd, 0)
-            poller.coverage, poller.sync = tap.python, tap.read
-        told.append([(c.seq, c.op, c.exit_time is None) for c in _records(_poll_with(poller, rec))])
-        if tapped:
-            tap.close()
-    assert told[1] == told[0]
-    assert bool(told[0]) is not open_last  # DDP's entries told; the call under way covers its entry
