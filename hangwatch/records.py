@@ -256,13 +256,14 @@ class CallRun:
     def last_seq(self) -> int:
         return self.first_seq + len(self.enters) - 1
 
-    def call(self, i: int) -> CallRecord:
-        """The ``i``-th call, as the rank would have sent it alone (times on the rank's clock)."""
+    def call(self, i: int, offset: float = 0.0) -> CallRecord:
+        """The ``i``-th call, as the rank would have sent it alone (times on the rank's clock,
+        plus ``offset``: the coordinator's, where it passes the run's)."""
         t = self.template
         return CallRecord(
             self.rank, self.first_call_id + i, t.op, t.group, self.first_seq + i, t.inputs, t.outputs, t.reduce_op,
-            t.root, t.peer, t.async_op, self.step, t.call_site, self.enters[i], self.exits[i], t.source, None, 1,
-            t.extra, None, t.cost,
+            t.root, t.peer, t.async_op, self.step, t.call_site, self.enters[i] + offset, self.exits[i] + offset,
+            t.source, None, 1, t.extra, None, t.cost,
         )  # fmt: skip
 
     def calls(self) -> list[CallRecord]:

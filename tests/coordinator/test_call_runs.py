@@ -309,7 +309,7 @@ def test_arrivals_from_runs_name_the_same_last_rank_as_slots() -> None:
     assert {last for last, _, _ in outcomes[1]} == {3}  # the ring builder makes rank 3 the latest
 
 
-def test_a_run_that_would_refuse_calls_for_memory_is_taken_call_by_call() -> None:
+def test_runs_stay_within_a_ranks_memory_budget() -> None:
     job = SimJob(2, registered=T0)
     job.job.ledger.budget = budget.Budget(rank=200_000, job=1 << 40, total=1 << 40)
     p = _steady(world=2, n=3000, batch=500)
@@ -320,8 +320,29 @@ def test_a_run_that_would_refuse_calls_for_memory_is_taken_call_by_call() -> Non
         now += 0.05
         for rank, (reader, encoder) in enumerate(readers):
             job.deliver(rank, encoder.decode(reader.poll(1000), rank, budget.call_bytes), now, sent_time=now)
+    assert job.job.runs_taken > 0 and job.job.ledger.trimmed > 0  # runs taken, and the budget reached
     for st_ in job.states.values():
         assert st_.held + st_.calls <= 200_000
+
+
+def test_a_healthy_uneven_all_to_all_every_rank_returned_from_raises_nothing() -> None:
+    """The look-alike of a mismatch every rank returned from (such a slot is now kept until the
+    engine's next tick, to be told): an ``all_to_all_single`` whose split sizes differ from rank to
+    rank, as they do in a mixture-of-experts layer, and agree pairwise. Its slot's calls differ,
+    so it is kept for the tick; the tick finds nothing, and then it goes."""
+    from tests.coordinator.rules._calls import UNEVEN, a2a_single
+
+    job = SimJob(3, registered=T0)
+    for seq in (1, 2, 3):
+        for rank, c in a2a_single(UNEVEN).items():
+            job.apply(dataclasses.replace(c, call_id=seq * 10 + rank, seq=seq, enter_time=T0 + seq,
+                                          exit_time=T0 + seq + 0.1), T0 + seq)  # fmt: skip
+    assert {1, 2, 3} <= set(job.job.slots["0"])  # kept for the tick: their calls differ
+    assert all(slot.pinned for slot in job.job.slots["0"].values())
+    assert job.tick(T0 + 4) == []
+    job.beat(T0 + 5)
+    assert job.tick(T0 + 30) == []
+    assert not any(slot.pinned for slot in job.job.slots["0"].values())
 
 
 def test_a_budget_note_reaches_status_with_the_rank_and_goes_when_its_batches_stop_saying_it() -> None:

@@ -876,9 +876,7 @@ class JobState:
                 if i < whole_from:
                     continue
                 # kept in the rank's history (what ``_enter`` does for a completed call, but a slot)
-                call = last = run.call(i)
-                call.enter_time += offset
-                call.exit_time += offset  # type: ignore[operator]
+                call = last = run.call(i, offset)
                 cost = call.cost = call.cost or b.call_bytes(call)
                 call.holds = 1
                 state.calls += cost
@@ -1024,9 +1022,7 @@ class JobState:
             run = _run_at(runs, seq)
             if run is None:
                 continue
-            call = run.call(seq - run.first_seq)
-            call.enter_time += run.offset
-            call.exit_time += run.offset  # type: ignore[operator]
+            call = run.call(seq - run.first_seq, run.offset)
             cost = call.cost = call.cost or b.call_bytes(call)
             call.holds = 1
             empty = not slot.calls and not slot.last_enter  # made by ``_materialize``: no time yet
