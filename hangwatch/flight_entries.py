@@ -78,6 +78,7 @@ class PythonSeqs:
         self._ranges: dict[str, collections.deque[tuple[int, int]]] = {}
         self._open: dict[str, dict[int, tuple[int, bool]]] = {}  # group -> call id -> (seq, async)
         self._groups: dict[int, str] = {}  # open call id -> its group
+        self.finished = 0  # calls that finished, however told (``exited``, ``ran``)
 
     def entered(self, call_id: int, group: str, seq: int, async_op: bool = False) -> None:
         here = self._open.setdefault(group, {})
@@ -98,11 +99,8 @@ class PythonSeqs:
         opened = self._open.get(group, {}).pop(call_id, None)
         if opened is None:
             return
-        seq = opened[0]
-        ranges = self._ranges.get(group)
-        if ranges is None:
-            ranges = self._ranges[group] = collections.deque(maxlen=self._keep)
-        ranges.append((seq, seq + max(issued, 1) - 1))
+        self.finished += 1
+        self._cover(group, opened[0], opened[0] + max(issued, 1) - 1)
 
     def ran(self, group: str, lo: int, hi: int) -> None:
         """Synchronous calls that began and finished one after another covered ``lo`` to ``hi``
@@ -112,6 +110,10 @@ class PythonSeqs:
             for other in [c for c, (_, was_async) in here.items() if not was_async]:
                 del here[other]
                 self._groups.pop(other, None)
+        self.finished += hi - lo + 1
+        self._cover(group, lo, hi)
+
+    def _cover(self, group: str, lo: int, hi: int) -> None:
         ranges = self._ranges.get(group)
         if ranges is None:
             ranges = self._ranges[group] = collections.deque(maxlen=self._keep)
@@ -119,6 +121,14 @@ class PythonSeqs:
             ranges[-1] = (ranges[-1][0], hi)  # one range for calls that follow on
         else:
             ranges.append((lo, hi))
+
+    def async_open(self) -> bool:
+        """Whether an async call is under way (it may issue more than its first seq)."""
+        return any(async_op for calls in tuple(self._open.values()) for _, async_op in tuple(calls.values()))
+
+    def groups(self) -> tuple[str, ...]:
+        """The groups finished calls covered seqs on."""
+        return tuple(self._ranges)
 
     def _open_covers(self, group: str, seq: int) -> bool:
         for start, async_op in tuple(self._open.get(group, {}).values()):
@@ -173,6 +183,10 @@ class EntryTracker:
         self._seen: dict[str, int] = {}  # group -> highest collective seq handled
         self._open: dict[tuple[str, int], r.CallRecord] = {}  # reported, not yet seen retired
         self.skipped = 0
+        #: reads in a row that held entries and no collective Python calls did not cover
+        self.clean = 0
+        self.held = 0  # the most entries a read held: the ring's size, once it has filled
+        self.finished_at = 0  # the Python calls finished (``PythonSeqs.finished``) when the last read was handled
         self.reported = 0
 
     def skip_existing(self, entries: Iterable[Any]) -> None:
@@ -189,8 +203,10 @@ class EntryTracker:
     def update(self, entries: Iterable[Any], coverage: Coverage, step: int, now: float) -> list[r.RankEvent]:
         out: list[r.RankEvent] = []
         newest: dict[str, int] = {}
+        held = 0
         for entry in entries:  # a record made and closed in one read travels complete: the
             # coordinator applies a batch's exits before its calls
+            held += 1
             try:
                 self._handle(entry, coverage, step, now, newest, out)
             except (AttributeError, TypeError, ValueError, IndexError, KeyError):
@@ -204,7 +220,15 @@ class EntryTracker:
                     record.exit_time = now  # made in this read: it travels complete
                 else:
                     out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
+        if newest:  # a read that held collectives: were they all Python's, and all done?
+            self.clean = 0 if made or self._open else self.clean + 1
+        self.held = max(self.held, held)
+        self.finished_at = int(getattr(coverage, "finished", 0))
         return out
+
+    def seen(self) -> dict[str, int]:
+        """Each group's highest collective seq the reads held (a snapshot: other threads ask)."""
+        return dict(tuple(self._seen.items()))
 
     def _handle(
         self,
@@ -264,3 +288,51 @@ class EntryTracker:
         else:
             self._open[key] = record
         out.append(record)
+
+
+#: Reads in a row that found every collective Python's, none under way, before a read of the
+#: rank's CPU ring may be spared (:class:`PythonAccounts`).
+CLEAN_READS = 3
+
+
+class PythonAccounts:
+    """Asked before each read of a rank's CPU Flight Recorder ring, which torch 2.13's worker
+    server serialises whole, every entry, however little of it is new (5.6 ms of the rank's CPU
+    for a full 256-entry ring: BENCHMARKS.md): do the rank's Python calls alone surely account
+    for all the ring gained since it was last asked, so that reading it would find nothing?
+    Yes only where:
+
+    - the last ``CLEAN_READS`` reads found every collective covered by a Python call and none
+      under way (a job whose C++ issues collectives, DDP's buckets, is never spared);
+    - Python calls finished since it was last asked (a rank inside one collective, or in none,
+      is read: it may hang there, or C++ may be at work);
+    - no async call is under way (it may issue more than its first seq);
+    - on every group, the seqs Python calls covered since the highest the reads held follow on
+      without a gap (a gap is a collective C++ issued);
+    - the ring has not gained half its size since it was last read, where a read every poll
+      still sees every entry it gains (fewer calls a poll than the ring holds): a collective C++
+      issued on a group Python calls never show is read before it is overwritten. Where the
+      ring turns over between two polls anyway, reading each poll would only see more of
+      what no read sees whole, and sparing goes on.
+
+    What a "yes" can cost: a collective C++ issued on a group Python calls never show is read
+    at the ring's next whole read, at most ``WHOLE_READ_EVERY_S`` later (the reader reads the
+    ring whole that often whatever this says), or not at all where the ring turned over first,
+    as it would between two reads a poll apart at that rate. Called from the reader's thread:
+    it works on snapshots, and the reader takes any error for a "no"."""
+
+    def __init__(self, tracker: EntryTracker, python: PythonSeqs) -> None:
+        self._tracker = tracker
+        self._python = python
+        self._finished = 1 << 62  # nothing finished since it was last asked, the first time
+
+    def __call__(self) -> bool:
+        python, tracker = self._python, self._tracker
+        finished = python.finished
+        polled, self._finished = finished - self._finished, finished  # calls since it was last asked
+        if tracker.clean < CLEAN_READS or polled <= 0 or python.async_open():
+            return False
+        if finished - tracker.finished_at >= tracker.held // 2 and polled < tracker.held:
+            return False  # read it before it turns over
+        seen = tracker.seen()
+        return all(python.covers_all(group, seen.get(group, 0) + 1, python.newest(group)) for group in python.groups())

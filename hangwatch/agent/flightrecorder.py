@@ -256,6 +256,7 @@ class _Watched:
     path: str
     pid: int
     needed: Needed | None = None
+    accounted: Callable[[], bool] | None = None
     latest: Fetched | None = None
     failing: str = ""
     #: each group's last enqueued seq at the last whole read: a probe that finds the same, or
@@ -270,6 +271,8 @@ class _Watched:
     cost: float = 0.0  # seconds a read of its rings took lately (a moving average)
     every: float = 0.0  # seconds between its reads, as its cost allows (``READ_BUDGET``)
     due: float = 0.0  # when it may be read next
+    cpu_at: float = 0.0  # when the CPU ring was last read whole
+    absent: set[str] = field(default_factory=set)  # rings this build has not (their handler answered 404)
 
 
 #: The share of a core reading a rank's Flight Recorder rings may take from the rank: the rank's
@@ -307,13 +310,23 @@ class RingFetcher:
         self.reads = 0
         self.failures = 0
         self.spared = 0  # NCCL ring reads a probe showed to have nothing to find
+        self.spared_cpu = 0  # CPU ring reads Python calls accounted for (``accounted``)
 
-    def watch(self, key: int, path: str, pid: int, needed: Needed | None = None) -> None:
+    def watch(
+        self,
+        key: int,
+        path: str,
+        pid: int,
+        needed: Needed | None = None,
+        accounted: Callable[[], bool] | None = None,
+    ) -> None:
         """Read ``key``'s rings; with ``needed``, probe ``pg_status`` first and read the whole
         rings only when a group enqueued collectives since the last whole read that ``needed``
-        says no Python call accounts for."""
+        says no Python call accounts for; with ``accounted``, leave the CPU ring unread when it
+        says Python calls account for all the ring gained since it was last asked
+        (:class:`hangwatch.flight_entries.PythonAccounts`), up to ``WHOLE_READ_EVERY_S``."""
         with self._lock:
-            self._watched[key] = _Watched(path, pid, needed)
+            self._watched[key] = _Watched(path, pid, needed, accounted)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hangwatch-flightrecorder", daemon=True)
                 self._thread.start()
@@ -376,11 +389,26 @@ class RingFetcher:
         except Exception:
             return False  # when in doubt, read
 
+    def _spare_cpu(self, watched: _Watched) -> bool:
+        """True when the CPU ring, read whole lately, gained nothing Python calls do not
+        account for since (``accounted``): its read would serialise every entry to find none."""
+        if watched.accounted is None or not watched.cpu_at or self._clock() - watched.cpu_at >= WHOLE_READ_EVERY_S:
+            return False
+        try:
+            return bool(watched.accounted())
+        except Exception:
+            return False  # when in doubt, read
+
     def _fetch(self, watched: _Watched, timeout_s: float, probe: bool = True) -> Fetched | None:
-        names = tuple(RING_HANDLERS)
-        if probe and self._spare(watched, timeout_s):
+        names = tuple(n for n in RING_HANDLERS if n not in watched.absent)
+        if probe and "nccl" in names and self._spare(watched, timeout_s):
             self.spared += 1
             names = tuple(n for n in names if n != "nccl")
+        if probe and "cpu" in names and self._spare_cpu(watched):
+            self.spared_cpu += 1
+            names = tuple(n for n in names if n != "cpu")
+            if not names:
+                return None  # nothing to read: no round trip at all
         asked = self._clock()
         try:
             rings, errors = self._read(watched.path, watched.pid, names=names, timeout_s=timeout_s)
@@ -395,6 +423,10 @@ class RingFetcher:
                 watched.failing = text
             return None
         watched.failing = ""
+        if not errors:  # a ring neither read nor failed: the build has none (404), now or ever
+            watched.absent.update(name for name in names if name not in rings)
+        if "cpu" in rings:
+            watched.cpu_at = asked
         watched.read_to = {**(watched.read_to or {}), **enqueued(rings)}
         if "nccl" in names:
             watched.whole_at = asked

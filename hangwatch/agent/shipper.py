@@ -13,7 +13,9 @@ For every rank linked to this node's agent (:mod:`hangwatch.agent.rings`), each 
   (:class:`~hangwatch.agent.flightrecorder.RingFetcher`, on a thread of its own), and ships the
   collectives no Python call covered (DDP's buckets, anything issued from C++) as records
   (:mod:`hangwatch.flight_entries`); a rank that says it is ending gets one last read before it
-  is let go, so its last C++-issued collectives are not lost with it;
+  is let go, so its last C++-issued collectives are not lost with it; a CPU ring whose reads
+  keep finding only Python's calls is left unread while the rank's Python calls account for
+  all it gained (:class:`~hangwatch.flight_entries.PythonAccounts`), at most 10 s;
 - ships, with every read of a NCCL ring, where each group's collectives stand on the device
   (enqueued, started, completed): on NCCL a call returns when it is enqueued, and the
   coordinator keeps it open until the device completes it;
@@ -41,7 +43,7 @@ from hangwatch.agent.flightrecorder import Fetched, RingFetcher
 from hangwatch.agent.namespaces import path_of
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
-from hangwatch.flight_entries import EntryTracker
+from hangwatch.flight_entries import EntryTracker, PythonAccounts
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch
 from hangwatch.ringwire import RingEncoder
@@ -194,7 +196,8 @@ class Shipper:
             def needed(since: dict[str, tuple[int, int]]) -> bool:  # on the fetcher's thread
                 return not all(python.covers_all(group, lo, hi) for group, (lo, hi) in since.items())
 
-            self.fetcher.watch(id(link), path_of(link.peer.pid, path), link.peer.pid, needed)
+            accounted = PythonAccounts(state.flight, python)  # the CPU ring: no cheap probe
+            self.fetcher.watch(id(link), path_of(link.peer.pid, path), link.peer.pid, needed, accounted)
         return state
 
     def _ship(self, state: _Rank) -> None:

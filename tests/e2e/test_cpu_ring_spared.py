@@ -1,0 +1,94 @@
+"""Real ranks whose CPU Flight Recorder ring the agent leaves unread while their Python calls
+account for all of it (``flight_entries.PythonAccounts``): what C++ issues afterwards is still
+read and told. Each job opens with a phase of Python collectives only, paced well under what
+the ring holds between two reads, so that reads are spared on any machine; the coordinator's
+embedded agent reads the rings through the ranks' real worker servers.
+
+The fault: DDP after that phase, one rank skipping a backward (its peer waits inside a bucket
+all-reduce C++ issued, which only the ring shows). Its look-alike: the same DDP loop, healthy,
+while Python collectives go on on a side group every step (the Python calls keep finishing, the
+C++ ones are on a group they never call): no incident, and every bucket arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from hangwatch.coordinator.daemon import Coordinator
+from hangwatch.testing import Job, wait_for
+from tests.e2e.test_fault_classes import _brief, wait_incident
+
+pytestmark = pytest.mark.slow
+
+PROGRAM = """
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+side = dist.new_group([0, 1])
+metric = torch.ones(4)
+for i in range(360):  # 6 s of Python collectives only, 60 a second
+    dist.all_reduce(metric, group=side)
+    time.sleep(1 / 60)
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(16):
+    x = torch.randn(16, 8)
+    loss = model(x).pow(2).mean()
+    {fault}
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    dist.all_reduce(metric, group=side)
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+NAN_SKIP = PROGRAM.replace(
+    "{fault}",
+    """if rank == 1 and step == 5:  # this rank's loss came out NaN: skip the batch
+        opt.zero_grad()
+        continue""",
+)
+HEALTHY = PROGRAM.replace("{fault}", "pass")
+
+
+def _spared(coordinator: Coordinator) -> int:
+    assert coordinator.shipper is not None
+    return coordinator.shipper.fetcher.spared_cpu
+
+
+def test_a_skipped_backward_after_reads_were_spared_is_told_as_before(
+    coordinator: Coordinator, torchrun: Callable[..., Job]
+) -> None:
+    job = torchrun(NAN_SKIP, addr=f"127.0.0.1:{coordinator.port}", name="nan_skip_spared")
+    inc = wait_incident(coordinator, "stuck_collective", pred=lambda i: "skipped" in i["details"])
+    assert _spared(coordinator) > 0  # the Python phase's reads were spared
+    assert (inc["culprit_ranks"], inc["waiting_ranks"], inc["step"]) == ([1], [0], 5)
+    assert "ran forward pass 6 (step 5) without its backward" in inc["summary"]
+    job.wait(90)
+    incs = coordinator.incidents_json()
+    assert [i["id"] for i in incs] == [inc["id"]], _brief(incs)  # one root cause, one incident
+
+
+def test_the_healthy_look_alike_raises_nothing_and_every_bucket_arrives(
+    coordinator: Coordinator, torchrun: Callable[..., Job]
+) -> None:
+    job = torchrun(HEALTHY, addr=f"127.0.0.1:{coordinator.port}", name="healthy_spared")
+    assert job.wait(90) == 0, job.output()[-3000:]
+    assert _spared(coordinator) > 0
+
+    def buckets() -> dict[int, list[int]]:
+        out = {}
+        for rank, state in coordinator.job.ranks.items():
+            calls = state.history.get("0", ())
+            out[rank] = sorted(c.seq for c in calls if c.source == "flight_recorder" and c.op == "all_reduce")
+        return out
+
+    # DDP's constructor's broadcasts and one bucket a step, all C++'s, none of them lost
+    wait_for(lambda: all(len(seqs) >= 16 for seqs in buckets().values()) and len(buckets()) == 2, 15, 0.2, "buckets")
+    assert buckets()[0] == buckets()[1]
+    assert coordinator.incidents_json() == [], _brief(coordinator.incidents_json())
