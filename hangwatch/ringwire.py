@@ -111,6 +111,23 @@ def _extend(value: int, last: int) -> int:
     return full
 
 
+def _settled(s: Slot, after: Slot | None) -> bool:
+    """Whether slot ``s`` (and ``after``, the slot that follows it) tells a detector nothing it
+    waits for: a synchronous call that returned without error right after, an exit without an
+    error, a step."""
+    if s.kind == Kind.ENTER:
+        return (
+            not s.flags & 1
+            and after is not None
+            and after.kind == Kind.EXIT
+            and after.call_id == s.call_id
+            and not after.ref
+        )
+    if s.kind == Kind.EXIT:
+        return not s.ref
+    return s.kind == Kind.STEP
+
+
 class RingEncoder:
     """Turns one rank's ring batches into wire batches. Not thread-safe: one per rank link."""
 
@@ -147,6 +164,10 @@ class RingEncoder:
         #: the rank's link is open (its last read sends everything)
         self.hold = False
         self._held: list[Slot] = []
+        #: the last batch gathered (``_gather``) held nothing a detector waits for: only calls
+        #: of signatures shown before, each returned without error in the batch (or held back),
+        #: and steps; the node agent reads a steady rank's ring less often (``Shipper``)
+        self.steady = False
 
     def reset(self) -> None:
         """Forget the wire ids (after a registration: the coordinator's table starts empty)."""
@@ -457,15 +478,18 @@ class RingEncoder:
         issued one collective) in place of their slots. A training loop's steady state is
         mostly such stretches; where the coordinator's records were taken over from another
         agent (``skip_through``), nothing is gathered until they are past."""
+        self.steady = False
         if self.skip_through and not self._past_skip:
             return slots
         ok, whole = self._run_ok, self._whole
         out: list[Slot | _Run] = []
         run: _Run | None = None
         i, n = 0, len(slots)
+        steady = n > 0
         while i < n:
             s = slots[i]
             if s.kind == Kind.ENTER and i + 1 < n and not s.flags & 1 and s.ref not in whole:
+                steady = False  # a signature not shown before
                 self._known(s.ref)  # its signature read now: may its calls travel as runs?
                 if ok.get(s.ref):
                     whole.add(s.ref)  # this call travels alone, and the next may join a run
@@ -490,10 +514,13 @@ class RingEncoder:
             if run is not None:
                 out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
                 run = None
+            if steady and not _settled(s, slots[i + 1] if i + 1 < n else None):
+                steady = False
             out.append(s)
             i += 1
         if run is not None:
             out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
+        self.steady = steady
         return out
 
     def _open_run(self, run: _Run) -> tuple[int, int, int, int]:

@@ -12,6 +12,7 @@ import pytest
 
 from hangwatch import link
 from hangwatch import records as r
+from hangwatch.agent.shipper import STEADY_S, TICK_S
 from hangwatch.client.ringsink import RingSink
 from hangwatch.ring import Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob
@@ -60,9 +61,12 @@ def test_a_rank_frozen_inside_a_steady_call_has_that_call_sent(agent: Any, runs:
         for i in range(2, 6):
             sink.put(_call(i))
         sink.put(_call(6, done=False))  # the call it freezes in: the rank writes nothing more
-        for _ in range(5):
+
+        def sent() -> bool:  # ticks as the agent's loop makes them (a steady rank is read every STEADY_S)
             shipper.tick()
-        assert _ids(intake.events.get(0, [])) == [1, 2, 3, 4, 5, 6]
+            return _ids(intake.events.get(0, [])) == [1, 2, 3, 4, 5, 6]
+
+        wait_for(sent, 2 * STEADY_S + 1.0, TICK_S, "the call it froze in")
     finally:
         sock.close()
         sink.close()

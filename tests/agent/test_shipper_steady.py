@@ -1,0 +1,161 @@
+"""A rank in a steady state has its ring read every ``STEADY_S``, not every tick; anything a
+detector waits for is read on the next tick.
+
+Real ring, real link, real shipper and the coordinator's real decoder (``test_shipper.Intake``,
+with runs on); the shipper's monotonic clock is driven, so "a tick" is ``TICK_S`` of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hangwatch import link
+from hangwatch import records as r
+from hangwatch.agent.procinfo import PsutilInspector
+from hangwatch.agent.rings import RingServer
+from hangwatch.agent.shipper import STEADY_S, TICK_S, Shipper
+from hangwatch.client.ringsink import RingSink
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.ring import Kind, RingReader, RingWriter
+from hangwatch.ringwire import RingEncoder, call_blob
+from hangwatch.testing import wait_for
+from tests.agent.test_shipper_hold import RunsIntake, _ids
+
+META = (r.TensorMeta((4,), "float32"),)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Counting(RunsIntake):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reports = 0
+
+    def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
+        self.reports += 1
+        return super().accept_report(request, relay)
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[tuple[Shipper, Counting, RingSink, Clock]]:
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    intake, clock, sink = Counting(), Clock(), RingSink(4096, rank=0)
+    shipper = Shipper(server, intake, "node-1", PsutilInspector(), mono=clock, heartbeat_s=3600.0)
+    sock = link.connect(server.path, {"job_id": "j", "rank": 0, "world_size": 2, "session": "s0"}, [sink.fd])
+    wait_for(lambda: server.links(), 5, 0.02, "the link")
+    yield shipper, intake, sink, clock
+    sock.close()
+    sink.close()
+    server.stop()
+
+
+def _call(call_id: int, op: str = "all_reduce", done: bool = True, error: str | None = None) -> r.CallRecord:
+    t = float(call_id)
+    call = r.CallRecord(0, call_id, op, "0", call_id, META, META, "sum", enter_time=t, call_site=f"t.py:{op}")
+    call.exit_time = t + 0.5 if done else None
+    call.error = error
+    return call
+
+
+def _ticks(shipper: Shipper, clock: Clock, n: int) -> None:
+    for _ in range(n):
+        clock.now += TICK_S
+        shipper.tick()
+
+
+def _steady(shipper: Shipper, sink: RingSink, clock: Clock, ids: Iterator[int]) -> None:
+    """A first call of its kind, then runs of the same call, until the rank is steady."""
+    for _ in range(3):
+        for _ in range(5):
+            sink.put(_call(next(ids)))
+        _ticks(shipper, clock, 1)
+    assert shipper._ranks and all(s.encoder.steady for s in shipper._ranks.values())
+
+
+def test_a_steady_rank_is_read_every_steady_s(rig: Any) -> None:
+    shipper, intake, sink, clock = rig
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    before = intake.reports
+    ticks = round(2 * STEADY_S / TICK_S)
+    for _ in range(ticks):
+        for _ in range(5):
+            sink.put(_call(next(ids)))
+        _ticks(shipper, clock, 1)
+    assert intake.reports - before == 2  # one read a STEADY_S, not one a tick
+    _ticks(shipper, clock, ticks)  # nothing written: every call sent, none twice
+    sent = _ids(intake.events[0])
+    assert sent == list(range(1, sent[-1] + 1)) and len(sent) >= 5 * (3 + ticks) - 1
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["a new signature", "a call that raised", "a call under way of a kind that never runs", "an event"],
+)
+def test_what_a_detector_waits_for_is_read_on_the_next_tick(rig: Any, what: str) -> None:
+    shipper, intake, sink, clock = rig
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    for _ in range(5):
+        sink.put(_call(next(ids)))
+    n = next(ids)
+    if what == "a new signature":
+        sink.put(_call(n, op="broadcast"))
+    elif what == "a call that raised":
+        sink.put(_call(n, error="RuntimeError: Connection closed by peer"))
+    elif what == "a call under way of a kind that never runs":
+        p2p = r.CallRecord(0, n, "send", "0", 1, META, (), None, peer=1, enter_time=float(n), call_site="t.py:send")
+        sink.put(p2p)
+    else:
+        sink.put(r.MarkerEvent(0, "checkpoint", float(n)))
+    _ticks(shipper, clock, 1)  # the steady read, on its tick: it had been steady
+    clock.now += STEADY_S
+    before = intake.reports
+    for _ in range(5):
+        sink.put(_call(next(ids)))
+    _ticks(shipper, clock, 1)
+    assert intake.reports == before + 1  # read on the tick after: not steady
+    assert shipper._ranks and not any(s.encoder.steady for s in shipper._ranks.values())
+
+
+def test_steady_is_said_of_runs_and_steps_only() -> None:
+    w = RingWriter(capacity=1024, blob_bytes=1 << 16, rank=0)
+    ref = w.blob(call_blob(_call(0)))
+    reader, enc = RingReader(w.fd), RingEncoder()
+    enc.send_runs = True
+    i = 0
+
+    def calls(n: int, done_last: bool = True) -> None:
+        nonlocal i
+        for k in range(n):
+            i += 1
+            w.write(Kind.ENTER, 0, 0, ref, i, i, 0, 0, float(i))
+            if done_last or k < n - 1:
+                w.write(Kind.EXIT, 0, 1, 0, i, 0, 0, 0, i + 0.5)
+
+    def steady() -> bool:
+        enc.decode(reader.poll(1000), 0)
+        return enc.steady
+
+    calls(1)
+    assert not steady()  # its first call: a signature not shown before
+    calls(4)
+    assert steady()
+    calls(4)
+    w.write(Kind.STEP, 0, 0, 0, 0, 0, 2, 0, 9.0)
+    assert steady()
+    calls(3, done_last=False)  # the last call under way, and not held back (runs may hold it)
+    assert not steady()
+    assert not steady()  # an empty read
+    w.close()
