@@ -5,6 +5,13 @@ from typing import Any
 
 SLOT_SIZE: int
 
+def general_entered() -> None:
+    """A thread entered a call the Python wrapper records (its fast paths skip ``depth`` otherwise)."""
+
+def general_left() -> None: ...
+def general_inside() -> int:
+    """Threads inside a call the Python wrapper records, now."""
+
 class FastOp:
     """A recorded ``torch.distributed`` function whose repeated calls are recorded in C."""
 

@@ -280,6 +280,54 @@ def test_a_call_nested_in_a_recorded_call_is_not_recorded_again(linked: Session)
     assert calls == ["broadcast_object_list"]
 
 
+def _general_inside() -> int:
+    return capture._native.general_inside() if capture._native is not None else 0
+
+
+def test_a_nested_call_from_a_remembered_call_site_is_not_recorded_again(linked: Session, native: bool) -> None:
+    """The call site inside the outer call has a memo (the user's helper, called alone first):
+    the fast path must see it is nested, in whichever thread, and leave it unrecorded, also
+    where the outer call raises."""
+    import threading
+
+    inner = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
+    t = torch.ones(4)
+
+    def step() -> None:
+        inner(t)  # one call site, remembered below
+
+    for _ in range(3):
+        step()
+    served = getattr(inner, "served", 0)
+    assert served == (2 if native else 0)  # the first call remembered it; the C path served the rest
+    recorded(linked.recorder)
+    inside, release = threading.Event(), threading.Event()
+
+    def outer_backend(obj: Any, group: Any = None) -> None:
+        step()
+        inside.set()
+        release.wait(10)
+        step()
+        if obj == ["fail"]:
+            raise RuntimeError("the outer call failed")
+
+    outer = capture._wrap_op(OPS_BY_NAME["broadcast_object_list"], outer_backend)
+    thread = threading.Thread(target=outer, args=([1],))
+    thread.start()
+    assert inside.wait(10)
+    assert _general_inside() == (1 if capture._native is not None else 0)
+    for _ in range(3):
+        step()  # another thread, not nested: recorded, and served fast meanwhile
+    release.set()
+    thread.join(10)
+    with pytest.raises(RuntimeError, match="the outer call failed"):
+        outer(["fail"])
+    assert _general_inside() == 0  # left, the raising call too
+    calls = [e.op for e in recorded(linked.recorder) if isinstance(e, r.CallRecord)]
+    assert sorted(calls) == ["all_reduce"] * 3 + ["broadcast_object_list"] * 2
+    assert getattr(inner, "served", 0) == (served + 3 if native else 0)
+
+
 @needs_native
 def test_calls_from_two_threads_each_get_their_own_slots(linked: Session) -> None:
     import threading
