@@ -73,6 +73,9 @@ PYTHON_MODE = "python"
 #: before issue 16's native fast path and runs: the Python fast path, and a second coordinator
 #: that takes every call one by one (``HANGWATCH_RUNS=0``)
 BEFORE_MODE = "before"
+#: the hook as now (C fast path, runs) against a third coordinator whose embedded agent reads
+#: every rank's ring every tick and its Flight Recorder ring at every poll (``HANGWATCH_READ_LESS=0``)
+EVERY_READ_MODE = "every read"
 DEAD_MODES = ("refused", "black hole")
 
 
@@ -247,7 +250,7 @@ def _worker(spec: dict[str, Any]) -> None:
         )
         if not rate:
             max_rate = _slowest(dist, torch, calls / (w1 - w0))
-    if mode in ("on", PYTHON_MODE, BEFORE_MODE):  # the variant measured is the one that served the calls
+    if mode in ("on", PYTHON_MODE, BEFORE_MODE, EVERY_READ_MODE):  # the variant measured served the calls
         from hangwatch.client import capture
 
         served = getattr(all_reduce, "served", None)
@@ -388,16 +391,17 @@ def _report(
     print(
         "\n| ranks | workload | calls/s per rank, off / on | process CPU µs/call: off / on / + / ratio "
         "| calling thread CPU µs/call: off / on / + / ratio | wall µs/call: off / on / + / ratio "
-        "| sender thread µs/call (on) | hook's process CPU, % of a core | coordinator µs/call (net of idle) |"
+        "| sender thread µs/call (on) | hook's process CPU, % of a core | coordinator µs/call (net of idle) "
+        "| all in µs/call (process + coordinator) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for world in args.ranks:
         for name, rate in workloads:
             off = results.get((world, "off", name), [])
             if not off:
                 continue
             idle = statistics.median(f["coordinator_s"] / f["window_s"] for f in off)  # CPU s per s
-            for mode in (BEFORE_MODE, "on", PYTHON_MODE, *DEAD_MODES):
+            for mode in (BEFORE_MODE, EVERY_READ_MODE, "on", PYTHON_MODE, *DEAD_MODES):
                 on = results.get((world, mode, name), [])
                 if not on:
                     continue
@@ -417,7 +421,8 @@ def _report(
                 sender = [f["sender_us"] for f in on if "sender_us" in f]
                 label = {
                     PYTHON_MODE: f"{name}, fast path in Python (HANGWATCH_NATIVE=0)",
-                    BEFORE_MODE: f"{name}, before: fast path in Python, no runs (HANGWATCH_RUNS=0)",
+                    BEFORE_MODE: f"{name}, before: fast path in Python, no runs, every read",
+                    EVERY_READ_MODE: f"{name}, every read (HANGWATCH_READ_LESS=0)",
                 }.get(mode, name)
                 reachable = results.get((world, "on", name), [])
                 if mode in DEAD_MODES and reachable:  # what the outage adds to the hook's usual cost
@@ -431,7 +436,8 @@ def _report(
                     f"| {' / '.join(_row_cells(off, on, 'wall_us'))} "
                     f"| {_fmt(statistics.median(sender) if sender else None)} "
                     f"| {share:.1f} % "
-                    f"| {coord_net:.1f} ({coord_raw:.1f} raw, idle {idle * 100:.1f} % of a core) |"
+                    f"| {coord_net:.1f} ({coord_raw:.1f} raw, idle {idle * 100:.1f} % of a core) "
+                    f"| {'-' if mode in DEAD_MODES else f'{added + coord_net:.1f}'} |"
                 )
     print(
         "\ngarbage collector, tight loop (medians): runs in any thread / full runs on the calling thread per 1,000 "
@@ -469,6 +475,11 @@ def _parse() -> argparse.Namespace:
     ap.add_argument(
         "--no-before", action="store_true", help="skip the hook as it was before issue 16 (Python fast path, no runs)"
     )
+    ap.add_argument(
+        "--no-every-read",
+        action="store_true",
+        help="skip the hook as now against an agent that reads every ring every time (HANGWATCH_READ_LESS=0)",
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 pair, fewer calls, shorter loops")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -504,7 +515,8 @@ def main() -> None:
     jobs = 0
     with tempfile.TemporaryDirectory() as data, BlackHole() as hole:
         coordinator = _Coordinator(data)
-        before = _Coordinator(data + "/before", {"HANGWATCH_RUNS": "0"})
+        before = _Coordinator(data + "/before", {"HANGWATCH_RUNS": "0", "HANGWATCH_READ_LESS": "0"})
+        every = _Coordinator(data + "/every", {"HANGWATCH_READ_LESS": "0"})
         refused = f"127.0.0.1:{free_port()}"
         try:
             for world in args.ranks:
@@ -514,6 +526,8 @@ def main() -> None:
                         modes.append(PYTHON_MODE)
                     if not args.no_before:
                         modes.append(BEFORE_MODE)
+                    if not args.no_every_read:
+                        modes.append(EVERY_READ_MODE)
                     if world == 1 and not args.no_unreachable:
                         modes += DEAD_MODES
                     if pair % 2:
@@ -524,13 +538,14 @@ def main() -> None:
                             "on": coordinator.addr,
                             PYTHON_MODE: coordinator.addr,
                             BEFORE_MODE: before.addr,
+                            EVERY_READ_MODE: every.addr,
                             "refused": refused,
                             "black hole": hole.addr,
                         }[mode]
                         wl = workloads[:1] if mode in DEAD_MODES else workloads
                         jobs += 1
                         started = time.time()
-                        pid = (before if mode == BEFORE_MODE else coordinator).proc.pid
+                        pid = {BEFORE_MODE: before, EVERY_READ_MODE: every}.get(mode, coordinator).proc.pid
                         ranks = _run_job(mode, world, addr, pid, wl, args, f"allin-{jobs}")
                         for name, fig in _job_figures(ranks).items():
                             results.setdefault((world, mode, name), []).append(fig)
@@ -539,12 +554,12 @@ def main() -> None:
                             f"{time.time() - started:.1f} s",
                             file=sys.stderr,
                         )
-            for c in (coordinator, before):
+            for c in (coordinator, before, every):
                 if c.proc.poll() is not None:
                     raise AssertionError("a coordinator died:\n" + "".join(c.output))
         finally:
-            coordinator.stop()
-            before.stop()
+            for c in (coordinator, before, every):
+                c.stop()
     print(
         f"\nhangwatch all-in overhead — {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}, "
         f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average at start "

@@ -62,6 +62,11 @@ ENV_NATIVE = "HANGWATCH_NATIVE"
 #: Coordinator: ``0`` takes every call one by one, no runs of alike calls (``records.CallRun``):
 #: for A/B measurements and to rule runs out; default: runs.
 ENV_RUNS = "HANGWATCH_RUNS"
+#: Node agent (and the coordinator's embedded one): ``0`` reads every rank's ring every tick and
+#: its Flight Recorder rings at every poll, whatever they show; default: a steady rank's ring
+#: every ``shipper.STEADY_S``, and a CPU Flight Recorder ring that Python calls account for
+#: left unread (``flight_entries.PythonAccounts``). For A/B measurements and to rule them out.
+ENV_READ_LESS = "HANGWATCH_READ_LESS"
 #: ``0`` disables Flight Recorder polling (collectives issued from C++, e.g. DDP).
 ENV_FLIGHT_RECORDER = "HANGWATCH_FLIGHT_RECORDER"
 #: ``1`` aborts (terminates) the job's ranks once a hang is diagnosed and stored.

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hangwatch import config, wire
 from hangwatch import records as r
-from hangwatch import wire
 from hangwatch.agent.flightrecorder import Fetched, RingFetcher
 from hangwatch.agent.namespaces import path_of
 from hangwatch.agent.procinfo import ProcessInspector
@@ -171,6 +171,9 @@ class Shipper:
         #: the coordinator is in this process: records go to it typed, not through protobuf
         #: (``bench/ring_to_state.py``: 9.5 against 12.7 µs per call from ring to records)
         self.direct: DirectIntake | None = intake if hasattr(intake, "accept_events") else None  # type: ignore[assignment]
+        #: a steady rank's ring read every STEADY_S, a CPU Flight Recorder ring Python calls
+        #: account for left unread (``HANGWATCH_READ_LESS=0``: every tick, every poll)
+        self.read_less = config.env_flag(config.ENV_READ_LESS, True)
         self.refused = 0  # links whose registration the coordinator refused
         self.failures = 0  # ticks on which the coordinator could not be reached
         self._failing = False
@@ -186,7 +189,7 @@ class Shipper:
             try:
                 state.encoder.steady = False
                 self._ship(state)
-                steady = state.encoder.steady and state.pending is None and not state.unsent
+                steady = self.read_less and state.encoder.steady and state.pending is None and not state.unsent
                 state.next_read = now + STEADY_S - TICK_S / 2 if steady else 0.0
                 if self._failing:
                     log.info("coordinator reachable again: shipping resumed")
@@ -211,7 +214,8 @@ class Shipper:
             def needed(since: dict[str, tuple[int, int]]) -> bool:  # on the fetcher's thread
                 return not all(python.covers_all(group, lo, hi) for group, (lo, hi) in since.items())
 
-            accounted = PythonAccounts(state.flight, python)  # the CPU ring: no cheap probe
+            # the CPU ring has no cheap probe: Python calls account for what it gained, or not
+            accounted = PythonAccounts(state.flight, python) if self.read_less else None
             self.fetcher.watch(id(link), path_of(link.peer.pid, path), link.peer.pid, needed, accounted)
         return state
 
