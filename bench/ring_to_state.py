@@ -7,7 +7,9 @@
 - ``typed``: ``RingEncoder.decode(runs=False)`` → ``JobState.ingest``, call by call (the embedded
   agent before runs);
 - ``runs``: ``RingEncoder.decode`` → ``JobState.ingest`` with runs of alike calls
-  (``records.CallRun``: the embedded agent now).
+  (``records.CallRun``: the embedded agent now), gathered in C (``client/_fastpath.c``);
+- ``runs, Python gather``: the same, gathered by the Python reference (``HANGWATCH_NATIVE=0``,
+  and where the extension is not built).
 
 ``--ranks`` ranks (a real ``JobState`` with that many registered), each a ring of completed
 4-float ``all_reduce`` calls on one call site, read in polls of each ``--batches`` size in turn
@@ -38,7 +40,8 @@ from hangwatch.ring import Batch, Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob
 from hangwatch.signatures import CallDecoder
 
-PATHS = ("wire", "wire runs", "typed", "runs")
+PY_RUNS = "runs, Python gather"
+PATHS = ("wire", "wire runs", "typed", PY_RUNS, "runs")
 
 
 def _polls(ranks: int, calls: int, batch: int) -> list[list[Batch]]:
@@ -77,6 +80,7 @@ def run(path: str, polls: list[list[Batch]]) -> tuple[float, JobState]:
     encoders = [RingEncoder() for _ in range(ranks)]
     for encoder in encoders:
         encoder.send_runs = path == "wire runs"
+        encoder.native = path != PY_RUNS
     decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True) for _ in range(ranks)]
     calls = 0
     t0 = time.process_time()
@@ -88,7 +92,7 @@ def run(path: str, polls: list[list[Batch]]) -> tuple[float, JobState]:
                 encoders[rank].encode(ring, batch)
                 events = decoders[rank].decode(rank, pb.ReportBatch.FromString(batch.SerializeToString()))[0]
             else:
-                events = encoders[rank].decode(ring, rank, budget.call_bytes, runs=path == "runs")
+                events = encoders[rank].decode(ring, rank, budget.call_bytes, runs=path.startswith("runs"))
             job.ingest(sessions[rank], rank, events, now=1.795e9)
             calls += len(ring.slots) // 2
         job.take_changes()
@@ -105,10 +109,10 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",") if x]
     print(f"{args.ranks} ranks x {args.calls:,} completed all_reduce calls; CPU µs per call, median of {args.repeats}")
     print(
-        "| calls per poll | " + " | ".join(PATHS) + " | wire / wire runs | typed / runs "
+        "| calls per poll | " + " | ".join(PATHS) + " | wire / wire runs | typed / runs | Python gather / C "
         "| held by the job state after (typed / runs) |"
     )
-    print("| ---: |" + " ---: |" * (len(PATHS) + 3))
+    print("| ---: |" + " ---: |" * (len(PATHS) + 4))
     for batch in batches:
         polls = _polls(args.ranks, args.calls, batch)
         figures: dict[str, list[float]] = {p: [] for p in PATHS}
@@ -127,6 +131,7 @@ def main() -> None:
             + " | ".join(f"{med[p]:.2f}" for p in PATHS)
             + f" | {med['wire'] / med['wire runs']:.1f}x "
             f"| {med['typed'] / med['runs']:.1f}x "
+            f"| {med[PY_RUNS] / med['runs']:.2f}x "
             f"| {held['typed'] / 1024:,.0f} / {held['runs'] / 1024:,.0f} KiB |"
         )
 

@@ -56,8 +56,9 @@ ENV_NODE_NAME = "HANGWATCH_NODE_NAME"
 #: Set by the hook in a registered rank's environment: the pid of that rank. A process that
 #: inherits it with a different pid is a subprocess of a rank and never registers itself.
 ENV_RANK_PID = "HANGWATCH_RANK_PID"
-#: ``0`` keeps the hook's fast path in Python even where its C build (``client/_fastpath.c``) is
-#: installed (for A/B measurements and to rule it out); default: C where built.
+#: ``0`` keeps the hook's fast path, and the node agent's gathering of runs, in Python even where
+#: their C build (``client/_fastpath.c``) is installed (for A/B measurements and to rule it out);
+#: default: C where built.
 ENV_NATIVE = "HANGWATCH_NATIVE"
 #: Coordinator: ``0`` takes every call one by one, no runs of alike calls (``records.CallRun``):
 #: for A/B measurements and to rule runs out; default: runs.

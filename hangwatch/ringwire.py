@@ -21,13 +21,20 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from hangwatch import catalogue, wire
+from hangwatch import catalogue, config, wire
 from hangwatch import records as r
 from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, Slot
 from hangwatch.signatures import MAX_SIGNATURES, Columns
+
+_native_gather: Callable[..., tuple[list[Any], bool]] | None
+try:  # the gatherer in C, where the extension was built at install (``client/_fastpath.c``)
+    from hangwatch.client._fastpath import gather as _native_gather
+except ImportError:  # pragma: no cover - depends on the install
+    _native_gather = None
 
 TAG_CALL = b"C"
 TAG_EVENT = b"V"
@@ -80,6 +87,14 @@ class _Run:
         self.ref, self.call_id, self.seq, self.step = enter.ref, enter.call_id, enter.seq, enter.step
         self.enters = [enter.time]
         self.exits = [exit_.time]
+
+    @classmethod
+    def of(cls, enter: Slot, exit_: Slot, enters: list[float], exits: list[float]) -> _Run:
+        """The run the C gatherer found: its first call's slots and every call's times."""
+        run = cls.__new__(cls)
+        run.ref, run.call_id, run.seq, run.step = enter.ref, enter.call_id, enter.seq, enter.step
+        run.enters, run.exits = enters, exits
+        return run
 
     def follows(self, enter: Slot) -> bool:
         """Whether ``enter`` is the next call of this run."""
@@ -168,6 +183,9 @@ class RingEncoder:
         #: of signatures shown before, each returned without error in the batch (or held back),
         #: and steps; the node agent reads a steady rank's ring less often (``Shipper``)
         self.steady = False
+        #: gather in C (``client/_fastpath.c``) where built: the Python ``_gather_python`` is the
+        #: reference and the fallback
+        self.native = config.env_flag(config.ENV_NATIVE, True)
 
     def reset(self) -> None:
         """Forget the wire ids (after a registration: the coordinator's table starts empty)."""
@@ -481,6 +499,13 @@ class RingEncoder:
         self.steady = False
         if self.skip_through and not self._past_skip:
             return slots
+        if _native_gather is not None and self.native:
+            items, self.steady = _native_gather(slots, self._whole, self._run_ok, self._known, RUN_MIN)
+            return [_Run.of(*x) if type(x) is tuple else x for x in items]
+        return self._gather_python(slots)
+
+    def _gather_python(self, slots: list[Slot]) -> Sequence[Slot | _Run]:
+        """``_gather`` in Python: the reference, and where the C build is not installed."""
         ok, whole = self._run_ok, self._whole
         out: list[Slot | _Run] = []
         run: _Run | None = None

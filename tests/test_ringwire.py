@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hangwatch import records as r
+from hangwatch import ringwire
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Kind, RingReader, RingWriter
+from hangwatch.ring import Batch, Kind, RingReader, RingWriter, Slot
 from hangwatch.ringwire import RingEncoder, _extend, call_blob, event_blob, text_blob
 from hangwatch.signatures import CallDecoder
 
@@ -306,3 +307,79 @@ def test_a_node_agent_holds_a_trailing_call_under_way_back_once() -> None:
     assert [c.seq for c in last if isinstance(c, r.CallRecord)] == [7]
     w.close()
     reader.close()
+
+
+# ---- the gatherer in C against the Python one --------------------------------------------------
+
+_SIGNATURES = {
+    1: call_blob(_template("all_reduce", "0", 4)),  # runs may form
+    2: call_blob(_template("broadcast", "1", 8)),  # runs may form, on another group
+    3: call_blob(r.CallRecord(RANK, 0, "send", "0", 0, (), (), None, peer=1, call_site="pp.py:3 in step")),  # never
+    4: text_blob("RuntimeError: Connection closed by peer"),  # an exit's error
+}
+
+_SLOT = st.tuples(
+    st.sampled_from([Kind.ENTER, Kind.ENTER, Kind.ENTER, Kind.EXIT, Kind.EXIT, Kind.STEP, Kind.EVENT]),
+    st.sampled_from([0, 0, 0, 1]),  # flags: async now and then
+    st.sampled_from([0, 1, 1, 2]),  # aux: collectives an exit issued
+    st.sampled_from([1, 1, 2, 3, 0, 4]),  # ref
+    st.sampled_from([0, 1, 1, 1, 2]),  # call id step from the last
+    st.sampled_from([0, 1, 1, 1, 3]),  # seq step
+    st.sampled_from([0, 0, 0, 1]),  # step step
+)
+
+
+def _slots(spec: list[tuple[int, ...]], start: int) -> list[Slot]:
+    """Slots the way a steady loop writes them, with every kind of break in it: an exit for each
+    enter, mostly, with call ids and seqs mostly one apart."""
+    out: list[Slot] = []
+    call, seq, step, t = start, start, start // 7, float(start)
+    for kind, flags, aux, ref, dcall, dseq, dstep in spec:
+        t += 0.001
+        if kind == Kind.ENTER:
+            call, seq, step = (call + dcall) & 0xFFFFFFFF, (seq + dseq) & 0xFFFFFFFF, step + dstep
+            out.append(Slot(0, kind, flags, 0, ref if ref in (1, 2, 3) else 1, call, seq, step, 0, t, 0))
+            if dcall and ref != 0:  # its exit, right after it, mostly
+                out.append(Slot(0, Kind.EXIT, 0, aux, 4 if ref == 4 else 0, call, 0, 0, 0, t + 0.0005, 0))
+        elif kind == Kind.EXIT:
+            out.append(Slot(0, kind, 0, aux, 4 if ref == 4 else 0, (call - dcall) & 0xFFFFFFFF, 0, 0, 0, t, 0))
+        elif kind == Kind.STEP:
+            step += 1
+            out.append(Slot(0, kind, 0, 0, 0, 0, 0, step, 0, t, 0))
+        else:
+            out.append(Slot(0, kind, 0, 0, 0, 0, 0, 0, 0, t, 0))
+    return out
+
+
+def _fields(event: object) -> object:
+    """An event as comparable values (a ``CallRun`` compares by identity)."""
+    if isinstance(event, r.CallRun):
+        return ("run", event.template, event.first_call_id, event.first_seq, event.step, event.enters, event.exits)
+    return event
+
+
+@pytest.mark.skipif(ringwire._native_gather is None, reason="the C extension is not built here")
+@settings(max_examples=300, deadline=None)
+@given(
+    batches=st.lists(st.lists(_SLOT, max_size=40), min_size=1, max_size=6),
+    start=st.sampled_from([1, 1000, 0xFFFFFFF0]),
+    hold=st.booleans(),
+)
+def test_the_gatherer_in_c_is_the_python_one(batches: list[list[tuple[int, ...]]], start: int, hold: bool) -> None:
+    """Batch after batch through two encoders, one gathering in C and one in Python: the same
+    events, the same steadiness, the same signatures learnt, whatever the slots."""
+    native, python = RingEncoder(), RingEncoder()
+    python.native = False
+    for enc in (native, python):
+        enc.hold = hold
+    at = start
+    for i, spec in enumerate(batches):
+        slots = _slots(spec, at)
+        at += len(spec) + 1
+        blobs = _SIGNATURES if i == 0 else {}
+        got = native.decode(Batch(list(slots), dict(blobs), 0), RANK)
+        want = python.decode(Batch(list(slots), dict(blobs), 0), RANK)
+        assert [_fields(e) for e in got] == [_fields(e) for e in want]
+        assert native.steady == python.steady
+        assert (native._whole, native._run_ok) == (python._whole, python._run_ok)
+        assert native.holding == python.holding

@@ -517,6 +517,186 @@ static PyTypeObject FastOpType = {
     .tp_getset = fastop_getset,
 };
 
+/* ---- the node agent's side: a batch of ring slots gathered into runs ------------------------
+ *
+ * ``hangwatch.ringwire.RingEncoder._gather`` step for step (the Python one stays the reference
+ * and the fallback; ``tests/test_ringwire.py`` plays both on the same batches): the agent's
+ * per-call cost, about 1 us a call in Python at 1,000 calls a read. Slots are
+ * ``hangwatch.ring.Slot`` tuples: (stamp, kind, flags, aux, ref, call_id, seq, step, arg, time,
+ * stamp_end). */
+
+#define F_KIND 1
+#define F_FLAGS 2
+#define F_AUX 3
+#define F_REF 4
+#define F_CALL 5
+#define F_SEQ 6
+#define F_STEP 7
+#define F_TIME 9
+
+static int field_ul(PyObject *slot, Py_ssize_t i, unsigned long *out) {
+    PyObject *v = PyTuple_GET_ITEM(slot, i);
+    *out = PyLong_AsUnsignedLong(v);
+    return (*out == (unsigned long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+typedef struct {
+    PyObject *enter, *exit; /* the run's first call's slots (borrowed from the batch) */
+    PyObject *enters, *exits; /* lists of the calls' times */
+    unsigned long ref, call_id, seq, step;
+} run_t;
+
+/* Append the run to ``out``: as (enter, exit, enters, exits) where it has ``run_min`` calls or
+ * more, else as its calls' slots. The run is emptied; -1 on failure. */
+static int flush_run(run_t *run, PyObject *out, Py_ssize_t run_min, PyObject *const *items) {
+    if (run->enters == NULL) return 0;
+    int rc = 0;
+    Py_ssize_t k = PyList_GET_SIZE(run->enters);
+    if (k >= run_min) {
+        PyObject *t = PyTuple_Pack(4, run->enter, run->exit, run->enters, run->exits);
+        rc = (t == NULL || PyList_Append(out, t) < 0) ? -1 : 0;
+        Py_XDECREF(t);
+    } else { /* fewer than run_min (one): its two slots as they were */
+        rc = (PyList_Append(out, run->enter) < 0 || PyList_Append(out, run->exit) < 0) ? -1 : 0;
+    }
+    (void)items;
+    Py_CLEAR(run->enters);
+    Py_CLEAR(run->exits);
+    run->enter = run->exit = NULL;
+    return rc;
+}
+
+/* Whether slot ``s`` (with ``after``, the next one or NULL) tells a detector nothing it waits for
+ * (``ringwire._settled``): 1, 0, or -1 on failure. */
+static int settled(PyObject *s, PyObject *after) {
+    unsigned long kind, flags, ref;
+    if (field_ul(s, F_KIND, &kind) < 0) return -1;
+    if (kind == KIND_ENTER) {
+        unsigned long akind, acall, aref, call;
+        if (after == NULL) return 0;
+        if (field_ul(s, F_FLAGS, &flags) < 0 || field_ul(s, F_CALL, &call) < 0) return -1;
+        if (field_ul(after, F_KIND, &akind) < 0 || field_ul(after, F_CALL, &acall) < 0 ||
+            field_ul(after, F_REF, &aref) < 0)
+            return -1;
+        return !(flags & 1) && akind == KIND_EXIT && acall == call && aref == 0;
+    }
+    if (kind == KIND_EXIT) {
+        if (field_ul(s, F_REF, &ref) < 0) return -1;
+        return ref == 0;
+    }
+    return kind == 3; /* a step */
+}
+
+static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "gather(slots, whole, ok, known, run_min)");
+        return NULL;
+    }
+    PyObject *slots = args[0], *whole = args[1], *ok = args[2], *known = args[3];
+    Py_ssize_t run_min = PyLong_AsSsize_t(args[4]);
+    if (run_min == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(slots) || !PySet_Check(whole) || !PyDict_Check(ok)) {
+        PyErr_SetString(PyExc_TypeError, "gather: slots must be a list, whole a set, ok a dict");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(slots);
+    PyObject *const *items = ((PyListObject *)slots)->ob_item;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (!PyTuple_Check(items[j]) || PyTuple_GET_SIZE(items[j]) != 11) {
+            PyErr_SetString(PyExc_TypeError, "gather: a slot is not an 11-tuple");
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    run_t run = {0};
+    int steady = n > 0;
+    Py_ssize_t i = 0;
+    Py_INCREF(slots); /* ``known`` runs Python code: the list stays ours meanwhile */
+    while (i < n) {
+        items = ((PyListObject *)slots)->ob_item;
+        if (PyList_GET_SIZE(slots) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "gather: the batch changed while gathered");
+            goto fail;
+        }
+        PyObject *s = items[i];
+        unsigned long kind, flags;
+        if (field_ul(s, F_KIND, &kind) < 0 || field_ul(s, F_FLAGS, &flags) < 0) goto fail;
+        PyObject *refobj = PyTuple_GET_ITEM(s, F_REF);
+        if (kind == KIND_ENTER && i + 1 < n && !(flags & 1)) {
+            int in_whole = PySet_Contains(whole, refobj);
+            if (in_whole < 0) goto fail;
+            if (!in_whole) { /* a signature not shown before: it travels alone */
+                steady = 0;
+                PyObject *r = PyObject_CallOneArg(known, refobj);
+                if (r == NULL) goto fail;
+                Py_DECREF(r);
+                PyObject *may = PyDict_GetItemWithError(ok, refobj);
+                if (may == NULL && PyErr_Occurred()) goto fail;
+                int t = may == NULL ? 0 : PyObject_IsTrue(may);
+                if (t < 0 || (t && PySet_Add(whole, refobj) < 0)) goto fail;
+                if (flush_run(&run, out, run_min, items) < 0 || PyList_Append(out, s) < 0) goto fail;
+                i += 1;
+                continue;
+            }
+            PyObject *may = PyDict_GetItemWithError(ok, refobj);
+            if (may == NULL && PyErr_Occurred()) goto fail;
+            int t = may == NULL ? 0 : PyObject_IsTrue(may);
+            if (t < 0) goto fail;
+            if (t) {
+                PyObject *x = items[i + 1];
+                unsigned long xkind, xcall, xref, xaux, call, ref, seq, step;
+                if (field_ul(x, F_KIND, &xkind) < 0 || field_ul(x, F_CALL, &xcall) < 0 ||
+                    field_ul(x, F_REF, &xref) < 0 || field_ul(x, F_AUX, &xaux) < 0 ||
+                    field_ul(s, F_CALL, &call) < 0 || field_ul(s, F_REF, &ref) < 0 ||
+                    field_ul(s, F_SEQ, &seq) < 0 || field_ul(s, F_STEP, &step) < 0)
+                    goto fail;
+                if (xkind == KIND_EXIT && xcall == call && xref == 0 && xaux <= 1) {
+                    unsigned long k = run.enters != NULL ? (unsigned long)PyList_GET_SIZE(run.enters) : 0;
+                    int follows = run.enters != NULL && ref == run.ref &&
+                                  call == ((run.call_id + k) & 0xFFFFFFFFul) &&
+                                  seq == ((run.seq + k) & 0xFFFFFFFFul) && step == run.step;
+                    if (!follows) {
+                        if (flush_run(&run, out, run_min, items) < 0) goto fail;
+                        run.enters = PyList_New(0);
+                        run.exits = PyList_New(0);
+                        if (run.enters == NULL || run.exits == NULL) goto fail;
+                        run.enter = s;
+                        run.exit = x;
+                        run.ref = ref;
+                        run.call_id = call;
+                        run.seq = seq;
+                        run.step = step;
+                    }
+                    if (PyList_Append(run.enters, PyTuple_GET_ITEM(s, F_TIME)) < 0 ||
+                        PyList_Append(run.exits, PyTuple_GET_ITEM(x, F_TIME)) < 0)
+                        goto fail;
+                    i += 2;
+                    continue;
+                }
+            }
+        }
+        if (flush_run(&run, out, run_min, items) < 0) goto fail;
+        if (steady) {
+            int st = settled(s, i + 1 < n ? items[i + 1] : NULL);
+            if (st < 0) goto fail;
+            if (!st) steady = 0;
+        }
+        if (PyList_Append(out, s) < 0) goto fail;
+        i += 1;
+    }
+    if (flush_run(&run, out, run_min, items) < 0) goto fail;
+    Py_DECREF(slots);
+    PyObject *result = Py_BuildValue("(NO)", out, steady ? Py_True : Py_False);
+    return result;
+fail:
+    Py_XDECREF(run.enters);
+    Py_XDECREF(run.exits);
+    Py_DECREF(slots);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyObject *general_entered(PyObject *module, PyObject *unused) {
     general_inside++;
     Py_RETURN_NONE;
@@ -535,6 +715,8 @@ static PyMethodDef module_methods[] = {
     {"general_entered", general_entered, METH_NOARGS, "A thread entered a call the Python wrapper records."},
     {"general_left", general_left, METH_NOARGS, "A thread left a call the Python wrapper records."},
     {"general_inside", general_count, METH_NOARGS, "Threads inside a call the Python wrapper records."},
+    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL,
+     "gather(slots, whole, ok, known, run_min) -> (items, steady): RingEncoder._gather in C."},
     {NULL, NULL, 0, NULL},
 };
 

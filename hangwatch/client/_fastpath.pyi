@@ -9,6 +9,12 @@ def general_entered() -> None:
     """A thread entered a call the Python wrapper records (its fast paths skip ``depth`` otherwise)."""
 
 def general_left() -> None: ...
+def gather(
+    slots: list[Any], whole: set[int], ok: dict[int, bool], known: Callable[[int], None], run_min: int, /
+) -> tuple[list[Any], bool]:
+    """``RingEncoder._gather`` in C: the items (slots, and runs as (enter, exit, enters, exits))
+    and whether the batch was steady."""
+
 def general_inside() -> int:
     """Threads inside a call the Python wrapper records, now."""
 
