@@ -43,8 +43,11 @@ import itertools
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from hangwatch import config
 
 MAGIC = b"HWRING01"
 VERSION = 1
@@ -219,6 +222,21 @@ def read_geometry(buf: bytes | mmap.mmap) -> Geometry:
     return Geometry(capacity, blob_bytes, pid, rank)
 
 
+_native_scan: Callable[..., tuple[list[Any], int, tuple[int, int] | None]] | None = None
+
+
+def _load_scan() -> None:
+    """The slot scan in C, where the extension was built (imported on first use: the extension's
+    package imports this module)."""
+    global _native_scan
+    if _native_scan is None:
+        try:
+            from hangwatch.client._fastpath import scan
+        except ImportError:  # pragma: no cover - depends on the install
+            return
+        _native_scan = scan
+
+
 class RingReader:
     """The node agent's side (or the rank's own sender thread, where no agent runs).
 
@@ -240,6 +258,11 @@ class RingReader:
         self.capacity = self.geometry.capacity
         self._blobs = HEADER_SIZE + self.capacity * SLOT_SIZE
         self.position = 0  # the next slot this reader wants
+        #: read slots in C (``client/_fastpath.c``) where built; ``poll``'s Python loop is the
+        #: reference and the fallback (``HANGWATCH_NATIVE=0``)
+        self.native = config.env_flag(config.ENV_NATIVE, True)
+        if self.native:
+            _load_scan()
         self.blob_position = 0  # bytes of the blob area already read
         self.lost = 0
 
@@ -287,10 +310,12 @@ class RingReader:
 
     def poll(self, limit: int | None = None) -> Batch:
         """Everything published since the last poll (at most ``limit`` slots, oldest first)."""
+        budget = self.capacity if limit is None else limit
+        if self.native and _native_scan is not None:
+            return self._poll_native(budget)
         out: list[Slot] = []
         lost = 0
         p = self.position
-        budget = self.capacity if limit is None else limit
         make = Slot._make
         while len(out) < budget:
             # a contiguous run of slots at a time, up to the ring's end
@@ -321,6 +346,28 @@ class RingReader:
         # names a blob this read finds (read before the slots, a blob written in between was
         # missed while its slot was taken, and the call went unnamed)
         blobs = self._new_blobs()
+        return Batch(slots=out, blobs=blobs, lost=lost)
+
+    def _poll_native(self, budget: int) -> Batch:
+        """``poll`` with its loop over slots in C (``client/_fastpath.c`` scan): the same slots."""
+        assert _native_scan is not None
+        out: list[Slot] = []
+        lost = 0
+        p = self.position
+        while len(out) < budget:
+            got, p, stopped = _native_scan(self.mm, HEADER_SIZE, self.capacity, p, budget - len(out), Slot)
+            out += got
+            if stopped is None:
+                break  # the budget is spent
+            if stopped[0] == stopped[1] and stopped[0] > p + 1:
+                skip_to = max(p + 1, self.head() - self.capacity)  # lapped, as ``poll`` says
+                lost += skip_to - p
+                p = skip_to
+                continue
+            break
+        self.lost += lost
+        self.position = p
+        blobs = self._new_blobs()  # after the slots, as ``poll`` says
         return Batch(slots=out, blobs=blobs, lost=lost)
 
     def counts(self) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hangwatch.ring import SLOT_SIZE, STATUS_MAX, Kind, RingError, RingReader, RingWriter
+from hangwatch.ring import HEADER_SIZE, SLOT_SIZE, STATUS_MAX, Kind, RingError, RingReader, RingWriter
 
 
 def _write_n(w: RingWriter, first: int, n: int) -> None:
@@ -202,3 +202,50 @@ def test_a_slot_is_never_read_without_the_blob_it_names() -> None:
     assert all(slot.ref in seen for slot in final.slots)
     w.close()
     reader.close()
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("hangwatch.client._fastpath") is None, reason="no C build here"
+)
+@settings(max_examples=150, deadline=None)
+@given(
+    capacity=st.integers(1, 16),
+    bursts=st.lists(
+        st.tuples(st.integers(0, 40), st.one_of(st.none(), st.integers(1, 20)), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_the_scan_in_c_reads_what_the_python_loop_reads(
+    capacity: int, bursts: list[tuple[int, int | None, bool]]
+) -> None:
+    """Two readers of one ring, one scanning in C and one in Python, polled alike with budgets,
+    through laps and a slot caught mid-write: the same slots, losses, blobs and positions."""
+    w = RingWriter(capacity=capacity, blob_bytes=256)
+    native, python = RingReader(w.fd), RingReader(w.fd)
+    python.native = False
+    written = 0
+    for n, limit, torn in bursts:
+        _write_n(w, written, n)
+        written += n
+        w.blob(b"x" * (n % 5))
+        h = -1
+        if torn:  # the next slot half written: its first stamp is there, its last not yet
+            h = next(w.positions)
+            w.pack_slot(w.mm, HEADER_SIZE + (h % capacity) * SLOT_SIZE, h + 1, Kind.ENTER, 0, 1, 7, written,
+                        written * 2, written // 10, 0, float(written), 0)  # fmt: skip
+        a, b = native.poll(limit), python.poll(limit)
+        assert (a.slots, a.lost, a.blobs) == (b.slots, b.lost, b.blobs)
+        assert (native.position, native.lost, native.blob_position) == (
+            python.position,
+            python.lost,
+            python.blob_position,
+        )
+        assert all(type(s) is type(t) for s, t in zip(a.slots, b.slots, strict=True))
+        if torn:  # the writer finishes it
+            w.pack_slot(w.mm, HEADER_SIZE + (h % capacity) * SLOT_SIZE, h + 1, Kind.ENTER, 0, 1, 7, written,
+                        written * 2, written // 10, 0, float(written), h + 1)  # fmt: skip
+            written += 1
+    native.close()
+    python.close()
+    w.close()

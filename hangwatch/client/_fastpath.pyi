@@ -15,6 +15,12 @@ def gather(
     """``RingEncoder._gather`` in C: the items (slots, and runs as (enter, exit, enters, exits))
     and whether the batch was steady."""
 
+def scan(
+    mm: Any, header: int, capacity: int, position: int, budget: int, slot_type: type[Any], /
+) -> tuple[list[Any], int, tuple[int, int] | None]:
+    """``RingReader.poll``'s loop over slots in C: the slots, the next position, and the stamps
+    of the slot that stopped the scan (None: the budget did)."""
+
 def general_inside() -> int:
     """Threads inside a call the Python wrapper records, now."""
 
