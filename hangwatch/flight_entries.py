@@ -78,7 +78,11 @@ class PythonSeqs:
         self._ranges: dict[str, collections.deque[tuple[int, int]]] = {}
         self._open: dict[str, dict[int, tuple[int, bool]]] = {}  # group -> call id -> (seq, async)
         self._groups: dict[int, str] = {}  # open call id -> its group
-        self.finished = 0  # calls that finished, however told (``exited``, ``ran``)
+        #: the collectives finished calls issued, however told (``exited``, ``ran``): what the
+        #: rank's ring gained from Python (an exit of a call not known here counts one)
+        self.finished = 0
+        self.created: set[str] = set()  # groups the rank said it created and has not destroyed
+        self.destroyed: set[str] = set()  # and those it destroyed
 
     def entered(self, call_id: int, group: str, seq: int, async_op: bool = False) -> None:
         here = self._open.setdefault(group, {})
@@ -93,13 +97,13 @@ class PythonSeqs:
             self._open.get(self._groups.pop(oldest), {}).pop(oldest, None)
 
     def exited(self, call_id: int, issued: int) -> None:
+        self.finished += max(issued, 1)
         group = self._groups.pop(call_id, None)
         if group is None:
             return
         opened = self._open.get(group, {}).pop(call_id, None)
         if opened is None:
             return
-        self.finished += 1
         self._cover(group, opened[0], opened[0] + max(issued, 1) - 1)
 
     def ran(self, group: str, lo: int, hi: int) -> None:
@@ -121,6 +125,15 @@ class PythonSeqs:
             ranges[-1] = (ranges[-1][0], hi)  # one range for calls that follow on
         else:
             ranges.append((lo, hi))
+
+    def told(self, group: str, created: bool) -> None:
+        """The rank created (or destroyed) ``group``."""
+        if created:
+            self.created.add(group)
+            self.destroyed.discard(group)
+        else:
+            self.created.discard(group)
+            self.destroyed.add(group)
 
     def async_open(self) -> bool:
         """Whether an async call is under way (it may issue more than its first seq)."""
@@ -304,35 +317,43 @@ class PythonAccounts:
 
     - the last ``CLEAN_READS`` reads found every collective covered by a Python call and none
       under way (a job whose C++ issues collectives, DDP's buckets, is never spared);
-    - Python calls finished since it was last asked (a rank inside one collective, or in none,
-      is read: it may hang there, or C++ may be at work);
+    - on every group the rank has (those it said it created, those its calls and the ring
+      showed; not those it destroyed), Python calls finished since it was last asked: a rank
+      inside one collective, or in none, is read (it may hang there, or C++ may be at work), and
+      so is one whose main thread waits inside a collective C++ issued while another thread's
+      Python calls go on elsewhere (a group that makes no progress in Python may be C++'s);
     - no async call is under way (it may issue more than its first seq);
     - on every group, the seqs Python calls covered since the highest the reads held follow on
       without a gap (a gap is a collective C++ issued);
-    - the ring has not gained half its size since it was last read, where a read every poll
-      still sees every entry it gains (fewer calls a poll than the ring holds): a collective C++
-      issued on a group Python calls never show is read before it is overwritten. Where the
-      ring turns over between two polls anyway, reading each poll would only see more of
-      what no read sees whole, and sparing goes on.
+    - the ring has not gained half its size since it was last read (counted in the collectives
+      Python's calls issued: an object collective issues two), where a read every poll still
+      sees every entry it gains (fewer a poll than the ring holds). Where the ring turns over
+      between two polls anyway, reading each poll would only see more of what no read sees
+      whole, and sparing goes on.
 
-    What a "yes" can cost: a collective C++ issued on a group Python calls never show is read
-    at the ring's next whole read, at most ``WHOLE_READ_EVERY_S`` later (the reader reads the
-    ring whole that often whatever this says), or not at all where the ring turned over first,
-    as it would between two reads a poll apart at that rate. Called from the reader's thread:
-    it works on snapshots, and the reader takes any error for a "no"."""
+    What a "yes" can cost: a collective C++ issued between two Python calls on a group is read
+    at the poll after the second (the gap), as it would be without sparing; the reader reads
+    the ring whole at least every ``WHOLE_READ_EVERY_S`` whatever this says. Called from the
+    reader's thread: it works on snapshots, and the reader takes any error for a "no"."""
 
     def __init__(self, tracker: EntryTracker, python: PythonSeqs) -> None:
         self._tracker = tracker
         self._python = python
         self._finished = 1 << 62  # nothing finished since it was last asked, the first time
+        self._newest: dict[str, int] = {}  # each group's newest Python seq when it was last asked
 
     def __call__(self) -> bool:
         python, tracker = self._python, self._tracker
         finished = python.finished
-        polled, self._finished = finished - self._finished, finished  # calls since it was last asked
+        polled, self._finished = finished - self._finished, finished  # collectives since it was last asked
+        seen = tracker.seen()
+        groups = (set(seen) | set(python.groups()) | set(python.created)) - set(python.destroyed)
+        newest = {group: python.newest(group) for group in groups}
+        before, self._newest = self._newest, newest
         if tracker.clean < CLEAN_READS or polled <= 0 or python.async_open():
             return False
+        if any(newest[group] <= before.get(group, 0) for group in groups):
+            return False  # a group with no Python progress since: C++ may be at work there
         if finished - tracker.finished_at >= tracker.held // 2 and polled < tracker.held:
             return False  # read it before it turns over
-        seen = tracker.seen()
-        return all(python.covers_all(group, seen.get(group, 0) + 1, python.newest(group)) for group in python.groups())
+        return all(python.covers_all(group, seen.get(group, 0) + 1, newest[group]) for group in groups)

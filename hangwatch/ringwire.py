@@ -267,6 +267,11 @@ class RingEncoder:
         call.call_id, call.seq, call.step, call.enter_time = call_id, seq, step, t
         return call
 
+    def _told(self, event: pb.Event) -> None:
+        """Keep what the rank said of its groups: ``PythonSeqs.told`` (Flight Recorder's reader asks)."""
+        if event.WhichOneof("body") == "group":
+            self.python.told(event.group.group.name, event.group.kind == r.GroupEventKind.CREATED.value)
+
     def _seq(self, blob_id: int, seq32: int) -> int:
         lane = self._lanes.get(blob_id, ("", -1))
         full = _extend(seq32, self._last_seq.get(lane, 0))
@@ -347,6 +352,7 @@ class RingEncoder:
                 except Exception:
                     del batch.events[-1]
                     continue
+                self._told(batch.events[-1])
             else:
                 continue
             carried += 1
@@ -447,6 +453,7 @@ class RingEncoder:
                     out.append(wire.event_from_pb(rank, msg))
                 except Exception:
                     continue
+                self._told(msg)
         self.last_step = self._last_step
         return out
 

@@ -246,3 +246,72 @@ def test_a_ring_the_build_has_not_is_asked_for_once() -> None:
     for _ in range(2):
         cuda.poll(fetcher)
     assert cuda.asked == [("cpu", "nccl"), ("cpu", "nccl")]
+
+
+# ---- found by an attacking review: a side thread's calls, object collectives -------------------
+
+
+def test_a_main_thread_waiting_in_a_cxx_collective_is_read_while_a_side_thread_calls_python() -> None:
+    """The main thread waits inside DDP's bucket all-reduce (group 0, issued from C++, never
+    retired) while a metrics thread's Python calls go on on group 1. Python making progress on
+    group 1 says nothing of group 0, which the ring showed before: it is read at the next poll
+    (sparing it let the coordinator take the waiting rank for absent, and blame it)."""
+    rank = Rank()
+    fetcher = rank.fetcher()
+    rank.collective("0", python=False)  # DDP's constructor's broadcast: group 0 is known
+    _steady(rank, fetcher)  # on group 0 too: spared once both groups moved
+    for _ in range(FAST):
+        rank.collective("1")  # the side thread goes on, as fast as the ring turns over
+    seq = rank.seq["0"] = rank.seq["0"] + 1  # the hang: C++'s all_reduce on group 0, in flight
+    rank.entries.append({**_entry(seq, "0"), "retired": False, "state": "started"})
+    made = rank.poll(fetcher)
+    assert [(m.group, m.seq, m.exit_time) for m in made] == [("0", seq, None)]
+
+
+def test_a_group_the_rank_created_and_python_does_not_call_keeps_the_ring_read() -> None:
+    """A group made (``new_group``, DeviceMesh, FSDP) and handed to C++: no Python progress on it."""
+    rank = Rank()
+    fetcher = rank.fetcher()
+    _steady(rank, fetcher)
+    rank.python.told("5", created=True)
+    reads = rank.reads
+    for _ in range(3):
+        rank.run(FAST)
+        rank.poll(fetcher)
+    assert rank.reads == reads + 3
+    rank.python.told("5", created=False)  # destroyed: no collective can come from it
+    rank.run(FAST)
+    rank.poll(fetcher)
+    rank.run(FAST)
+    rank.poll(fetcher)
+    assert rank.reads == reads + 3
+
+
+def _object_call(rank: Rank, group: str = "0") -> None:
+    """all_gather_object: one Python call, two collectives in the ring (sizes, then data)."""
+    lo = rank.seq.get(group, 0) + 1
+    for _ in range(2):
+        rank.seq[group] = rank.seq.get(group, 0) + 1
+        rank.entries.append(_entry(rank.seq[group], group))
+    rank.ids += 1
+    rank.python.entered(rank.ids, group, lo)
+    rank.python.exited(rank.ids, 2)
+
+
+def test_the_ring_is_read_before_it_turns_over_counting_entries_not_calls() -> None:
+    """100 object collectives a poll are 200 entries a poll: a 256-entry ring read every poll
+    loses nothing, so it must be read at every poll (counting 100 calls, it was read every
+    other one, and a collective C++ issued right after a read was overwritten unread)."""
+    rank = Rank()
+    fetcher = rank.fetcher()
+    for _ in range(CLEAN_READS + 2):
+        for _ in range(100):
+            _object_call(rank)
+        rank.poll(fetcher)
+    rank.collective("7", python=False)  # right after a read, on a group Python never calls
+    made: list[Any] = []
+    for _ in range(3):
+        for _ in range(100):
+            _object_call(rank)
+        made += rank.poll(fetcher)
+    assert [(m.group, m.seq) for m in made] == [("7", 1)]

@@ -7,7 +7,9 @@ embedded agent reads the rings through the ranks' real worker servers.
 The fault: DDP after that phase, one rank skipping a backward (its peer waits inside a bucket
 all-reduce C++ issued, which only the ring shows). Its look-alike: the same DDP loop, healthy,
 while Python collectives go on on a side group every step (the Python calls keep finishing, the
-C++ ones are on a group they never call): no incident, and every bucket arrives.
+C++ ones are on a group they no longer call): no incident, and every bucket arrives. Then the
+fault an attacking review found: a side thread's Python calls going on while the main thread
+waits inside a collective C++ issued.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 side = dist.new_group([0, 1])
 metric = torch.ones(4)
-for i in range(360):  # 6 s of Python collectives only, 60 a second
+for i in range(360):  # 6 s of Python collectives only, on both groups, 60 a second
+    dist.all_reduce(metric)
     dist.all_reduce(metric, group=side)
     time.sleep(1 / 60)
 torch.manual_seed(0)
@@ -92,3 +95,44 @@ def test_the_healthy_look_alike_raises_nothing_and_every_bucket_arrives(
     wait_for(lambda: all(len(seqs) >= 16 for seqs in buckets().values()) and len(buckets()) == 2, 15, 0.2, "buckets")
     assert buckets()[0] == buckets()[1]
     assert coordinator.incidents_json() == [], _brief(coordinator.incidents_json())
+
+
+SIDE_THREAD = """
+import threading
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+side = dist.new_group([0, 2])
+
+
+def metrics() -> None:  # a metrics thread: Python collectives on a side group, all along
+    t = torch.ones(4)
+    while True:
+        dist.all_reduce(t, group=side)
+        time.sleep(0.01)
+
+
+if rank in (0, 2):
+    threading.Thread(target=metrics, daemon=True).start()
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))  # its C++ broadcasts: group 0 is read, then quiet
+time.sleep(12)
+loss = model(torch.randn(16, 8)).pow(2).mean()
+if rank == 2:
+    time.sleep(60)  # a data-loader stall before its backward: the culprit
+loss.backward()  # ranks 0 and 1 wait inside DDP's bucket all-reduce, which C++ issued
+"""
+
+
+def test_a_rank_waiting_in_a_cxx_collective_while_its_side_thread_calls_python_is_not_blamed(
+    coordinator: Coordinator, torchrun: Callable[..., Job]
+) -> None:
+    """Found by an attacking review: rank 0's metrics thread kept its Python calls finishing on
+    a side group, its CPU ring went unread, and the stuck bucket all-reduce was blamed on rank 0
+    (its wait inside the C++ collective unknown) as well as rank 2, for good."""
+    job = torchrun(SIDE_THREAD, addr=f"127.0.0.1:{coordinator.port}", nproc=3, name="side_thread")
+    inc = wait_incident(coordinator, "stuck_collective", timeout=90)
+    assert (inc["culprit_ranks"], inc["waiting_ranks"]) == ([2], [0, 1]), inc["summary"]
+    assert inc["op"] == "all_reduce"
+    job.kill()
