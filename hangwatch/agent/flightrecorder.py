@@ -272,6 +272,7 @@ class _Watched:
     every: float = 0.0  # seconds between its reads, as its cost allows (``READ_BUDGET``)
     due: float = 0.0  # when it may be read next
     cpu_at: float = 0.0  # when the CPU ring was last read whole
+    vouched: float = 0.0  # the latest poll left unread because Python calls accounted for it all
     absent: set[str] = field(default_factory=set)  # rings this build has not (their handler answered 404)
 
 
@@ -353,6 +354,13 @@ class RingFetcher:
     def stop(self) -> None:
         self._stop.set()
 
+    def vouched(self, key: int) -> float:
+        """When ``key``'s latest poll was left unread because Python calls accounted for all its
+        rings gained (0: never): as good as a read that found nothing new."""
+        with self._lock:
+            watched = self._watched.get(key)
+        return 0.0 if watched is None else watched.vouched
+
     def _spare(self, watched: _Watched, timeout_s: float) -> bool:
         """True when a cheap probe of the NCCL ring (``pg_status`` and the entries not completed
         yet, under a millisecond) shows that reading its entries whole would find nothing new.
@@ -408,6 +416,7 @@ class RingFetcher:
             self.spared_cpu += 1
             names = tuple(n for n in names if n != "cpu")
             if not names:
+                watched.vouched = self._clock()
                 return None  # nothing to read: no round trip at all
         asked = self._clock()
         try:

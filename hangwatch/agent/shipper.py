@@ -107,6 +107,10 @@ class _Rank:
     farewell: bool = False
     unsent: list[r.RankEvent] = field(default_factory=list)
     next_read: float = 0.0  # monotonic time before which a steady rank's ring is not read
+    #: when the latest Flight Recorder read whose records have all gone was asked (the
+    #: header's ``flight_read_time``), and that of a read whose records wait in ``unsent``
+    flight_told: float = 0.0
+    flight_pending: float = 0.0
 
 
 def _has_records(batch: Batch | None) -> bool:
@@ -316,15 +320,21 @@ class Shipper:
             state.unsent += state.flight.update(
                 fetched.entries, state.encoder.python, state.encoder.last_step, self.clock()
             )
+            if state.unsent:
+                state.flight_pending = max(state.flight_pending, fetched.time)
+            else:
+                state.flight_told = max(state.flight_told, fetched.time)  # it found nothing new
         if state.unsent:
             now = self.clock()
             batch = self._batch(state, Batch([], {}, 0), now)
             for event in state.unsent:
                 wire.event_to_pb(event, batch.events.add())
+            batch.flight_read_time = max(batch.flight_read_time, state.flight_pending)  # they go in it
             if self.intake.accept_report(batch).reregister:
                 state.registered = False
                 return  # sent again after registering
             state.unsent.clear()
+            state.flight_told = max(state.flight_told, state.flight_pending)
             state.last_sent = self.mono()  # heartbeats are timed on the monotonic clock
         if ending:
             state.farewell = True
@@ -360,12 +370,23 @@ class Shipper:
         )
         if state.flight is not None:
             batch.budget_note = self.fetcher.note(id(state.link))
+            batch.flight_read_time = self._flight_read_time(state)
         status = state.link.reader.status()
         if status is not None:
             state.status_time = batch.alive_time = status[0]
             where, _, where_user = status[1].partition("\n")
             batch.where, batch.where_user = where, where_user
         return batch
+
+    def _flight_read_time(self, state: _Rank) -> float:
+        """What the header says of the rank's Flight Recorder: when its latest read whose
+        records have all gone was asked, or, later, the latest poll its Python calls accounted
+        for, where the ring has been read past it (those calls have gone) and nothing waits."""
+        told = state.flight_told
+        vouched = self.fetcher.vouched(id(state.link))
+        if vouched > told and vouched <= state.read_to and not state.unsent and state.fetched is None:
+            told = vouched
+        return told
 
     def _gone(self, state: _Rank) -> None:
         """The rank's process is gone (its link closed): say so, with how it ended if /proc knows."""

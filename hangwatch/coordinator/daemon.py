@@ -417,6 +417,7 @@ class Coordinator:
                 where=wire.clip(batch.where, wire.MAX_SITE),
                 where_user=wire.clip(batch.where_user, wire.MAX_SITE),
                 budget_note=wire.clip(batch.budget_note, wire.MAX_SITE),
+                flight_time=batch.flight_read_time,
             )
             if result is None:
                 return None

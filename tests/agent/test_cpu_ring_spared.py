@@ -112,6 +112,7 @@ def test_a_ring_that_holds_only_python_calls_is_left_unread_while_they_account_f
         rank.poll(fetcher)
     assert (rank.reads, fetcher.spared_cpu) == (reads, 6)  # nothing asked of the rank at all
     assert fetcher.reads == reads  # no round trip either
+    assert fetcher.vouched(1) == rank.now  # as good as a read that found nothing new (the header says so)
     # whatever it says, the ring is read whole every WHOLE_READ_EVERY_S
     for _ in range(int(WHOLE_READ_EVERY_S)):
         rank.run(FAST)

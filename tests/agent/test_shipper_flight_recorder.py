@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,34 @@ def test_entries_no_python_call_covered_are_shipped_once(rig: Any) -> None:
         before = len(reads.asked)
         _ticks_until(shipper, lambda: len(reads.asked) > before + 2, "more reads")
         assert len(_from_flight_recorder(intake)) == 4  # the same ring read again: nothing new
+    finally:
+        sock.close()
+
+
+def test_batches_say_when_the_latest_read_whose_records_all_went_was_asked(rig: Any) -> None:
+    """``flight_read_time``: the coordinator takes a rank for absent from a collective C++
+    issued only once a read asked after it began has come with its records."""
+    server, shipper, intake, _reads, sink = rig
+    said: list[tuple[float, int]] = []
+    accept = intake.accept_report
+
+    def report(request: Any, relay: str = "") -> Any:
+        said.append((request.flight_read_time, len(request.events)))
+        return accept(request, relay)
+
+    intake.accept_report = report
+    sock = link.connect(server.path, _hello("/run/rank0-worker.sock"), [sink.fd])
+    assert sock is not None
+    try:
+        before = time.time()
+        _python_calls(sink)
+        _ticks_until(shipper, lambda: _from_flight_recorder(intake), "Flight Recorder records")
+        carried = [t for t, events in said if events]  # the batch that carried the read's records
+        assert carried and carried[-1] >= before
+        assert said[0][0] == 0.0  # the rank's first batch: no read yet
+        _ticks_until(shipper, lambda: len(said) > 3 and said[-1][0] > carried[-1], "a later read")
+        times = [t for t, _ in said]
+        assert times == sorted(times)  # never back
     finally:
         sock.close()
 

@@ -272,12 +272,21 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     # The latest batch we have from an absent rank must have left it after the others entered,
     # else its absence is not known yet (batches travel for up to a report interval, more
     # through a relay or a busy coordinator; thousands of ranks report every 2 s). A collective
-    # issued from C++ is known only from the rank's next Flight Recorder read, up to one poll later.
-    known_from = slot.first_enter
-    if any(c.source != "python" for c in slot.calls.values()):
-        known_from += config.FR_POLL_INTERVAL_S
-    if any(st.end is None and st.last_sent < known_from for st in present.values()):
-        return None
+    # issued from C++ is known only from a Flight Recorder read of the rank asked after it began
+    # (``flight_to``: its node agent says when; reads are spaced by their cost, and spared where
+    # Python calls account for them), or, where no agent says, up to one poll later.
+    cxx = any(c.source != "python" for c in slot.calls.values())
+    for st in present.values():
+        if st.end is not None:
+            continue
+        if st.last_sent < slot.first_enter:
+            return None
+        if cxx and (
+            st.flight_to < slot.first_enter
+            if st.flight_to
+            else st.last_sent < slot.first_enter + config.FR_POLL_INTERVAL_S
+        ):
+            return None
     doings = {
         rk: doing(st.end, st.oldest_open(), st.where, st.where_user, ctx.now) for rk, st in sorted(present.items())
     }

@@ -259,14 +259,17 @@ class JobState:
         where: str = "",
         where_user: str = "",
         budget_note: str = "",
+        flight_time: float = 0.0,
     ) -> IngestResult | None:
         """Apply one batch of ``rank``'s session ``session`` that arrived at ``now``.
 
         ``sent_time`` (rank clock; 0: unknown) and ``held_s`` (seconds a relay held it) feed the
-        rank's clock offset; ``alive_time`` (rank clock; 0: the rank sent it) bounds what the
-        batch proves the rank had not done (a node agent reads a frozen rank's ring too); the
-        rest of the header (``relay``, ``queued``, ``dropped``, ``where``, ``where_user``) is
-        recorded as the rank's latest word. Events of another rank
+        rank's clock offset; ``flight_time`` (the clock of ``sent_time``; 0: none) is when the
+        latest Flight Recorder read of the rank whose records have all come was asked;
+        ``alive_time`` (rank clock; 0: the rank sent it) bounds what the batch proves the rank
+        had not done (a node agent reads a frozen rank's ring too); the rest of the header
+        (``relay``, ``queued``, ``dropped``, ``where``, ``where_user``) is recorded as the
+        rank's latest word. Events of another rank
         are ignored; an event that raises is counted and skipped, so one bad event does not block
         the rank's stream. Returns None when the session is not the rank's registered one (it
         must register again)."""
@@ -285,6 +288,8 @@ class JobState:
             state.last_sent = max(state.last_sent, proven + state.clock_offset)
             if batch_offset != state.clock_offset:
                 settled_offset, state.clock_offset = state.clock_offset, batch_offset  # for this batch
+        if flight_time:
+            state.flight_to = max(state.flight_to, flight_time + state.clock_offset)
         state.queued = queued
         state.dropped = dropped
         state.where = where

@@ -59,6 +59,9 @@ class RankState:
     last_call: r.CallRecord | None = None
     last_progress: float = 0.0  # coordinator time of the last enter/exit/step
     last_sent: float = 0.0  # coordinator time the latest batch left the rank (or its latest call began)
+    #: coordinator time of the latest Flight Recorder read of the rank whose records have all
+    #: come (0: its rings are not read by a node agent): what C++ issued before it is known
+    flight_to: float = 0.0
     history: dict[str, collections.deque[r.CallRecord]] = field(default_factory=dict)
     groups: dict[str, r.GroupInfo] = field(default_factory=dict)
     end: r.RankEnd | None = None

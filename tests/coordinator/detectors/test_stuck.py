@@ -59,6 +59,25 @@ def test_absent_rank_gets_a_flight_recorder_read_before_blame() -> None:
     assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective").culprit_ranks == [1]
 
 
+def test_where_its_agent_says_when_its_flight_recorder_was_read_that_decides() -> None:
+    """A node agent spaces a rank's Flight Recorder reads by their cost and spares those its
+    Python calls account for, and says in each batch when the latest read whose records all
+    went was asked (``flight_to``): a C++ collective of the absent rank that began before that
+    read would be in its records. Until a read asked after the slot began has come, however
+    fresh its batches, the rank's absence is not known (an attacking review saw a waiting rank
+    blamed, its wait inside DDP's bucket all-reduce not read yet)."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2, source="flight_recorder")
+    sim.states[0].last_seen = sim.states[0].last_sent = T0 + 12
+    st = sim.states[1]
+    st.last_seen, st.last_sent = T0 + 12, T0 + 12  # batches well after the slot, from a side thread
+    st.flight_to = T0 + 1.5  # its latest read was asked before rank 0 entered
+    assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
+    st.flight_to = T0 + 2.1
+    assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective").culprit_ranks == [1]
+
+
 def test_stuck_eight_ranks_one_absent() -> None:
     sim = SimJob(8)
     for seq in range(1, 4):
