@@ -45,6 +45,11 @@ SKIPPED_HINT = (
 #: Heartbeats come every second; a rank silent this long may be frozen (the frozen detector
 #: decides at ``silence_after``), so a hang it is absent from is not yet blamed on it.
 SUSPECT_SILENCE_S = 2.5
+#: A rank's latest Flight Recorder read this much older than its latest batch: its reads have
+#: stopped (the worker server no longer answers), and what it says of C++'s collectives is old.
+#: Reads are spaced by their cost and spared where Python calls account for them, up to every
+#: 10 s (``agent.flightrecorder.WHOLE_READ_EVERY_S``) whatever their cost.
+FLIGHT_STALE_S = 30.0
 
 
 def _silent(state: RankState, ctx: Context) -> bool:
@@ -275,6 +280,8 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     # issued from C++ is known only from a Flight Recorder read of the rank asked after it began
     # (``flight_to``: its node agent says when; reads are spaced by their cost, and spared where
     # Python calls account for them), or, where no agent says, up to one poll later.
+    # Reads that stopped coming (a worker server that no longer answers) say nothing: then the
+    # allowance is what it is where no agent says.
     cxx = any(c.source != "python" for c in slot.calls.values())
     for st in present.values():
         if st.end is not None:
@@ -283,7 +290,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             return None
         if cxx and (
             st.flight_to < slot.first_enter
-            if st.flight_to
+            if st.flight_to > st.last_sent - FLIGHT_STALE_S
             else st.last_sent < slot.first_enter + config.FR_POLL_INTERVAL_S
         ):
             return None

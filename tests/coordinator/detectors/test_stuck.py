@@ -76,6 +76,12 @@ def test_where_its_agent_says_when_its_flight_recorder_was_read_that_decides() -
     assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
     st.flight_to = T0 + 2.1
     assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective").culprit_ranks == [1]
+    # reads that stopped coming (its worker server no longer answers) say nothing: the allowance
+    # is the one-poll one again, rather than never blaming it
+    st.flight_to = T0 + 1.5
+    st.last_seen = st.last_sent = T0 + 1.5 + stuck.FLIGHT_STALE_S + 1
+    found = stuck.detect(sim.job, sim.ctx(T0 + 1.5 + stuck.FLIGHT_STALE_S + 1))
+    assert only(found, "stuck_collective").culprit_ranks == [1]
 
 
 def test_stuck_eight_ranks_one_absent() -> None:
