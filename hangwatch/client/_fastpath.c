@@ -14,6 +14,10 @@
  * Nothing here raises into the user's code: a failure before the user's call falls back to
  * ``general``; a failure after it is reported to the session (``on_exit_error``), and the
  * user's result or exception passes through untouched.
+ *
+ * The node agent's side lives here too (one extension, one build): ``scan``, the loop over a
+ * ring's slots of ``RingReader.poll``, and ``gather``, ``RingEncoder._gather``'s gathering of
+ * runs; each has its Python original as the reference and the fallback.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
