@@ -110,13 +110,15 @@ def gc_during_backlog(records: int, kind: str) -> int:
     return sum(s["collections"] for s in gc.get_stats()) - before
 
 
-def reader_cost(calls: int) -> float:
-    """The node agent's side: reading one call's two slots back."""
+def reader_cost(calls: int, native: bool = True) -> float:
+    """The node agent's side: reading one call's two slots back (``native``: the slot loop in C,
+    where the extension is built; else the Python loop)."""
     w = RingWriter(capacity=2 * calls, blob_bytes=64)
     for i in range(calls):
         w.write(Kind.ENTER, 0, 0, 1, i, i, 0, 0, 0.0)
         w.write(Kind.EXIT, 0, 1, 0, i, 0, 0, 0, 0.0)
     r = RingReader(w.fd)
+    r.native = native
     t0 = time.perf_counter()
     batch = r.poll(limit=2 * calls)
     elapsed = (time.perf_counter() - t0) / calls
@@ -142,8 +144,10 @@ def main() -> int:
     for name, values in results.items():
         med = statistics.median(values)
         print(f"{name:<28}{med:>10.3f}{min(values):>8.3f}{max(values):>8.3f}{med / base:>10.2f}")
+    python_read = statistics.median(reader_cost(args.calls, native=False) * 1e6 for _ in range(3))
     read = statistics.median(reader_cost(args.calls) * 1e6 for _ in range(3))
-    print(f"{'ring, reader side':<28}{read:>10.3f}")
+    print(f"{'ring, reader side, Python':<28}{python_read:>10.3f}")
+    print(f"{'ring, reader side, C scan':<28}{read:>10.3f}{'':>16}{python_read / read:>10.2f}x")
     for kind in ("deque", "ring"):
         print(f"gc collections while 1,000,000 records pile up ({kind}): {gc_during_backlog(1_000_000, kind)}")
     return 0

@@ -383,3 +383,21 @@ def test_the_gatherer_in_c_is_the_python_one(batches: list[list[tuple[int, ...]]
         assert native.steady == python.steady
         assert (native._whole, native._run_ok) == (python._whole, python._run_ok)
         assert native.holding == python.holding
+
+
+@pytest.mark.skipif(ringwire._native_gather is None, reason="the C extension is not built here")
+def test_the_c_gatherer_works_on_the_batch_as_it_was_whatever_known_does_to_it() -> None:
+    """``known`` runs Python code: found by a review, a callback that replaced or cleared the
+    list under the C gatherer made it read freed slots. It gathers the batch as it was passed."""
+    assert ringwire._native_gather is not None
+    slots = _slots([(Kind.ENTER, 0, 1, 1, 1, 1, 0)] * 6, 1)
+    want, _ = ringwire._native_gather(list(slots), set(), {1: True}, lambda ref: None, 2)
+
+    def vandal(ref: int) -> None:
+        batch[:] = [Slot(0, Kind.STEP, 0, 0, 0, 0, 0, 0, 0, 0.0, 0)] * 3
+
+    batch = list(slots)
+    got, _ = ringwire._native_gather(batch, set(), {1: True}, vandal, 2)
+    assert [x if isinstance(x, Slot) else (x[0], x[1], x[2], x[3]) for x in got] == [
+        x if isinstance(x, Slot) else (x[0], x[1], x[2], x[3]) for x in want
+    ]

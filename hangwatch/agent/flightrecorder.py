@@ -249,6 +249,9 @@ class Fetched:
     time: float
     entries: list[Any]
     progress: list[r.GroupProgress] = field(default_factory=list)
+    #: every ring asked for was read (a ring that failed leaves its collectives untold: such a
+    #: read says nothing of when C++'s collectives were last seen)
+    complete: bool = True
 
 
 @dataclass
@@ -283,6 +286,10 @@ class _Watched:
 #: so. The read's time as the agent sees it (the round trip, parsing included) stands for the
 #: rank's cost: it is the larger.
 READ_BUDGET = 0.01
+#: However much a read costs, a rank is read at least this often (then over ``READ_BUDGET``, and
+#: ``status`` says so): the coordinator takes reads this far apart for reads that stopped
+#: (``detectors.stuck.FLIGHT_STALE_S``).
+MAX_READ_EVERY_S = 20.0
 
 
 class RingFetcher:
@@ -443,7 +450,8 @@ class RingFetcher:
             watched.described.update(group for group, seq in nccl_seqs.items() if seq > 0)
         nccl, read_at = (rings.get("nccl"), asked) if "nccl" in names else (watched.probed, watched.probed_at)
         progress = [] if nccl is None else progress_of(nccl, watched.timeouts, watched.highest)
-        return Fetched(asked, entries_of(rings), [dataclasses.replace(p, time=read_at) for p in progress])
+        progress = [dataclasses.replace(p, time=read_at) for p in progress]
+        return Fetched(asked, entries_of(rings), progress, complete=not errors)
 
     def note(self, key: int) -> str:
         """What the budget slowed down for ``key`` (empty: nothing): said in ``status``."""
@@ -451,9 +459,14 @@ class RingFetcher:
             w = self._watched.get(key)
         if w is None or w.every <= self.interval_s:
             return ""
+        within = (
+            f"kept under {READ_BUDGET:.0%} of a core"
+            if w.cost / w.every <= READ_BUDGET * 1.001
+            else f"{w.cost / w.every:.1%} of a core: read at least every {MAX_READ_EVERY_S:g} s whatever it costs"
+        )
         return (
             f"Flight Recorder read every {w.every:.1f} s, not every {self.interval_s:g} s: a read costs the rank "
-            f"about {w.cost * 1e3:.0f} ms (kept under {READ_BUDGET:.0%} of a core)"
+            f"about {w.cost * 1e3:.0f} ms ({within})"
         )
 
     def poll_once(self, due_only: bool = False) -> None:
@@ -469,7 +482,7 @@ class RingFetcher:
             fetched = self._fetch(w, self.timeout_s)
             took = max(0.0, self._clock() - started)
             w.cost = took if not w.cost else 0.7 * w.cost + 0.3 * took
-            w.every = max(self.interval_s, w.cost / READ_BUDGET)
+            w.every = min(max(self.interval_s, w.cost / READ_BUDGET), max(self.interval_s, MAX_READ_EVERY_S))
             w.due = started + w.every - self.interval_s / 2  # read on the tick nearest its due time
             if fetched is not None:
                 with self._lock:

@@ -245,6 +245,9 @@ class Shipper:
                 return
             state.registered = True
             state.encoder.reset()
+            # a coordinator that did not hear of the reads so far (restarted) is told of reads
+            # from now on only: the records of those before went to its predecessor
+            state.flight_told = state.flight_pending = 0.0
             # what the coordinator holds already (this ring shipped by an agent before this one)
             state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
             state.encoder.send_runs = registration.takes_runs  # runs of alike calls in one column entry
@@ -320,7 +323,9 @@ class Shipper:
             state.unsent += state.flight.update(
                 fetched.entries, state.encoder.python, state.encoder.last_step, self.clock()
             )
-            if state.unsent:
+            if not fetched.complete:
+                pass  # a ring that failed says nothing of when C++'s collectives were last seen
+            elif state.unsent:
                 state.flight_pending = max(state.flight_pending, fetched.time)
             else:
                 state.flight_told = max(state.flight_told, fetched.time)  # it found nothing new

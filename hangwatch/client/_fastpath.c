@@ -603,26 +603,27 @@ static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "gather: slots must be a list, whole a set, ok a dict");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(slots);
-    PyObject *const *items = ((PyListObject *)slots)->ob_item;
+    /* the batch's slots, held here: ``known`` runs Python code, which may change the list */
+    PyObject *held = PyList_AsTuple(slots);
+    if (held == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(held);
+    PyObject *const *items = &PyTuple_GET_ITEM(held, 0);
     for (Py_ssize_t j = 0; j < n; j++) {
         if (!PyTuple_Check(items[j]) || PyTuple_GET_SIZE(items[j]) != 11) {
             PyErr_SetString(PyExc_TypeError, "gather: a slot is not an 11-tuple");
+            Py_DECREF(held);
             return NULL;
         }
     }
     PyObject *out = PyList_New(0);
-    if (out == NULL) return NULL;
+    if (out == NULL) {
+        Py_DECREF(held);
+        return NULL;
+    }
     run_t run = {0};
     int steady = n > 0;
     Py_ssize_t i = 0;
-    Py_INCREF(slots); /* ``known`` runs Python code: the list stays ours meanwhile */
     while (i < n) {
-        items = ((PyListObject *)slots)->ob_item;
-        if (PyList_GET_SIZE(slots) != n) {
-            PyErr_SetString(PyExc_RuntimeError, "gather: the batch changed while gathered");
-            goto fail;
-        }
         PyObject *s = items[i];
         unsigned long kind, flags;
         if (field_ul(s, F_KIND, &kind) < 0 || field_ul(s, F_FLAGS, &flags) < 0) goto fail;
@@ -690,13 +691,12 @@ static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t narg
         i += 1;
     }
     if (flush_run(&run, out, run_min, items) < 0) goto fail;
-    Py_DECREF(slots);
-    PyObject *result = Py_BuildValue("(NO)", out, steady ? Py_True : Py_False);
-    return result;
+    Py_DECREF(held);
+    return Py_BuildValue("(NO)", out, steady ? Py_True : Py_False);
 fail:
     Py_XDECREF(run.enters);
     Py_XDECREF(run.exits);
-    Py_DECREF(slots);
+    Py_DECREF(held);
     Py_DECREF(out);
     return NULL;
 }
@@ -727,7 +727,8 @@ static PyObject *scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    if ((Py_ssize_t)header + (Py_ssize_t)capacity * (Py_ssize_t)sizeof(slot_t) > view.len) {
+    if (capacity > (PY_SSIZE_T_MAX - header) / (Py_ssize_t)sizeof(slot_t) ||
+        (Py_ssize_t)header + (Py_ssize_t)capacity * (Py_ssize_t)sizeof(slot_t) > view.len) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "scan: the ring is larger than its mapping");
         return NULL;

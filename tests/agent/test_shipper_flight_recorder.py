@@ -563,3 +563,56 @@ def test_a_rank_whose_reads_cost_more_than_the_budget_is_read_less_often_and_sta
     assert "Flight Recorder read every 5.0 s, not every 1 s" in fetcher.note(1)
     assert "about 50 ms" in fetcher.note(1) and fetcher.note(2) == ""
     assert fetcher.fetch_now(1) is not None  # a rank that is ending is read at once, whatever it costs
+
+
+def test_a_rank_is_read_at_least_every_max_read_every_s_whatever_it_costs() -> None:
+    """A read that costs 0.5 s (a huge NCCL ring, or one that times out) would be spaced 50 s
+    apart under the budget: the coordinator would take the rank's reads for stopped
+    (``FLIGHT_STALE_S``). It is read every ``MAX_READ_EVERY_S``, and ``status`` says what it costs."""
+    from hangwatch.agent.flightrecorder import MAX_READ_EVERY_S
+    from hangwatch.coordinator.detectors.stuck import FLIGHT_STALE_S
+
+    clock = [1000.0]
+    reads = [0]
+
+    def read(path: str, pid: int, **_: Any) -> Any:
+        clock[0] += 0.5
+        reads[0] += 1
+        return {"cpu": {"pg_status": {}, "entries": []}}, {}
+
+    fetcher = RingFetcher(interval_s=1.0, read=read, clock=lambda: clock[0])
+    fetcher.watch(1, "/run/a.sock", 4242)
+    for _ in range(100):
+        fetcher.poll_once(due_only=True)
+        clock[0] += 1.0
+    assert fetcher._watched[1].every == MAX_READ_EVERY_S < FLIGHT_STALE_S / 2
+    assert 4 <= reads[0] <= 7  # every 20 s over 100 s
+    assert "2.5% of a core: read at least every 20 s whatever it costs" in fetcher.note(1)
+    fetcher.stop()
+
+
+def test_a_read_of_which_a_ring_failed_says_nothing_of_when_cxx_was_last_seen(rig: Any) -> None:
+    """Found by a review: the CPU ring timed out while the NCCL ring answered, and every batch
+    said "read at T" while the CPU ring's collectives, C++'s among them, never came."""
+    server, shipper, intake, reads, sink = rig
+    said: list[float] = []
+    accept = intake.accept_report
+
+    def report(request: Any, relay: str = "") -> Any:
+        said.append(request.flight_read_time)
+        return accept(request, relay)
+
+    def failing(path: str, pid: int, **_: Any) -> Any:
+        reads.asked.append((path, pid))
+        return {"nccl": {"pg_status": {}, "entries": []}}, {"cpu": "fr_trace_json: timed out"}
+
+    intake.accept_report = report
+    shipper.fetcher._read = failing
+    sock = link.connect(server.path, _hello("/run/rank0-worker.sock"), [sink.fd])
+    assert sock is not None
+    try:
+        _python_calls(sink)
+        _ticks_until(shipper, lambda: len(reads.asked) > 3 and len(said) > 3, "reads and batches")
+        assert set(said) == {0.0} and not _from_flight_recorder(intake)
+    finally:
+        sock.close()

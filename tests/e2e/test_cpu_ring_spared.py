@@ -31,7 +31,7 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 side = dist.new_group([0, 1])
 metric = torch.ones(4)
-for i in range(360):  # 6 s of Python collectives only, on both groups, 60 a second
+for i in range(300):  # 5 s of Python collectives only, on both groups, 60 a second
     dist.all_reduce(metric)
     dist.all_reduce(metric, group=side)
     time.sleep(1 / 60)
@@ -117,7 +117,7 @@ if rank in (0, 2):
     threading.Thread(target=metrics, daemon=True).start()
 torch.manual_seed(0)
 model = DDP(torch.nn.Linear(8, 1))  # its C++ broadcasts: group 0 is read, then quiet
-time.sleep(12)
+time.sleep(7)
 loss = model(torch.randn(16, 8)).pow(2).mean()
 if rank == 2:
     time.sleep(60)  # a data-loader stall before its backward: the culprit

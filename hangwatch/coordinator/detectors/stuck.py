@@ -46,10 +46,11 @@ SKIPPED_HINT = (
 #: decides at ``silence_after``), so a hang it is absent from is not yet blamed on it.
 SUSPECT_SILENCE_S = 2.5
 #: A rank's latest Flight Recorder read this much older than its latest batch: its reads have
-#: stopped (the worker server no longer answers), and what it says of C++'s collectives is old.
-#: Reads are spaced by their cost and spared where Python calls account for them, up to every
-#: 10 s (``agent.flightrecorder.WHOLE_READ_EVERY_S``) whatever their cost.
-FLIGHT_STALE_S = 30.0
+#: stopped (the worker server no longer answers, a ring keeps failing), and what it says of
+#: C++'s collectives is old. A node agent spaces reads by their cost and spares those Python
+#: calls account for, but reads each rank at least every 20 s
+#: (``agent.flightrecorder.MAX_READ_EVERY_S``) and a spared CPU ring every 10 s.
+FLIGHT_STALE_S = 60.0
 
 
 def _silent(state: RankState, ctx: Context) -> bool:
