@@ -121,6 +121,8 @@ def read_rings(
             continue
         if isinstance(data, dict):
             rings[name] = data
+        else:  # a ring neither read nor failed is one the build has not (404): this one failed
+            errors[name] = f"{handler}: not a JSON object"
     return rings, errors
 
 

@@ -111,6 +111,7 @@ class _Rank:
     #: header's ``flight_read_time``), and that of a read whose records wait in ``unsent``
     flight_told: float = 0.0
     flight_pending: float = 0.0
+    flight_floor: float = 0.0  # when it last registered: polls vouched for before do not count
 
 
 def _has_records(batch: Batch | None) -> bool:
@@ -248,6 +249,7 @@ class Shipper:
             # a coordinator that did not hear of the reads so far (restarted) is told of reads
             # from now on only: the records of those before went to its predecessor
             state.flight_told = state.flight_pending = 0.0
+            state.flight_floor = self.clock()
             # what the coordinator holds already (this ring shipped by an agent before this one)
             state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
             state.encoder.send_runs = registration.takes_runs  # runs of alike calls in one column entry
@@ -323,12 +325,11 @@ class Shipper:
             state.unsent += state.flight.update(
                 fetched.entries, state.encoder.python, state.encoder.last_step, self.clock()
             )
-            if not fetched.complete:
-                pass  # a ring that failed says nothing of when C++'s collectives were last seen
-            elif state.unsent:
-                state.flight_pending = max(state.flight_pending, fetched.time)
-            else:
-                state.flight_told = max(state.flight_told, fetched.time)  # it found nothing new
+            if fetched.complete:  # a ring that failed says nothing of when C++'s were last seen
+                if state.unsent:
+                    state.flight_pending = max(state.flight_pending, fetched.time)
+                else:
+                    state.flight_told = max(state.flight_told, fetched.time)  # it found nothing new
         if state.unsent:
             now = self.clock()
             batch = self._batch(state, Batch([], {}, 0), now)
@@ -389,7 +390,12 @@ class Shipper:
         for, where the ring has been read past it (those calls have gone) and nothing waits."""
         told = state.flight_told
         vouched = self.fetcher.vouched(id(state.link))
-        if vouched > told and vouched <= state.read_to and not state.unsent and state.fetched is None:
+        if (
+            vouched > told
+            and state.flight_floor <= vouched <= state.read_to
+            and not state.unsent
+            and state.fetched is None
+        ):
             told = vouched
         return told
 

@@ -138,7 +138,7 @@ def test_batches_say_when_the_latest_read_whose_records_all_went_was_asked(rig: 
         carried = [t for t, events in said if events]  # the batch that carried the read's records
         assert carried and carried[-1] >= before
         assert said[0][0] == 0.0  # the rank's first batch: no read yet
-        _ticks_until(shipper, lambda: len(said) > 3 and said[-1][0] > carried[-1], "a later read")
+        _ticks_until(shipper, lambda: said[-1][0] > carried[-1], "a later read")  # the next heartbeat says it
         times = [t for t, _ in said]
         assert times == sorted(times)  # never back
     finally:
@@ -612,7 +612,7 @@ def test_a_read_of_which_a_ring_failed_says_nothing_of_when_cxx_was_last_seen(ri
     assert sock is not None
     try:
         _python_calls(sink)
-        _ticks_until(shipper, lambda: len(reads.asked) > 3 and len(said) > 3, "reads and batches")
+        _ticks_until(shipper, lambda: len(reads.asked) > 3 and len(said) > 1, "reads and batches")
         assert set(said) == {0.0} and not _from_flight_recorder(intake)
     finally:
         sock.close()
