@@ -55,8 +55,11 @@ MAX_SLOTS = 8000
 #: How often the shipper looks at its ranks' rings.
 TICK_S = 0.05
 #: How often it reads the ring of a rank in a steady state: whose last batch held only calls of
-#: signatures shown before, each returned without error (``RingEncoder.steady``). Anything else
-#: (a new signature, a call under way, an error, a rank ending) is read every tick. Fewer, larger
+#: signatures shown before, each returned without error (``RingEncoder.steady``), and no call
+#: under way held back. Anything else (a new signature, a call under way, an error, a rank
+#: ending) is read every tick. Steady ranks are read on the same tick, once a period of the
+#: agent's monotonic clock, so that their records of one collective arrive together (read a
+#: period apart, a mismatch's first story would name one side of three). Fewer, larger
 #: batches cost the coordinator less per call where calls are few a tick (every batch's fixed
 #: cost, and a run's calls kept whole for the rank's last 64: BENCHMARKS.md "The whole bill"),
 #: paid in up to 0.15 s more before a steady rank's records reach the coordinator, whose
@@ -106,7 +109,9 @@ class _Rank:
     read_to: float = float("-inf")
     farewell: bool = False
     unsent: list[r.RankEvent] = field(default_factory=list)
-    next_read: float = 0.0  # monotonic time before which a steady rank's ring is not read
+    #: the STEADY_S period (of the monotonic clock) in which a steady rank's ring was last read
+    #: (None: not steady, read every tick)
+    steady_period: int | None = None
     #: when the latest Flight Recorder read whose records have all gone was asked (the
     #: header's ``flight_read_time``), and that of a read whose records wait in ``unsent``
     flight_told: float = 0.0
@@ -189,13 +194,22 @@ class Shipper:
             state = self._ranks.get(id(link))
             if state is None:
                 state = self._ranks[id(link)] = self._new_rank(link)
-            if now < state.next_read and link.closed_at is None and link.ending_at is None:
-                continue  # steady: read on a later tick
+            period = int(now // STEADY_S)  # one clock for all ranks: steady ones are read together
+            if state.steady_period == period and link.closed_at is None and link.ending_at is None:
+                continue  # steady: read in the next period
             try:
                 state.encoder.steady = False
                 self._ship(state)
-                steady = self.read_less and state.encoder.steady and state.pending is None and not state.unsent
-                state.next_read = now + STEADY_S - TICK_S / 2 if steady else 0.0
+                # a call held back (under way as the ring was read) goes on the next tick: it may
+                # be one that never returns, or one of a mismatch the other ranks' records tell
+                steady = (
+                    self.read_less
+                    and state.encoder.steady
+                    and not state.encoder.holding
+                    and state.pending is None
+                    and not state.unsent
+                )
+                state.steady_period = period if steady else None
                 if self._failing:
                     log.info("coordinator reachable again: shipping resumed")
                     self._failing = False

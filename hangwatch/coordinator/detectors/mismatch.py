@@ -35,6 +35,10 @@ class Checked:
 
 #: Distinct mismatches remembered for their repeats (a loop repeating one mismatch is one incident).
 FIRSTS_KEPT = 1024
+#: How long after a slot's first call a mismatch seen before every rank arrived, and with no
+#: majority for either side, waits for the batches of ranks whose absence is not known yet
+#: (their latest batch left before the slot's latest call began) before it is told provisionally.
+PROVISIONAL_WAIT_S = 1.0
 
 
 @dataclass
@@ -56,6 +60,9 @@ class MismatchCache:
     """What ``detect`` remembers between ticks (engine-owned; see detectors/__init__.py)."""
 
     membership: list[Finding] | None = None  # group membership findings; None: compare again
+    #: slots whose mismatch waits for the batches of ranks not arrived yet (``PROVISIONAL_WAIT_S``),
+    #: looked at every tick until told
+    waiting: dict[tuple[str, int], float] = field(default_factory=dict)
     #: each distinct mismatch (kind, group, the calls as described) -> where it was first seen
     firsts: collections.OrderedDict[tuple[object, ...], First] = field(default_factory=collections.OrderedDict)
     #: per group, per seq: the last check of each slot still in the job state (slots pruned
@@ -92,9 +99,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         cache.membership = _group_membership(job)
     findings = list(cache.membership)
     changed = ctx.changes.slots
-    for group, seq in sorted(changed):
+    for group, seq in sorted(set(changed) | set(cache.waiting)):
         slot = job.slots[group].get(seq) if group in job.slots else None
         if slot is None or len(slot.calls) < 2:
+            cache.waiting.pop((group, seq), None)
             continue
         check = cache.check_of(slot)
         if len(slot.calls) == check.calls:
@@ -108,6 +116,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             continue  # identical calls: two of them answer for all (the full check names culprits)
         mismatch = compare_collective(slot.calls, size or None)
         if mismatch is None:
+            cache.waiting.pop((group, seq), None)
             continue
         ctx.claimed.add((group, seq))
         ctx.mismatched.add((group, seq))
@@ -121,7 +130,18 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         summary, hint, kind = mismatch.summary, mismatch.hint, mismatch.kind
         if size and len(slot.calls) < size and len(agreeing) * 2 <= size:
             # Not every rank has arrived and the side taken for right is no majority of the group
-            # yet: say who disagrees, not who is wrong (the incident is told again as they come).
+            # yet. The others' batches may be on their way (a node agent reads a steady rank's
+            # ring every 0.2 s; remote agents and relays add their transit): wait for them a
+            # moment, then say who disagrees, not who is wrong (told again as they come).
+            missing = [rk for rk in job.members(group) if rk not in slot.calls]
+            on_their_way = any(
+                (st := job.ranks.get(rk)) is not None and st.end is None and st.last_sent < slot.last_enter
+                for rk in missing
+            )
+            if on_their_way and ctx.now - slot.first_enter < PROVISIONAL_WAIT_S:
+                cache.waiting.setdefault((group, seq), ctx.now)
+                check.calls = 0  # compared again on the next tick
+                continue
             culprit, agreeing = sorted(slot.calls), []
             details["provisional"] = True
             summary += (
@@ -150,6 +170,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                     f"a final barrier while rank{'s' if len(others) > 1 else ''} {format_ranks(agreeing)} "
                     f"entered {other_op} (group {group}, seq {seq}){in_step(step, ' at step {}')}: {mismatch.summary}"
                 )
+        cache.waiting.pop((group, seq), None)
         key = incident_key(KeyFamily.MISMATCH, group=group, seq=seq)
         # the same calls disagreeing the same way, in the same processes (a rerun is news)
         members = job.members(group) or tuple(slot.calls)

@@ -91,6 +91,7 @@ def test_mismatch_third_rank_can_change_the_culprit() -> None:
     sim = SimJob(3)
     sim.call(0, T0 + 2)
     sim.call(1, T0 + 2.1, shape=(8,))
+    sim.beat(T0 + 2.15, ranks=[2])  # rank 2's latest batch left after both began: it is not there
     engine = sim.engine()
     (inc,) = engine.tick(T0 + 2.2)
     assert inc.culprit_ranks == [0, 1] and inc.details["provisional"] is True
@@ -99,6 +100,28 @@ def test_mismatch_third_rank_can_change_the_culprit() -> None:
     assert len(engine.incidents) == 1
     assert (inc.culprit_ranks, inc.waiting_ranks) == ([0], [1, 2]) and inc.details["provisional"] is False
     assert "which side is wrong is not known yet" not in inc.summary
+
+
+def test_a_mismatch_waits_a_moment_for_the_batch_of_a_rank_whose_absence_is_not_known() -> None:
+    """Rank 2's latest batch left before the slot's calls began: its call may be on its way (a
+    node agent reads a steady rank every 0.2 s; found in CI, a mismatch first told with two of
+    three ranks, 'which side is wrong is not known yet', when the third was 0.2 s behind). It is
+    told whole when rank 2's call comes, and provisionally after ``PROVISIONAL_WAIT_S`` if not."""
+    sim = SimJob(3)
+    sim.call(0, T0 + 2)
+    sim.call(1, T0 + 2.1, shape=(8,))
+    engine = sim.engine()
+    assert engine.tick(T0 + 2.2) == []
+    sim.call(2, T0 + 2.3, shape=(8,))
+    (inc,) = engine.tick(T0 + 2.4)
+    assert (inc.culprit_ranks, inc.waiting_ranks) == ([0], [1, 2]) and inc.details["provisional"] is False
+    late = SimJob(3)
+    late.call(0, T0 + 2)
+    late.call(1, T0 + 2.1, shape=(8,))
+    engine = late.engine()
+    assert engine.tick(T0 + 2.2) == []
+    (inc,) = engine.tick(T0 + 2 + mismatch.PROVISIONAL_WAIT_S + 0.05)  # it never came
+    assert inc.culprit_ranks == [0, 1] and inc.details["provisional"] is True
 
 
 def test_group_membership_mismatch() -> None:
