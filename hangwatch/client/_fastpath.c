@@ -552,7 +552,7 @@ typedef struct {
 
 /* Append the run to ``out``: as (enter, exit, enters, exits) where it has ``run_min`` calls or
  * more, else as its calls' slots. The run is emptied; -1 on failure. */
-static int flush_run(run_t *run, PyObject *out, Py_ssize_t run_min, PyObject *const *items) {
+static int flush_run(run_t *run, PyObject *out, Py_ssize_t run_min) {
     if (run->enters == NULL) return 0;
     int rc = 0;
     Py_ssize_t k = PyList_GET_SIZE(run->enters);
@@ -563,7 +563,6 @@ static int flush_run(run_t *run, PyObject *out, Py_ssize_t run_min, PyObject *co
     } else { /* fewer than run_min (one): its two slots as they were */
         rc = (PyList_Append(out, run->enter) < 0 || PyList_Append(out, run->exit) < 0) ? -1 : 0;
     }
-    (void)items;
     Py_CLEAR(run->enters);
     Py_CLEAR(run->exits);
     run->enter = run->exit = NULL;
@@ -640,7 +639,7 @@ static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t narg
                 if (may == NULL && PyErr_Occurred()) goto fail;
                 int t = may == NULL ? 0 : PyObject_IsTrue(may);
                 if (t < 0 || (t && PySet_Add(whole, refobj) < 0)) goto fail;
-                if (flush_run(&run, out, run_min, items) < 0 || PyList_Append(out, s) < 0) goto fail;
+                if (flush_run(&run, out, run_min) < 0 || PyList_Append(out, s) < 0) goto fail;
                 i += 1;
                 continue;
             }
@@ -662,7 +661,7 @@ static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t narg
                                   call == ((run.call_id + k) & 0xFFFFFFFFul) &&
                                   seq == ((run.seq + k) & 0xFFFFFFFFul) && step == run.step;
                     if (!follows) {
-                        if (flush_run(&run, out, run_min, items) < 0) goto fail;
+                        if (flush_run(&run, out, run_min) < 0) goto fail;
                         run.enters = PyList_New(0);
                         run.exits = PyList_New(0);
                         if (run.enters == NULL || run.exits == NULL) goto fail;
@@ -681,7 +680,7 @@ static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t narg
                 }
             }
         }
-        if (flush_run(&run, out, run_min, items) < 0) goto fail;
+        if (flush_run(&run, out, run_min) < 0) goto fail;
         if (steady) {
             int st = settled(s, i + 1 < n ? items[i + 1] : NULL);
             if (st < 0) goto fail;
@@ -690,7 +689,7 @@ static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t narg
         if (PyList_Append(out, s) < 0) goto fail;
         i += 1;
     }
-    if (flush_run(&run, out, run_min, items) < 0) goto fail;
+    if (flush_run(&run, out, run_min) < 0) goto fail;
     Py_DECREF(held);
     return Py_BuildValue("(NO)", out, steady ? Py_True : Py_False);
 fail:

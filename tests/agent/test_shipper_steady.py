@@ -89,6 +89,15 @@ def _steady(shipper: Shipper, sink: RingSink, clock: Clock, ids: Iterator[int]) 
     assert shipper._ranks and all(s.encoder.steady for s in shipper._ranks.values())
 
 
+def _steady_and_five_more(shipper: Shipper, sink: RingSink, clock: Clock) -> Iterator[int]:
+    """A steady rank with five more of its calls written since its last read; the ids to go on."""
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    for _ in range(5):
+        sink.put(_call(next(ids)))
+    return ids
+
+
 def test_a_steady_rank_is_read_every_steady_s(read_less: bool, rig: Any) -> None:
     shipper, intake, sink, clock = rig
     ids = iter(range(1, 10_000))
@@ -112,10 +121,7 @@ def test_a_steady_rank_is_read_every_steady_s(read_less: bool, rig: Any) -> None
 )
 def test_what_a_detector_waits_for_is_read_on_the_next_tick(rig: Any, what: str) -> None:
     shipper, intake, sink, clock = rig
-    ids = iter(range(1, 10_000))
-    _steady(shipper, sink, clock, ids)
-    for _ in range(5):
-        sink.put(_call(next(ids)))
+    ids = _steady_and_five_more(shipper, sink, clock)
     n = next(ids)
     if what == "a new signature":
         sink.put(_call(n, op="broadcast"))
@@ -173,10 +179,7 @@ def test_a_steady_rank_inside_a_call_is_read_on_the_next_tick(rig: Any) -> None:
     that read comes on the next tick, not a ``STEADY_S`` later (found in CI: a mismatch told
     with one of three ranks' calls 0.2 s late read 'which side is wrong is not known yet')."""
     shipper, intake, sink, clock = rig
-    ids = iter(range(1, 10_000))
-    _steady(shipper, sink, clock, ids)
-    for _ in range(5):
-        sink.put(_call(next(ids)))
+    ids = _steady_and_five_more(shipper, sink, clock)
     last = next(ids)
     sink.put(_call(last, done=False))  # entered, under way: held back
     clock.now += STEADY_S
