@@ -35,6 +35,7 @@ from hangwatch.coordinator import engine as engine_mod
 from hangwatch.coordinator import state as state_mod
 from hangwatch.coordinator.engine import Engine
 from hangwatch.coordinator.state import JobState, RankState
+from hangwatch.coordinator.state.history import History
 from hangwatch.flight_entries import entry_call_id
 from tests.factories import call, identity
 from tests.flood import SMALL, T0, Flood
@@ -55,7 +56,7 @@ Sizes = dict[str, int]
 
 # ---- measuring ------------------------------------------------------------------------------
 
-_CONTAINERS = (dict, list, set, frozenset, tuple, collections.deque)
+_CONTAINERS = (dict, list, set, frozenset, tuple, collections.deque, History)  # a rank's calls on a group
 
 
 def _attributes(obj: Any) -> dict[str, Any]:

@@ -34,6 +34,8 @@ def _tables(job: JobState, st: RankState) -> int:
     n += b.SHIFT_BYTES * sum(len(shifts) for shifts in st.seq_shifts.values())
     n += sum(b.PROGRESS_BYTES + b.text_bytes(g) for g in st.progress)
     n += sum(b.group_bytes(info) for name, info in st.groups.items() if info is not job.groups.get(name))
+    # the runs it passed, kept to be compared with the other members' (``JobState._keep_run``)
+    n += sum(run.cost for byrank in job.passed.values() for run in byrank.get(st.rank, ()) if run.holder is st)
     return n
 
 
@@ -91,6 +93,12 @@ actions = st.lists(
         st.tuples(st.just("reuse"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40)),
         st.tuples(st.just("forward"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40)),
         st.tuples(st.just("monitored"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40)),
+        # a run of calls alike (kept in the history as the run), and a detector reading every
+        # history in order (which makes the runs' calls whole)
+        st.tuples(st.just("run"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40), st.integers(2, 90)),
+        st.tuples(
+            st.just("read"),
+        ),
     ),
     max_size=60,
 )
@@ -174,6 +182,19 @@ def test_charges_match_what_is_held(steps: list[tuple[object, ...]], rank_kb: in
             assert isinstance(rk, int) and isinstance(group, str) and isinstance(seq, int)
             done = call(rk, seq, "monitored_barrier", group=group, enter_time=t, exit_time=t + 0.1, seq_count=5)
             job.apply(job.ranks[rk], done, t)
+        elif kind == "run":
+            _, rk, group, seq, n = step
+            assert isinstance(rk, int) and isinstance(group, str) and isinstance(seq, int) and isinstance(n, int)
+            first_id = call(rk).call_id + 1
+            ids = [call(rk).call_id for _ in range(n)]  # the run's ids, taken from the factory's
+            assert ids[0] == first_id
+            template = call(rk, 0, group=group, call_site="z" * site, call_id=0)
+            enters = [t + i * 0.001 for i in range(n)]
+            job.apply(job.ranks[rk], r.CallRun(rk, template, first_id, seq, 0, enters, [e + 0.0005 for e in enters]), t)
+        elif kind == "read":
+            for st_ in job.ranks.values():
+                for hist in st_.history.values():
+                    assert len(list(hist)) == len(hist)  # made whole, each call once
         audit(job)
         assert ledger.held == job.held
         for st_ in job.ranks.values():

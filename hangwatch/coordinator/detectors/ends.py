@@ -160,7 +160,8 @@ def _answered(leaver: RankState, call: r.CallRecord) -> bool:
     """Whether ``leaver`` issued the p2p call that answers ``call`` (a send or recv of another
     rank with ``leaver`` as its peer) before it left: a send for a recv, a recv for a send,
     counted per pair as the calls are. Its peer's side completing later is not its fault."""
-    mine = leaver.history.get(call.group, ())
+    hist = leaver.history.get(call.group)
+    mine = hist.alone() if hist is not None else ()  # p2p calls never come in runs
     wanted = r.SEND_OPS if call.op in r.RECV_OPS else r.RECV_OPS
     return any(c.op in wanted and c.peer == call.rank and c.seq >= call.seq for c in mine)
 

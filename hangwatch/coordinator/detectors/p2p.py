@@ -72,7 +72,7 @@ def _paired(job: JobState) -> list[tuple[str, Mismatch]]:
     recvs: dict[tuple[str, int, int, int], r.CallRecord] = {}
     for st in job.ranks.values():
         for hist in st.history.values():
-            for c in hist:
+            for c in hist.alone():  # p2p calls never come in runs: those stay unmade
                 if c.op in r.SEND_OPS and c.peer is not None:
                     sends[(c.group, c.rank, c.peer, c.seq)] = c
                 elif c.op in r.RECV_OPS and c.peer is not None:

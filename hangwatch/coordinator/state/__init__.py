@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import operator
 import statistics
 import time
 import uuid
@@ -23,6 +24,7 @@ from hangwatch import catalogue, wire
 from hangwatch import records as r
 from hangwatch.coordinator import budget as b
 from hangwatch.coordinator.rules.collective import compare_collective
+from hangwatch.coordinator.state.history import History, RunSlice
 from hangwatch.coordinator.state.ranks import (
     CLOCK_JUMP_S,
     CLOCK_STEP_S,
@@ -229,8 +231,7 @@ class JobState:
         for call in previous.open_calls.values():
             self._unhold(previous, call)
         for hist in previous.history.values():
-            for call in hist:
-                self._unhold(previous, call)
+            self._evict(previous, hist, len(hist))
         if previous.last_kept:
             self._release_kept(previous)
         self._charge(None, -previous.held)  # its own tables, exactly (what calls it left in slots stay the job's)
@@ -414,8 +415,7 @@ class JobState:
         for st in self.ranks.values():
             hist = st.history.pop(name, None)
             if hist is not None:
-                for call in hist:
-                    self._unhold(st, call)
+                self._evict(st, hist, len(hist))
                 self._charge(st, -b.RANK_GROUP_BYTES)
             shifts = st.seq_shifts.pop(name, None)
             if shifts:
@@ -490,8 +490,20 @@ class JobState:
             hist = max(state.history.values(), key=len, default=None)
             if not hist:
                 break
-            self._unhold(state, hist.popleft())
+            self._evict(state, hist, 1)
             self.ledger.trimmed += 1
+
+    def _evict(self, state: RankState, hist: History, k: int) -> None:
+        """Let go of the ``k`` oldest calls of ``hist``, one of ``state``'s histories."""
+        records, loose = hist.drop_oldest(k)
+        for call in records:  # inlined ``_unhold``
+            call.holds -= 1
+            if not call.holds:
+                self._unhold_last(state, call)
+        if loose:  # calls of a run never made whole: charged alike, and no other table holds them
+            state.calls = state.calls - loose if state.calls > loose else 0
+            self.held -= loose
+            self.ledger.held -= loose
 
     def _free_slot(self, slot: Slot) -> None:
         # inlined ``_unhold``: every call passes here once its slot is pruned
@@ -575,13 +587,10 @@ class JobState:
                 if slots is None and len(self.slots) >= MAX_GROUPS and group != WORLD:
                     self.dropped_calls += 1
                     return
-                hist = state.history[group] = collections.deque(maxlen=HISTORY_PER_GROUP)
+                hist = state.history[group] = History()
                 self._charge(state, b.RANK_GROUP_BYTES)
-            if len(hist) == HISTORY_PER_GROUP:  # the oldest leaves (inlined ``_unhold``: every call)
-                oldest = hist[0]
-                oldest.holds -= 1
-                if not oldest.holds:
-                    self._unhold_last(state, oldest)
+            if len(hist) >= HISTORY_PER_GROUP:  # the oldest leaves
+                self._evict(state, hist, len(hist) - HISTORY_PER_GROUP + 1)
             hist.append(call)
             call.holds += 1
             open_calls = state.open_calls
@@ -840,6 +849,7 @@ class JobState:
         first call on the group, a call sent again) is applied call by call."""
         group = run.template.group
         n = len(run.enters)
+        cost = run.template.cost or b.call_bytes(run.template)  # each call's, as ``_enter`` charges it
         if (
             n < 2
             or len(run.exits) != n
@@ -849,7 +859,7 @@ class JobState:
             or state.progress
             or state.seq_shifts.get(group)
             or run.first_call_id <= state.last_call_id
-            or not self._room(state, b.run_bytes(n) + min(n, HISTORY_PER_GROUP) * (run.template.cost or b.CALL_BYTES))
+            or not self._room(state, b.run_bytes(n) + min(n, HISTORY_PER_GROUP) * cost)
         ):
             for i in range(n):
                 self._enter(state, run.call(i), now)
@@ -861,8 +871,60 @@ class JobState:
         if open_here:  # collectives on one group complete in order (as ``_enter`` closes them)
             for other in [c for c in open_here.values() if c.seq < first and c.returned_time is None]:
                 self._close(state, other, run.enters[0] + offset, None)
-        whole_from = n - min(n, HISTORY_PER_GROUP)  # from here on, calls are made for the history
         hist = state.history[group]
+        durations = self.wait_durations
+        enters, exits = run.enters, run.exits
+        last: r.CallRecord | None = None
+        if not slots or not _any_in(slots, first, first + n - 1):
+            # no slot waits for any of its calls (the steady state): taken whole, the history
+            # keeping the run's last calls as the run (``state.history``)
+            passed = True
+            state.last_call_id = run.first_call_id + n - 1
+            self.records_received += n
+            kept = min(n, DURATIONS_KEPT)
+            durations.extend(map(max, itertools.repeat(0.0), map(operator.sub, exits[n - kept :], enters[n - kept :])))
+            k = min(n, HISTORY_PER_GROUP)
+            if len(hist) + k > HISTORY_PER_GROUP:
+                self._evict(state, hist, len(hist) + k - HISTORY_PER_GROUP)
+            last = run.call(n - 1, offset)
+            last.cost = cost
+            last.holds = 1
+            state.calls += cost * k
+            self.held += cost * k
+            self.ledger.held += cost * k
+            hist.append_run(RunSlice(run, n - k, last, cost))
+        else:
+            passed, last = self._run_by_slots(state, run, hist, now)
+        if last is not None:
+            before = state.last_call
+            if before is None or last.enter_time >= before.enter_time:
+                state.last_call = last
+                if state.last_kept:
+                    self._release_kept(state)
+                if last.enter_time > state.last_sent:
+                    state.last_sent = last.enter_time
+            state.last_progress = now
+            if run.step > state.step:
+                state.step = run.step
+        self.runs_taken += 1
+        self.run_calls += n
+        if passed:
+            self._keep_run(state, run)  # compared with the others', then the rank's passed seq moves
+        elif group in self.passed_to:
+            self._advance(group, state.rank, run.last_seq, self.members(group))
+        if slots:
+            self._prune(group, run.last_seq)
+
+    def _run_by_slots(
+        self, state: RankState, run: r.CallRun, hist: History, now: float
+    ) -> tuple[bool, r.CallRecord | None]:
+        """``_run``'s calls one by one, where slots wait for some of them: those are made whole
+        and entered; the last ``HISTORY_PER_GROUP`` of the others are made for the history.
+        Whether any call stayed the run's, and the last call made for the history."""
+        group, first, offset = run.template.group, run.first_seq, run.offset
+        n = len(run.enters)
+        slots = self.slots.get(group)
+        whole_from = n - min(n, HISTORY_PER_GROUP)  # from here on, calls are made for the history
         passed = False
         durations = self.wait_durations
         ledger = self.ledger
@@ -887,33 +949,12 @@ class JobState:
                 state.calls += cost
                 self.held += cost
                 ledger.held += cost
-                if len(hist) == HISTORY_PER_GROUP:
-                    oldest = hist[0]
-                    oldest.holds -= 1
-                    if not oldest.holds:
-                        self._unhold_last(state, oldest)
+                if len(hist) >= HISTORY_PER_GROUP:
+                    self._evict(state, hist, len(hist) - HISTORY_PER_GROUP + 1)
                 hist.append(call)
         finally:
             self._in_run = False
-        if last is not None:
-            before = state.last_call
-            if before is None or last.enter_time >= before.enter_time:
-                state.last_call = last
-                if state.last_kept:
-                    self._release_kept(state)
-                if last.enter_time > state.last_sent:
-                    state.last_sent = last.enter_time
-            state.last_progress = now
-            if run.step > state.step:
-                state.step = run.step
-        self.runs_taken += 1
-        self.run_calls += n
-        if passed:
-            self._keep_run(state, run)  # compared with the others', then the rank's passed seq moves
-        elif group in self.passed_to:
-            self._advance(group, state.rank, run.last_seq, self.members(group))
-        if slots:
-            self._prune(group, run.last_seq)
+        return passed, last
 
     def _faulty(self, template: r.CallRecord, group: str) -> bool:
         """Whether a call of ``template`` is wrong in itself (against its group's size): each
@@ -1169,6 +1210,14 @@ class _RunRef:
     lo: int
     hi: int
     key: tuple[object, ...]
+
+
+def _any_in(slots: collections.OrderedDict[int, Slot], lo: int, hi: int) -> bool:
+    """Whether ``slots`` has one at a seq from ``lo`` to ``hi``, by whichever is fewer: its
+    seqs or the range's."""
+    if len(slots) <= hi - lo:
+        return any(lo <= seq <= hi for seq in slots)
+    return any(seq in slots for seq in range(lo, hi + 1))
 
 
 def _run_at(runs: Sequence[r.CallRun], seq: int) -> r.CallRun | None:

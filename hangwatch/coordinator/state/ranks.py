@@ -9,6 +9,7 @@ import collections
 from dataclasses import dataclass, field
 
 from hangwatch import records as r
+from hangwatch.coordinator.state.history import History
 
 OFFSET_SAMPLES = 32  # clock-offset samples per rank (batches: 6-64 s of them)
 CLOCK_STEP_S = 30.0  # a sample this far from the estimate means the rank's clock was stepped
@@ -62,7 +63,7 @@ class RankState:
     #: coordinator time of the latest Flight Recorder read of the rank whose records have all
     #: come (0: its rings are not read by a node agent): what C++ issued before it is known
     flight_to: float = 0.0
-    history: dict[str, collections.deque[r.CallRecord]] = field(default_factory=dict)
+    history: dict[str, History] = field(default_factory=dict)
     groups: dict[str, r.GroupInfo] = field(default_factory=dict)
     end: r.RankEnd | None = None
     proc: r.ProcessStatus | None = None

@@ -1,0 +1,136 @@
+"""A rank's latest calls on one group (``RankState.history``), with a run's calls kept as the run.
+
+The history only feeds the rules' explanations and a few detectors' look-backs, read when a
+finding is being made; it is written with every batch. A run of calls alike (``records.CallRun``)
+used to be made whole for it, a call record each: at 1,000 calls/s read five times a second
+that was two thirds of the coordinator's cost of a run (64 records made and let go per read,
+``bench/ring_to_state.py``). A run's share of the history is now kept as a :class:`RunSlice`,
+the run and the index of its first kept call, plus its last call made whole (it is also the
+rank's ``last_call``, and the most read); the rest are made only when something reads the
+history in order (``__iter__``, indexing), once: they then replace the slice for good.
+
+Memory is charged as before: the ``JobState`` charges a slice's calls one by one, each at its
+run's cost per call, so what a history holds costs the same whether it is read or not. A call
+that only stands in a slice has no record, so no hold; dropping it (``drop_oldest``) hands back
+its bytes, and dropping a record hands back the record for the job state to let go.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+from hangwatch import records as r
+
+
+class RunSlice:
+    """Calls ``lo`` to the end of ``run``: the last one made whole (``last``), the rest not yet."""
+
+    __slots__ = ("cost", "last", "lo", "run")
+
+    def __init__(self, run: r.CallRun, lo: int, last: r.CallRecord, cost: int) -> None:
+        self.run = run
+        self.lo = lo
+        self.last = last
+        self.cost = cost  # bytes per call, as each would be charged whole
+
+    def __len__(self) -> int:
+        return len(self.run.enters) - self.lo
+
+    def whole(self) -> list[r.CallRecord]:
+        """Its calls, as records with the run's clock offset, each held once (by the history)."""
+        run, cost = self.run, self.cost
+        made = []
+        for i in range(self.lo, len(run.enters) - 1):
+            call = run.call(i, run.offset)
+            call.cost = cost
+            call.holds = 1
+            made.append(call)
+        made.append(self.last)
+        return made
+
+
+class History:
+    """A rank's latest calls on one group, oldest first; the job state bounds it (``HISTORY_PER_GROUP``)."""
+
+    __slots__ = ("_items", "_len", "_slices")
+
+    def __init__(self, calls: tuple[r.CallRecord, ...] = ()) -> None:
+        self._items: collections.deque[r.CallRecord | RunSlice] = collections.deque(calls)
+        self._len = len(calls)
+        self._slices = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[r.CallRecord]:
+        if self._slices:
+            self._whole()
+        return iter(self._items)  # type: ignore[arg-type]  # records only once made whole
+
+    def __getitem__(self, i: int) -> r.CallRecord:
+        items = self._items
+        if i == -1 and items:
+            last = items[-1]
+            return last.last if isinstance(last, RunSlice) else last
+        if self._slices:
+            self._whole()
+        return items[i]  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"History({len(self)} calls, {self._slices} runs not made whole)"
+
+    def alone(self) -> Iterator[r.CallRecord]:
+        """The calls that came alone, not in a run, without making any run whole: every p2p
+        call is one (runs are of collectives)."""
+        return (c for c in self._items if not isinstance(c, RunSlice))
+
+    def append(self, call: r.CallRecord) -> None:
+        self._items.append(call)
+        self._len += 1
+
+    def append_run(self, piece: RunSlice) -> None:
+        self._items.append(piece)
+        self._len += len(piece)
+        self._slices += 1
+
+    def drop_oldest(self, k: int) -> tuple[list[r.CallRecord], int]:
+        """Let go of the ``k`` oldest calls (at most all): the records among them, and the bytes
+        of those that were only in a run (no record to let go)."""
+        items = self._items
+        records: list[r.CallRecord] = []
+        loose = 0
+        while k > 0 and items:
+            first = items[0]
+            if not isinstance(first, RunSlice):
+                items.popleft()
+                records.append(first)
+                self._len -= 1
+                k -= 1
+                continue
+            unmade = len(first) - 1  # the calls before its last, which have no record
+            take = min(k, unmade)
+            first.lo += take
+            loose += take * first.cost
+            self._len -= take
+            k -= take
+            if k and len(first) == 1:
+                items.popleft()
+                self._slices -= 1
+                records.append(first.last)
+                self._len -= 1
+                k -= 1
+        return records, loose
+
+    def _whole(self) -> None:
+        made: collections.deque[r.CallRecord | RunSlice] = collections.deque()
+        for item in self._items:
+            if isinstance(item, RunSlice):
+                made.extend(item.whole())
+            else:
+                made.append(item)
+        self._items = made
+        self._slices = 0
