@@ -233,7 +233,12 @@ class CallRun:
     collective. What a rank in its steady state sends most: the job state takes it whole and
     makes a call of it only where a table needs one (``CallRun.call``), so the coordinator's
     cost per call falls with the run's length (issue 16). ``enters`` and ``exits`` are the
-    calls' times, on the rank's clock."""
+    calls' times, on the rank's clock.
+
+    A run may also be a repeating cycle of signatures on one group (``cycle``: the templates of
+    the calls after the first in each period, so the period is ``1 + len(cycle)``): a layer that
+    calls two collectives from two lines, over and over, makes A B A B...; call ``i`` is then of
+    ``templates[i % period]``, everything else as above."""
 
     rank: int
     template: CallRecord
@@ -248,9 +253,24 @@ class CallRun:
     #: coordinator only: the bytes it is charged while the job state holds it, and to whom
     cost: int = 0
     holder: object = None
+    #: the templates of a cycle's calls after the first in each period (empty: one signature)
+    cycle: tuple[CallRecord, ...] = ()
 
     def __len__(self) -> int:
         return len(self.enters)
+
+    @property
+    def templates(self) -> tuple[CallRecord, ...]:
+        """One template per call of a period, the first call's first."""
+        return (self.template, *self.cycle)
+
+    def template_at(self, i: int) -> CallRecord:
+        """The template of the ``i``-th call."""
+        cycle = self.cycle
+        if not cycle:
+            return self.template
+        k = i % (len(cycle) + 1)
+        return cycle[k - 1] if k else self.template
 
     @property
     def last_seq(self) -> int:
@@ -259,7 +279,7 @@ class CallRun:
     def call(self, i: int, offset: float = 0.0) -> CallRecord:
         """The ``i``-th call, as the rank would have sent it alone (times on the rank's clock,
         plus ``offset``: the coordinator's, where it passes the run's)."""
-        t = self.template
+        t = self.template_at(i) if self.cycle else self.template
         return CallRecord(
             self.rank, self.first_call_id + i, t.op, t.group, self.first_seq + i, t.inputs, t.outputs, t.reduce_op,
             t.root, t.peer, t.async_op, self.step, t.call_site, self.enters[i] + offset, self.exits[i] + offset,

@@ -28,7 +28,7 @@ from hangwatch import records as r
 from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, Slot
-from hangwatch.signatures import MAX_SIGNATURES, Columns
+from hangwatch.signatures import MAX_CYCLE, MAX_SIGNATURES, Columns
 
 _native_gather: Callable[..., tuple[list[Any], bool]] | None
 try:  # the gatherer in C, where the extension was built at install (``client/_fastpath.c``)
@@ -73,6 +73,8 @@ def text_blob(text: str) -> bytes:
 
 #: The fewest calls that travel as a run (``RingEncoder.decode``); fewer travel one by one.
 RUN_MIN = 2
+#: The fewest periods a cycle of signatures repeats to travel as a run (``RingEncoder._cycled``).
+CYCLE_MIN = 2
 
 
 class _Run:
@@ -81,12 +83,14 @@ class _Run:
     returned without error having issued one collective. Values as the slots hold them (modulo
     2**32); the times of each call."""
 
-    __slots__ = ("call_id", "enters", "exits", "ref", "seq", "step")
+    __slots__ = ("call_id", "enters", "exits", "ref", "refs", "seq", "step")
 
     def __init__(self, enter: Slot, exit_: Slot) -> None:
         self.ref, self.call_id, self.seq, self.step = enter.ref, enter.call_id, enter.seq, enter.step
         self.enters = [enter.time]
         self.exits = [exit_.time]
+        #: a cycle's signature blobs, one per call of a period (``_cycled``); empty: ``ref``'s alone
+        self.refs: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, enter: Slot, exit_: Slot, enters: list[float], exits: list[float]) -> _Run:
@@ -94,7 +98,21 @@ class _Run:
         run = cls.__new__(cls)
         run.ref, run.call_id, run.seq, run.step = enter.ref, enter.call_id, enter.seq, enter.step
         run.enters, run.exits = enters, exits
+        run.refs = ()
         return run
+
+    @classmethod
+    def cycle(cls, pairs: Sequence[Slot], refs: tuple[int, ...]) -> _Run:
+        """The calls of ``pairs`` (an ENTER and its EXIT, call after call), a cycle of ``refs``."""
+        run = cls(pairs[0], pairs[1])
+        run.enters = [s.time for s in pairs[0::2]]
+        run.exits = [s.time for s in pairs[1::2]]
+        run.refs = refs
+        return run
+
+    def ref_at(self, i: int) -> int:
+        """The signature blob of the ``i``-th call."""
+        return self.refs[i % len(self.refs)] if self.refs else self.ref
 
     def follows(self, enter: Slot) -> bool:
         """Whether ``enter`` is the next call of this run."""
@@ -111,7 +129,8 @@ class _Run:
         out = []
         for i, (enter, exit_) in enumerate(zip(self.enters, self.exits, strict=True)):
             cid = (self.call_id + i) & _MASK32
-            out.append(Slot(0, Kind.ENTER, 0, 0, self.ref, cid, (self.seq + i) & _MASK32, self.step, 0, enter, 0))
+            ref = self.ref_at(i)
+            out.append(Slot(0, Kind.ENTER, 0, 0, ref, cid, (self.seq + i) & _MASK32, self.step, 0, enter, 0))
             out.append(Slot(0, Kind.EXIT, 0, 1, 0, cid, 0, 0, 0, exit_, 0))
         return out
 
@@ -175,6 +194,9 @@ class RingEncoder:
         self._whole: set[int] = set()
         #: ``encode`` sends runs (``CallColumns.run``): the coordinator said it takes them
         self.send_runs = False
+        #: runs may be cycles of signatures (``CallColumns.run_cycle``): the coordinator said it
+        #: takes them (``decode`` too: the embedded agent's coordinator says so at registration)
+        self.send_cycles = False
         #: hold back a batch's trailing call under way, once (``_hold``): a node agent's, while
         #: the rank's link is open (its last read sends everything)
         self.hold = False
@@ -506,10 +528,93 @@ class RingEncoder:
         self.steady = False
         if self.skip_through and not self._past_skip:
             return slots
+        cycles = self.send_cycles and len(slots) >= 4 * CYCLE_MIN
+        shown = set(self._whole) if cycles else set()  # before the gatherer adds this batch's firsts
         if _native_gather is not None and self.native:
             items, self.steady = _native_gather(slots, self._whole, self._run_ok, self._known, RUN_MIN)
-            return [_Run.of(*x) if type(x) is tuple else x for x in items]
-        return self._gather_python(slots)
+            gathered: Sequence[Slot | _Run] = [_Run.of(*x) if type(x) is tuple else x for x in items]
+        else:
+            gathered = self._gather_python(slots)
+        return self._cycled(gathered, shown) if cycles else gathered
+
+    def _cycled(self, items: Sequence[Slot | _Run], shown: set[int]) -> list[Slot | _Run]:
+        """``items`` with each stretch of calls that repeat a cycle of two to ``MAX_CYCLE``
+        signatures of one group at least ``CYCLE_MIN`` times over (A B A B...: a layer's two
+        collectives from two lines) in place of their slots, as one ``_Run`` whose ``refs`` are
+        the cycle's. Each call is one the gatherer could have put in a run (an ENTER and its
+        EXIT right after it, of a signature that may travel as runs and was shown alone, not
+        async, returned without error having issued one collective), ids and seqs one apart,
+        one step; the gatherer left them as slots, no two alike calls being next to each other.
+        As for a run, a signature's first call travels alone: ``shown`` holds those shown
+        before this batch, and those shown alone earlier in it join them here."""
+        ok, lanes = self._run_ok, self._lanes
+        out: list[Slot | _Run] = []
+        n = len(items)
+        i = 0
+        while i < n:
+            # the stretch of calls fit for a cycle from ``i``: their slots, two by two
+            j = i
+            while j + 1 < n:
+                s, x = items[j], items[j + 1]
+                if (
+                    isinstance(s, _Run)
+                    or isinstance(x, _Run)
+                    or s.kind != Kind.ENTER
+                    or s.flags & 1
+                    or s.ref not in shown
+                    or not ok.get(s.ref)
+                    or x.kind != Kind.EXIT
+                    or x.call_id != s.call_id
+                    or x.ref
+                    or x.aux > 1
+                ):
+                    break
+                if j > i:
+                    before = items[j - 2]
+                    assert not isinstance(before, _Run)
+                    if (
+                        s.call_id != (before.call_id + 1) & _MASK32
+                        or s.seq != (before.seq + 1) & _MASK32
+                        or s.step != before.step
+                        or lanes.get(s.ref) != lanes.get(before.ref)
+                    ):
+                        break
+                j += 2
+            if j - i < 4 * CYCLE_MIN:  # not two calls a period, twice over
+                item = items[i]
+                if not isinstance(item, _Run) and item.kind == Kind.ENTER:
+                    shown.add(item.ref)  # (whether or not it may join runs: only those do)
+                out.append(item)
+                i += 1
+                continue
+            out.extend(self._cycles_in(items[i:j]))
+            i = j
+        return out
+
+    @staticmethod
+    def _cycles_in(pairs: Sequence[Slot | _Run]) -> list[Slot | _Run]:
+        """``pairs`` (calls fit for a cycle, two slots each) with their cycles gathered."""
+        refs = [s.ref for s in pairs[0::2]]
+        m = len(refs)
+        out: list[Slot | _Run] = []
+        i = 0
+        while i < m:
+            best_p = best_len = 0
+            for p in range(2, MAX_CYCLE + 1):
+                if i + CYCLE_MIN * p > m:
+                    break
+                length = p
+                while i + length < m and refs[i + length] == refs[i + length - p]:
+                    length += 1
+                if length >= CYCLE_MIN * p and length > best_len and len(set(refs[i : i + p])) > 1:
+                    best_p, best_len = p, length
+            if not best_p:
+                out.extend(pairs[2 * i : 2 * i + 2])
+                i += 1
+                continue
+            out.append(_Run.cycle(pairs[2 * i : 2 * (i + best_len)], tuple(refs[i : i + best_p])))  # type: ignore[arg-type]
+            i += best_len
+        return out
 
     def _gather_python(self, slots: list[Slot]) -> Sequence[Slot | _Run]:
         """``_gather`` in Python: the reference, and where the C build is not installed."""
@@ -571,31 +676,41 @@ class RingEncoder:
     def _decode_run(
         self, run: _Run, out: list[r.RankEvent], rank: int, cost: Callable[[r.CallRecord], int] | None
     ) -> None:
-        t = self._template(run.ref, rank)
+        templates = [self._template(ref, rank) for ref in run.refs or (run.ref,)]
         call_id, seq, step, _ = self._open_run(run)
-        if t is None:  # cannot be: gathered runs are of signatures read already
+        if any(t is None for t in templates):  # cannot be: gathered runs are of signatures read already
             self.unnamed += len(run.enters)
             return
-        if cost is not None and not t.cost:
-            t.cost = cost(t)
-        out.append(r.CallRun(rank, t, call_id, seq, step, run.enters, run.exits))
+        for t in templates:
+            assert t is not None
+            if cost is not None and not t.cost:
+                t.cost = cost(t)
+        first, *cycle = templates
+        assert first is not None
+        out.append(r.CallRun(rank, first, call_id, seq, step, run.enters, run.exits, cycle=tuple(cycle)))  # type: ignore[arg-type]
 
     def _encode_run(self, run: _Run, cols: Columns, used: set[int], batch: pb.ReportBatch) -> int:
         """A gathered run into ``batch``: one column entry (``Columns.add_run``); call by call, as
         whole calls, where its signature cannot get a wire id now. The calls it carries."""
         call_id, seq, step, k = self._open_run(run)
-        sid = self._signature(run.ref, used, batch)
-        if sid is None:
+        sids: list[int | None] = []
+        for ref in run.refs or (run.ref,):
+            sid = self._signature(ref, used, batch)
+            sids.append(sid)
+            if sid is not None:
+                used.add(sid)  # not evicted for the cycle's next signature (a small table)
+        if any(sid is None for sid in sids):
             for i in range(k):
-                whole = self._whole_call(run.ref, call_id + i, seq + i, step, run.enters[i], batch)
+                whole = self._whole_call(run.ref_at(i), call_id + i, seq + i, step, run.enters[i], batch)
                 if whole is None:
                     self.unnamed += 1
                     continue
                 whole.exit_time = run.exits[i]
                 whole.seq_count = 1
             return k
-        used.add(sid)
-        cols.add_run(sid, call_id, seq, step, run.enters, run.exits)
+        first, *cycle = sids
+        assert first is not None
+        cols.add_run(first, call_id, seq, step, run.enters, run.exits, cycle)  # type: ignore[arg-type]
         return k
 
     def _entered(self, blob_id: int, call_id: int, seq: int, async_op: bool) -> None:

@@ -38,7 +38,20 @@ def _key(c: r.CallRecord) -> Key:
 class Columns:
     """Calls being put into a batch's ``CallColumns``, one list per column (both encoders)."""
 
-    __slots__ = ("counts", "enters", "exits", "ids", "run_enters", "run_exits", "runs", "seqs", "sigs", "steps")
+    __slots__ = (
+        "counts",
+        "cycle_sigs",
+        "cycles",
+        "enters",
+        "exits",
+        "ids",
+        "run_enters",
+        "run_exits",
+        "runs",
+        "seqs",
+        "sigs",
+        "steps",
+    )
 
     def __init__(self) -> None:
         self.sigs: list[int] = []
@@ -51,6 +64,8 @@ class Columns:
         self.runs: list[int] = []  # filled from the first run on (the proto's ``run``)
         self.run_enters: list[float] = []
         self.run_exits: list[float] = []
+        self.cycles: list[int] = []  # filled from the first cycle on (the proto's ``run_cycle``)
+        self.cycle_sigs: list[int] = []
 
     def add(self, sid: int, call_id: int, seq: int, step: int, enter: float, exit_time: float, count: int) -> int:
         """Append a call (``exit_time`` NaN: still under way); its index."""
@@ -63,16 +78,33 @@ class Columns:
         self.counts.append(count)
         if self.runs:
             self.runs.append(1)
+        if self.cycles:
+            self.cycles.append(0)
         return len(self.ids) - 1
 
-    def add_run(self, sid: int, call_id: int, seq: int, step: int, enters: list[float], exits: list[float]) -> None:
-        """Append a run of alike calls (``records.CallRun``): one entry, the others' times after."""
+    def add_run(
+        self,
+        sid: int,
+        call_id: int,
+        seq: int,
+        step: int,
+        enters: list[float],
+        exits: list[float],
+        cycle: Sequence[int] = (),
+    ) -> None:
+        """Append a run of alike calls (``records.CallRun``): one entry, the others' times after;
+        ``cycle``: the signatures of a cycle's calls after the first in each period."""
         i = self.add(sid, call_id, seq, step, enters[0], exits[0], 1)
         if not self.runs:
             self.runs = [1] * (i + 1)
         self.runs[i] = len(enters)
         self.run_enters.extend(enters[1:])
         self.run_exits.extend(exits[1:])
+        if cycle:
+            if not self.cycles:
+                self.cycles = [0] * (i + 1)
+            self.cycles[i] = len(cycle)
+            self.cycle_sigs.extend(cycle)
 
     def compact(self) -> None:
         """Fold each stretch of entries alike (one signature, call ids and seqs one apart, one
@@ -136,6 +168,9 @@ class Columns:
             cols.run.extend(self.runs)
             cols.run_enter.extend(self.run_enters)
             cols.run_exit.extend(self.run_exits)
+        if self.cycles:
+            cols.run_cycle.extend(self.cycles)
+            cols.run_signature.extend(self.cycle_sigs)
 
 
 class CallEncoder:
@@ -238,6 +273,8 @@ def _shared(value: Any) -> Any:
 #: Calls a batch's runs may stand for beyond their entries (``CallColumns.run``): a batch of
 #: more is refused whole, as a batch whose columns do not line up is.
 MAX_RUN_CALLS = 1 << 20
+#: The longest period of a cycle of signatures a run may be (``CallColumns.run_cycle``, plus one).
+MAX_CYCLE = 8
 
 
 class CallDecoder:
@@ -325,14 +362,18 @@ class CallDecoder:
         lengths = {len(cols.call_id), len(cols.seq), len(cols.step), len(cols.enter_time), len(cols.exit_time)}
         counts = list(cols.seq_count) or [1] * n
         runs = list(cols.run) or [1] * n
+        cycles = list(cols.run_cycle) or [0] * n
         extra = sum(k - 1 for k in runs if k > 1)
         if (
             lengths != {n}
             or len(counts) != n
             or len(runs) != n
+            or len(cycles) != n
             or extra > MAX_RUN_CALLS
             or len(cols.run_enter) != extra
             or len(cols.run_exit) != extra
+            or any(c and (k < 2 or c > MAX_CYCLE) for c, k in zip(cycles, runs, strict=True))
+            or len(cols.run_signature) != sum(cycles)
         ):
             return [], n, 0  # columns that do not line up cannot be trusted at all
         table = self.table
@@ -340,7 +381,8 @@ class CallDecoder:
         rejected = folded = 0
         record = r.CallRecord
         at = 0  # the next of a run's other calls' times
-        for sid, cid, seq, step, enter, exit_time, count, k in zip(
+        cat = 0  # the next of a cycle's other signatures
+        for sid, cid, seq, step, enter, exit_time, count, k, c in zip(
             cols.signature,
             cols.call_id,
             cols.seq,
@@ -349,6 +391,7 @@ class CallDecoder:
             cols.exit_time,
             counts,
             runs,
+            cycles,
             strict=True,
         ):
             t = table.get(sid)
@@ -357,11 +400,19 @@ class CallDecoder:
                 enters = [enter, *cols.run_enter[at : at + k - 1]]
                 exits = [exit_time, *cols.run_exit[at : at + k - 1]]
                 at += k - 1
+                cycle: tuple[r.CallRecord, ...] = ()
+                if c:
+                    found = [table.get(x) for x in cols.run_signature[cat : cat + c]]
+                    cat += c
+                    if t is None or any(x is None or x.group != t.group for x in found):
+                        rejected += k  # a cycle is of signatures known, on one group, or not taken
+                        continue
+                    cycle = tuple(found)  # type: ignore[arg-type]  # (None ruled out above)
                 if t is None or not all(math.isfinite(x) for x in (*enters, *exits)) or count > 1:
                     rejected += k  # a run is whole (complete, finite, one seq each) or not taken
                     continue
                 folded += k
-                calls.append(r.CallRun(rank, t, cid, seq, step, enters, exits))
+                calls.append(r.CallRun(rank, t, cid, seq, step, enters, exits, cycle=cycle))
                 continue
             if t is None or enter - enter != 0 or (done and exit_time - exit_time != 0):  # infinite times
                 rejected += 1

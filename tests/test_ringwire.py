@@ -103,6 +103,21 @@ _ACTIONS = st.lists(
 )
 
 
+#: A training loop's calls: a pattern of one to four signatures of one group, repeated (cycles
+#: of signatures form where the pattern has two or more), amid any other actions.
+_PATTERN = st.tuples(
+    st.lists(
+        st.tuples(st.just("call"), st.sampled_from(_OPS[:2]), st.just("0"), st.integers(1, 3), st.just("ok")),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(1, 8),
+).map(lambda pattern: [*(pattern[0] * pattern[1]), ("poll",)])  # read before the ring laps
+_CYCLIC = st.lists(st.one_of(_PATTERN, _ACTIONS.map(lambda actions: actions[:3])), min_size=1, max_size=8).map(
+    lambda parts: [action for part in parts for action in part]
+)
+
+
 def _flat(events: list[r.RankEvent]) -> list[r.RankEvent]:
     """Runs of alike calls (``records.CallRun``) as the calls they stand for."""
     out: list[r.RankEvent] = []
@@ -111,27 +126,42 @@ def _flat(events: list[r.RankEvent]) -> list[r.RankEvent]:
     return out
 
 
-@settings(max_examples=80, deadline=None)
-@given(actions=_ACTIONS, capacity=st.integers(2, 8), runs=st.booleans())
-def test_round_trip_through_the_ring_and_the_wire(actions: list[tuple[object, ...]], capacity: int, runs: bool) -> None:
-    """Also with runs of alike calls (``CallColumns.run``), as a coordinator that takes them gets
-    them: the calls they stand for are the rank's, one for one."""
+@settings(max_examples=120, deadline=None)
+@given(
+    actions=st.one_of(_ACTIONS, _CYCLIC),
+    capacity=st.integers(2, 8),
+    runs=st.booleans(),
+    cycles=st.booleans(),
+    poll=st.sampled_from([7, 64, 1 << 20]),
+)
+def test_round_trip_through_the_ring_and_the_wire(
+    actions: list[tuple[object, ...]], capacity: int, runs: bool, cycles: bool, poll: int
+) -> None:
+    """Also with runs of alike calls (``CallColumns.run``), and of cycles of signatures
+    (``CallColumns.run_cycle``), as a coordinator that takes them gets them: the calls they
+    stand for are the rank's, one for one."""
     w = RingWriter(capacity=256, blob_bytes=1 << 16)
     rank = RankSide(w)
     reader = RingReader(w.fd)
     encoder = RingEncoder(capacity=capacity)  # a small id table: signatures get evicted and redefined
     encoder.send_runs = runs
+    encoder.send_cycles = runs and cycles
     decoder = CallDecoder(capacity=capacity)
     got: list[r.RankEvent] = []
     t = 1000.0
 
     def ship() -> None:
-        batch = pb.ReportBatch()
-        encoder.encode(reader.poll(), batch)
-        assert runs or not batch.calls.run
-        events, rejected, _folded = decoder.decode(RANK, batch)
-        assert rejected == 0
-        got.extend(_flat(events))
+        while True:  # batches of at most ``poll`` slots, until the ring is read to its end
+            batch = pb.ReportBatch()
+            ring = reader.poll(poll)
+            encoder.encode(ring, batch)
+            assert runs or not batch.calls.run
+            assert (runs and cycles) or not batch.calls.run_cycle
+            events, rejected, _folded = decoder.decode(RANK, batch)
+            assert rejected == 0
+            got.extend(_flat(events))
+            if len(ring.slots) < poll:
+                break
 
     rank.group_created("1", t)
     for action in actions:
@@ -158,15 +188,17 @@ def test_round_trip_through_the_ring_and_the_wire(actions: list[tuple[object, ..
     reader.close()
 
 
-@settings(max_examples=80, deadline=None)
-@given(actions=_ACTIONS)
-def test_typed_decode_gives_the_records_in_the_ranks_order(actions: list[tuple[object, ...]]) -> None:
+@settings(max_examples=120, deadline=None)
+@given(actions=st.one_of(_ACTIONS, _CYCLIC), cycles=st.booleans())
+def test_typed_decode_gives_the_records_in_the_ranks_order(actions: list[tuple[object, ...]], cycles: bool) -> None:
     """The coordinator's embedded agent skips the wire (``RingEncoder.decode``): the same
-    records, in the very order the rank wrote them, an exit in the same batch folded in."""
+    records, in the very order the rank wrote them, an exit in the same batch folded in; runs
+    and cycles of signatures stand for their calls one for one."""
     w = RingWriter(capacity=256, blob_bytes=1 << 16)
     rank = RankSide(w)
     reader = RingReader(w.fd)
     encoder = RingEncoder()
+    encoder.send_cycles = cycles
     got: list[r.RankEvent] = []
     t = 1000.0
     rank.group_created("1", t)
@@ -280,6 +312,54 @@ def test_a_run_that_is_not_whole_is_refused_with_its_calls(change: dict[str, obj
     assert events == [] and rejected == 3
 
 
+def _cycle_batch(group: str = "0", **change: object) -> pb.ReportBatch:
+    """``_run_batch``'s run of three calls, as a cycle of two signatures: all_reduce, broadcast,
+    all_reduce (the second signature on ``group``)."""
+    batch = _run_batch()
+    sig = batch.signatures.add(id=2)
+    sig.call.op, sig.call.group = "broadcast", group
+    batch.calls.run_cycle.append(1)
+    batch.calls.run_signature.append(2)
+    for name, value in change.items():
+        field = getattr(batch.calls, name)
+        del field[:]
+        field.extend(value)  # type: ignore[call-overload]
+    return batch
+
+
+def test_a_cycle_on_the_wire_is_the_calls_it_stands_for() -> None:
+    events, rejected, folded = CallDecoder().decode(RANK, _cycle_batch())
+    assert rejected == 0 and folded == 3
+    (run,) = events
+    assert isinstance(run, r.CallRun) and len(run.templates) == 2
+    assert [(c.op, c.call_id, c.seq, c.enter_time) for c in run.calls()] == [
+        ("all_reduce", 5, 7, 10.0),
+        ("broadcast", 6, 8, 11.0),
+        ("all_reduce", 7, 9, 12.0),
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"run_signature": []},  # a cycle without its signatures
+        {"run_signature": [2, 2]},  # more than its cycle has
+        {"run_cycle": [1, 0]},  # more cycle counts than entries
+        {"run_cycle": [9], "run_signature": [2] * 9},  # a period over MAX_CYCLE
+        {"run": [1], "run_enter": [], "run_exit": []},  # a cycle on an entry that is not a run
+    ],
+)
+def test_cycles_that_do_not_line_up_refuse_the_whole_columns(change: dict[str, object]) -> None:
+    events, rejected, _ = CallDecoder().decode(RANK, _cycle_batch(**change))
+    assert events == [] and rejected == 1
+
+
+@pytest.mark.parametrize("batch", [_cycle_batch(run_signature=[3]), _cycle_batch(group="1")], ids=["unknown", "group"])
+def test_a_cycle_of_an_unknown_signature_or_of_two_groups_is_refused_with_its_calls(batch: pb.ReportBatch) -> None:
+    events, rejected, _ = CallDecoder().decode(RANK, batch)
+    assert events == [] and rejected == 3
+
+
 def test_a_node_agent_holds_a_trailing_call_under_way_back_once() -> None:
     """``RingEncoder.hold`` (a node agent's, while the rank's link is open): a batch's last
     record, the entry of a call still under way in a steady loop, waits for the next read, which
@@ -354,7 +434,7 @@ def _slots(spec: list[tuple[int, ...]], start: int) -> list[Slot]:
 def _fields(event: object) -> object:
     """An event as comparable values (a ``CallRun`` compares by identity)."""
     if isinstance(event, r.CallRun):
-        return ("run", event.template, event.first_call_id, event.first_seq, event.step, event.enters, event.exits)
+        return ("run", event.templates, event.first_call_id, event.first_seq, event.step, event.enters, event.exits)
     return event
 
 
@@ -372,6 +452,7 @@ def test_the_gatherer_in_c_is_the_python_one(batches: list[list[tuple[int, ...]]
     python.native = False
     for enc in (native, python):
         enc.hold = hold
+        enc.send_cycles = True  # cycles are gathered from either's output alike
     at = start
     for i, spec in enumerate(batches):
         slots = _slots(spec, at)

@@ -267,6 +267,7 @@ class Shipper:
             # what the coordinator holds already (this ring shipped by an agent before this one)
             state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
             state.encoder.send_runs = registration.takes_runs  # runs of alike calls in one column entry
+            state.encoder.send_cycles = registration.takes_cycles  # and of cycles of signatures
         while True:
             # an empty batch kept back (nothing to send before the next heartbeat) is no reason
             # not to look again: the rank may have written since, or just died

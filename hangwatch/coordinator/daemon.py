@@ -347,6 +347,7 @@ class Coordinator:
             report_interval_s=interval,
             last_call_id=last_call_id,
             takes_runs=self.takes_runs,
+            takes_cycles=self.takes_runs,  # runs of a cycle of signatures, where runs are taken
         )
 
     def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:

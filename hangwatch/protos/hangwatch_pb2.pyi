@@ -186,7 +186,7 @@ class Signature(_message.Message):
     def __init__(self, id: _Optional[int] = ..., call: _Optional[_Union[Call, _Mapping]] = ...) -> None: ...
 
 class CallColumns(_message.Message):
-    __slots__ = ("signature", "call_id", "seq", "step", "enter_time", "exit_time", "seq_count", "run", "run_enter", "run_exit")
+    __slots__ = ("signature", "call_id", "seq", "step", "enter_time", "exit_time", "seq_count", "run", "run_enter", "run_exit", "run_cycle", "run_signature")
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,8 @@ class CallColumns(_message.Message):
     RUN_FIELD_NUMBER: _ClassVar[int]
     RUN_ENTER_FIELD_NUMBER: _ClassVar[int]
     RUN_EXIT_FIELD_NUMBER: _ClassVar[int]
+    RUN_CYCLE_FIELD_NUMBER: _ClassVar[int]
+    RUN_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     signature: _containers.RepeatedScalarFieldContainer[int]
     call_id: _containers.RepeatedScalarFieldContainer[int]
     seq: _containers.RepeatedScalarFieldContainer[int]
@@ -207,7 +209,9 @@ class CallColumns(_message.Message):
     run: _containers.RepeatedScalarFieldContainer[int]
     run_enter: _containers.RepeatedScalarFieldContainer[float]
     run_exit: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, signature: _Optional[_Iterable[int]] = ..., call_id: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., enter_time: _Optional[_Iterable[float]] = ..., exit_time: _Optional[_Iterable[float]] = ..., seq_count: _Optional[_Iterable[int]] = ..., run: _Optional[_Iterable[int]] = ..., run_enter: _Optional[_Iterable[float]] = ..., run_exit: _Optional[_Iterable[float]] = ...) -> None: ...
+    run_cycle: _containers.RepeatedScalarFieldContainer[int]
+    run_signature: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, signature: _Optional[_Iterable[int]] = ..., call_id: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., enter_time: _Optional[_Iterable[float]] = ..., exit_time: _Optional[_Iterable[float]] = ..., seq_count: _Optional[_Iterable[int]] = ..., run: _Optional[_Iterable[int]] = ..., run_enter: _Optional[_Iterable[float]] = ..., run_exit: _Optional[_Iterable[float]] = ..., run_cycle: _Optional[_Iterable[int]] = ..., run_signature: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RankIdentity(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version", "pid_namespace", "launch", "attempt")
@@ -252,18 +256,20 @@ class RegisterRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., via: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("coordinator_id", "server_time", "report_interval_s", "last_call_id", "takes_runs")
+    __slots__ = ("coordinator_id", "server_time", "report_interval_s", "last_call_id", "takes_runs", "takes_cycles")
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     LAST_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TAKES_RUNS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_CYCLES_FIELD_NUMBER: _ClassVar[int]
     coordinator_id: str
     server_time: float
     report_interval_s: float
     last_call_id: int
     takes_runs: bool
-    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ..., last_call_id: _Optional[int] = ..., takes_runs: _Optional[bool] = ...) -> None: ...
+    takes_cycles: bool
+    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ..., last_call_id: _Optional[int] = ..., takes_runs: _Optional[bool] = ..., takes_cycles: _Optional[bool] = ...) -> None: ...
 
 class ReportBatch(_message.Message):
     __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls", "urgent", "relay_held_s", "alive_time", "mono_time", "budget_note", "flight_read_time")

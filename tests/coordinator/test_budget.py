@@ -95,7 +95,14 @@ actions = st.lists(
         st.tuples(st.just("monitored"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40)),
         # a run of calls alike (kept in the history as the run), and a detector reading every
         # history in order (which makes the runs' calls whole)
-        st.tuples(st.just("run"), st.integers(0, 2), st.sampled_from(GROUPS), st.integers(1, 40), st.integers(2, 90)),
+        st.tuples(
+            st.just("run"),
+            st.integers(0, 2),
+            st.sampled_from(GROUPS),
+            st.integers(1, 40),
+            st.integers(2, 90),
+            st.integers(0, 2),  # a cycle's further signatures (their call sites of other lengths)
+        ),
         st.tuples(
             st.just("read"),
         ),
@@ -183,14 +190,17 @@ def test_charges_match_what_is_held(steps: list[tuple[object, ...]], rank_kb: in
             done = call(rk, seq, "monitored_barrier", group=group, enter_time=t, exit_time=t + 0.1, seq_count=5)
             job.apply(job.ranks[rk], done, t)
         elif kind == "run":
-            _, rk, group, seq, n = step
-            assert isinstance(rk, int) and isinstance(group, str) and isinstance(seq, int) and isinstance(n, int)
+            _, rk, group, seq, n, more = step
+            assert isinstance(rk, int) and isinstance(group, str) and isinstance(seq, int)
+            assert isinstance(n, int) and isinstance(more, int)
             first_id = call(rk).call_id + 1
             ids = [call(rk).call_id for _ in range(n)]  # the run's ids, taken from the factory's
             assert ids[0] == first_id
             template = call(rk, 0, group=group, call_site="z" * site, call_id=0)
+            cycle = tuple(call(rk, 0, group=group, call_site="c" * (k * 500), call_id=0) for k in range(1, more + 1))
             enters = [t + i * 0.001 for i in range(n)]
-            job.apply(job.ranks[rk], r.CallRun(rk, template, first_id, seq, 0, enters, [e + 0.0005 for e in enters]), t)
+            exits = [e + 0.0005 for e in enters]
+            job.apply(job.ranks[rk], r.CallRun(rk, template, first_id, seq, 0, enters, exits, cycle=cycle), t)
         elif kind == "read":
             for st_ in job.ranks.values():
                 for hist in st_.history.values():

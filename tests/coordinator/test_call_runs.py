@@ -48,6 +48,7 @@ class Program:
     at: int  # the seq it is at
     batches: list[list[int]]  # per rank: slots per batch, cycled
     sub_every: int  # a subgroup {0, 1} collective after every this many world seqs (0: none)
+    cycles: bool = True  # where runs are sent, runs of a cycle of signatures too (``run_cycle``)
 
 
 def _calls(p: Program, rank: int) -> list[tuple[str, int, Sig, bool]]:
@@ -140,6 +141,7 @@ def _play(p: Program, runs: bool, wire: bool = False, hold: bool = False) -> Out
         ring, last = _ring(p, rank)
         encoder = RingEncoder()
         encoder.send_runs = runs
+        encoder.send_cycles = runs and p.cycles
         readers.append((ring, RingReader(ring.fd), encoder))
         end = max(end, last)
     cursors = [0] * p.world
@@ -220,7 +222,7 @@ def programs(draw: st.DrawFn) -> Program:
     at = draw(st.integers(2, n))
     batches = [draw(st.lists(st.integers(1, 300), min_size=1, max_size=4)) for _ in range(world)]
     sub_every = draw(st.sampled_from([0, 0, 3, 7]))
-    return Program(world, seqs, fault, rank, at, batches, sub_every)
+    return Program(world, seqs, fault, rank, at, batches, sub_every, draw(st.booleans()))
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -251,6 +253,32 @@ def test_a_steady_loop_travels_as_runs_and_raises_nothing() -> None:
     assert out.incidents == []
     assert out.runs >= 3 * 3  # each rank's batches past its first call
     assert out.received == 3 * 400
+
+
+def _layer(n: int = 400, batch: int = 200, world: int = 3, **kw: object) -> Program:
+    """A hand-written tensor-parallel layer's loop: two collectives from two lines, over and over."""
+    seqs = [Sig() if i % 2 else Sig(shape=(8,), site=SITE_B) for i in range(n)]
+    return Program(world, seqs, "none", 0, 1, [[batch]] * world, 0, **kw)  # type: ignore[arg-type]
+
+
+def test_a_loop_of_two_alternating_collectives_travels_as_cycles_and_raises_nothing() -> None:
+    p = _layer()
+    for wire in (False, True):
+        out = _play(p, runs=True, wire=wire)
+        assert out.incidents == []
+        assert out.runs >= 3 * 3, out.runs  # each rank's batches past its first calls
+        assert out.received == 3 * 400
+    assert _play(dataclasses.replace(p, cycles=False), runs=True).runs == 0  # no runs of one signature
+
+
+@pytest.mark.parametrize("fault", ["shape", "op", "skip", "hang"])
+def test_a_fault_inside_a_loop_of_cycles_is_told_as_before(fault: str) -> None:
+    p = dataclasses.replace(_layer(n=300), fault=fault, rank=1, at=151)
+    alone, cycles = _play(p, runs=False), _play(p, runs=True)
+    assert cycles.runs > 0
+    assert cycles.incidents == alone.incidents
+    assert cycles.incidents and all(1 in inc[3] for inc in cycles.incidents), cycles.incidents
+    assert cycles.ranks == alone.ranks
 
 
 @pytest.mark.parametrize("fault", ["shape", "op"])

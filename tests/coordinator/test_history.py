@@ -12,24 +12,32 @@ from tests.factories import T0, call
 COST = 100
 
 
-def _run(first_seq: int, n: int) -> r.CallRun:
+def _cost(period: int, i: int) -> int:
+    """The bytes of call ``i`` of a run of ``period`` signatures (a cycle's cost more each)."""
+    return COST + 10 * (i % period)
+
+
+def _run(first_seq: int, n: int, period: int = 1) -> r.CallRun:
     enters = [T0 + first_seq + i * 0.01 for i in range(n)]
     template = call(0, 0, call_id=0, cost=COST)
-    run = r.CallRun(0, template, 1000 + first_seq, first_seq, 0, enters, [e + 0.005 for e in enters])
+    cycle = tuple(call(0, 0, call_id=0, cost=_cost(period, k), shape=(k,)) for k in range(1, period))
+    run = r.CallRun(0, template, 1000 + first_seq, first_seq, 0, enters, [e + 0.005 for e in enters], cycle=cycle)
     run.offset = 2.0
     return run
 
 
 def _slice(run: r.CallRun, lo: int) -> RunSlice:
-    last = run.call(len(run.enters) - 1, run.offset)
-    last.cost, last.holds = COST, 1
-    return RunSlice(run, lo, last, COST)
+    period = len(run.templates)
+    n = len(run.enters)
+    last = run.call(n - 1, run.offset)
+    last.cost, last.holds = _cost(period, n - 1), 1
+    return RunSlice(run, lo, last, tuple(_cost(period, k) for k in range(period)))
 
 
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("call")),
-        st.tuples(st.just("run"), st.integers(2, 30), st.integers(0, 29)),
+        st.tuples(st.just("run"), st.integers(2, 30), st.integers(0, 29), st.integers(1, 3)),
         st.tuples(st.just("drop"), st.integers(0, 40)),
         st.tuples(st.just("read")),
         st.tuples(st.just("last")),
@@ -46,6 +54,7 @@ def test_history_is_the_list_of_its_calls_whatever_is_read_when(steps: list[tupl
     the runs were made whole by a read before or not."""
     hist = History()
     model: list[tuple[int, float]] = []
+    costs: dict[int, int] = {}  # seq -> its call's bytes
     made: set[int] = set()  # seqs that have a record (came alone, a run's last, or read since)
     seq = 1
     for step in steps:
@@ -54,15 +63,17 @@ def test_history_is_the_list_of_its_calls_whatever_is_read_when(steps: list[tupl
             c.holds = 1  # the history's (as ``JobState._enter`` gives it)
             hist.append(c)
             model.append((seq, c.enter_time))
+            costs[seq] = COST
             made.add(seq)
             seq += 1
         elif step[0] == "run":
-            n, lo = step[1], step[2]
-            assert isinstance(n, int) and isinstance(lo, int)
+            n, lo, period = step[1], step[2], step[3]
+            assert isinstance(n, int) and isinstance(lo, int) and isinstance(period, int)
             lo = min(lo, n - 1)
-            run = _run(seq, n)
+            run = _run(seq, n, period)
             hist.append_run(_slice(run, lo))
             model.extend((seq + i, run.enters[i] + run.offset) for i in range(lo, n))
+            costs.update((seq + i, _cost(period, i)) for i in range(n))
             made.add(seq + n - 1)
             seq += n
         elif step[0] == "drop":
@@ -71,12 +82,12 @@ def test_history_is_the_list_of_its_calls_whatever_is_read_when(steps: list[tupl
             records, loose = hist.drop_oldest(k)
             gone, model = model[:k], model[k:]
             assert [c.seq for c in records] == [s for s, _ in gone if s in made]
-            assert loose == COST * sum(1 for s, _ in gone if s not in made)
+            assert loose == sum(costs[s] for s, _ in gone if s not in made)
             assert all(c.holds == 1 for c in records)
         elif step[0] == "read":
             calls = list(hist)
             assert [(c.seq, c.enter_time) for c in calls] == model
-            assert all(c.cost == COST and c.holds >= 1 for c in calls)
+            assert all(c.cost == costs[c.seq] and c.holds >= 1 for c in calls)
             made.update(s for s, _ in model)
         elif step[0] == "last" and model:
             assert hist[-1].seq == model[-1][0]

@@ -849,17 +849,17 @@ class JobState:
         first call on the group, a call sent again) is applied call by call."""
         group = run.template.group
         n = len(run.enters)
-        cost = run.template.cost or b.call_bytes(run.template)  # each call's, as ``_enter`` charges it
+        templates = run.templates
+        costs = tuple(t.cost or b.call_bytes(t) for t in templates)  # each call's, as ``_enter`` charges it
         if (
             n < 2
             or len(run.exits) != n
-            or run.template.kind is not r.OpKind.COLLECTIVE
-            or self._faulty(run.template, group)
+            or any(t.kind is not r.OpKind.COLLECTIVE or t.group != group or self._faulty(t, group) for t in templates)
             or group not in state.history
             or state.progress
             or state.seq_shifts.get(group)
             or run.first_call_id <= state.last_call_id
-            or not self._room(state, b.run_bytes(n) + min(n, HISTORY_PER_GROUP) * cost)
+            or not self._room(state, b.run_bytes(n) + min(n, HISTORY_PER_GROUP) * max(costs))
         ):
             for i in range(n):
                 self._enter(state, run.call(i), now)
@@ -887,12 +887,14 @@ class JobState:
             if len(hist) + k > HISTORY_PER_GROUP:
                 self._evict(state, hist, len(hist) + k - HISTORY_PER_GROUP)
             last = run.call(n - 1, offset)
-            last.cost = cost
+            piece = RunSlice(run, n - k, last, costs)
+            last.cost = piece.cost_of(n - 1)
             last.holds = 1
-            state.calls += cost * k
-            self.held += cost * k
-            self.ledger.held += cost * k
-            hist.append_run(RunSlice(run, n - k, last, cost))
+            charged = piece.bytes(n - k, n)
+            state.calls += charged
+            self.held += charged
+            self.ledger.held += charged
+            hist.append_run(piece)
         else:
             passed, last = self._run_by_slots(state, run, hist, now)
         if last is not None:
@@ -1004,9 +1006,9 @@ class JobState:
         """Compare ``run`` with the first run through its seqs; where they differ, make the slots
         of the seqs they share, for the detectors to judge as they judge any slot (each one
         a mismatch's repeat, or a difference no rule minds: split sizes of ``all_to_all``).
-        A call site is no difference: rules judge it only where a slot is made anyway."""
-        t = run.template
-        key = (t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra)
+        A call site is no difference: rules judge it only where a slot is made anyway. A
+        cycle's calls are compared seq by seq, each with its own template's."""
+        mine = _RunRef.of(run)
         refs = self.run_refs.get(group)
         if refs is None:
             refs = self.run_refs[group] = collections.deque()
@@ -1015,17 +1017,19 @@ class JobState:
         for ref in reversed(refs):
             if ref.hi < lo:
                 break
-            if ref.lo > hi or ref.key == key:
+            if ref.lo > hi or ref.alike(mine):
                 continue
             for seq in range(max(lo, ref.lo), min(hi, ref.hi) + 1):
-                self._materialize(group, seq)
+                if ref.key_at(seq) != mine.key_at(seq):
+                    self._materialize(group, seq)
         if hi > covered:
             start = max(lo, covered + 1)
             last = refs[-1] if refs else None
-            if last is not None and last.key == key and last.hi == start - 1:
+            if last is not None and last.hi == start - 1 and last.alike(mine):
                 last.hi = hi
             else:
-                refs.append(_RunRef(start, hi, key))
+                mine.lo = start
+                refs.append(mine)
                 if len(refs) > MAX_SLOTS_PER_GROUP:
                     refs.popleft()
 
@@ -1205,11 +1209,35 @@ class JobState:
 
 @dataclasses.dataclass(slots=True)
 class _RunRef:
-    """The first run through seqs ``lo`` to ``hi`` of a group: what it called (``key``)."""
+    """The first run through seqs ``lo`` to ``hi`` of a group: what it called at each seq (the
+    key of ``keys[(seq - anchor) % len(keys)]``: one key, or a cycle's, in its shortest period)."""
 
     lo: int
     hi: int
-    key: tuple[object, ...]
+    keys: tuple[tuple[object, ...], ...]
+    anchor: int = 0
+
+    @classmethod
+    def of(cls, run: r.CallRun) -> _RunRef:
+        keys = tuple((t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra) for t in run.templates)
+        p = len(keys)
+        for q in range(1, p):  # the shortest period that repeats the keys (a cycle of call sites may call alike)
+            if p % q == 0 and all(keys[j] == keys[j % q] for j in range(p)):
+                keys = keys[:q]
+                break
+        return cls(run.first_seq, run.last_seq, keys, run.first_seq)
+
+    def key_at(self, seq: int) -> tuple[object, ...]:
+        keys = self.keys
+        return keys[0] if len(keys) == 1 else keys[(seq - self.anchor) % len(keys)]
+
+    def alike(self, other: _RunRef) -> bool:
+        """Whether the two call alike at every seq."""
+        p = len(self.keys)
+        if p != len(other.keys):
+            return False
+        shift = other.anchor - self.anchor
+        return all(self.keys[(j + shift) % p] == other.keys[j] for j in range(p))
 
 
 def _any_in(slots: collections.OrderedDict[int, Slot], lo: int, hi: int) -> bool:

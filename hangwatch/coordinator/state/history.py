@@ -24,26 +24,39 @@ from hangwatch import records as r
 
 
 class RunSlice:
-    """Calls ``lo`` to the end of ``run``: the last one made whole (``last``), the rest not yet."""
+    """Calls ``lo`` to the end of ``run``: the last one made whole (``last``), the rest not yet.
+    ``costs``: the bytes of a call of each of the run's templates, as each would be charged whole."""
 
-    __slots__ = ("cost", "last", "lo", "run")
+    __slots__ = ("costs", "last", "lo", "run")
 
-    def __init__(self, run: r.CallRun, lo: int, last: r.CallRecord, cost: int) -> None:
+    def __init__(self, run: r.CallRun, lo: int, last: r.CallRecord, costs: tuple[int, ...]) -> None:
         self.run = run
         self.lo = lo
         self.last = last
-        self.cost = cost  # bytes per call, as each would be charged whole
+        self.costs = costs
 
     def __len__(self) -> int:
         return len(self.run.enters) - self.lo
 
+    def cost_of(self, i: int) -> int:
+        """The bytes of the run's ``i``-th call."""
+        costs = self.costs
+        return costs[0] if len(costs) == 1 else costs[i % len(costs)]
+
+    def bytes(self, lo: int, hi: int) -> int:
+        """The bytes of the run's calls ``lo`` to ``hi - 1``."""
+        costs = self.costs
+        if len(costs) == 1:
+            return costs[0] * (hi - lo)
+        return sum(costs[i % len(costs)] for i in range(lo, hi))
+
     def whole(self) -> list[r.CallRecord]:
         """Its calls, as records with the run's clock offset, each held once (by the history)."""
-        run, cost = self.run, self.cost
+        run = self.run
         made = []
         for i in range(self.lo, len(run.enters) - 1):
             call = run.call(i, run.offset)
-            call.cost = cost
+            call.cost = self.cost_of(i)
             call.holds = 1
             made.append(call)
         made.append(self.last)
@@ -113,8 +126,8 @@ class History:
                 continue
             unmade = len(first) - 1  # the calls before its last, which have no record
             take = min(k, unmade)
+            loose += first.bytes(first.lo, first.lo + take)
             first.lo += take
-            loose += take * first.cost
             self._len -= take
             k -= take
             if k and len(first) == 1:
