@@ -18,6 +18,9 @@ Each rank runs, on a 4-element float tensor:
 - ``tight``: ``all_reduce`` in a loop, ``--calls`` calls at 1 rank (``--calls / k`` at k ranks),
   and no more than the warm-up's pace fits in ``--tight-seconds`` (slow multi-rank collectives
   on 2 cores keep the run bounded), after a warm-up;
+- ``tight, two lines``: the same count of calls, alternating between two ``all_reduce`` lines
+  of 4 and 8 floats (a hand-written tensor-parallel layer's two collectives: the node agent sends
+  them as runs of a cycle of two signatures), after a warm-up of both;
 - ``paced R/s``: ``all_reduce`` on an absolute schedule of R calls per second per rank
   (``--rates``), for about ``--paced-seconds`` seconds, sleeping (never spinning) until the next
   slot, and not at all when behind; the achieved rate is reported (a pace above what the
@@ -77,6 +80,8 @@ BEFORE_MODE = "before"
 #: every rank's ring every tick and its Flight Recorder ring at every poll (``HANGWATCH_READ_LESS=0``)
 EVERY_READ_MODE = "every read"
 DEAD_MODES = ("refused", "black hole")
+#: the tight loop over two lines that alternate (a cycle of two signatures)
+TWO_LINES = "tight, two lines"
 
 
 # ---- inside a rank --------------------------------------------------------------------------
@@ -193,6 +198,7 @@ def _worker(spec: dict[str, Any]) -> None:
         return 0.0 if coordinator is None else _cpu_of(coordinator)
 
     t = torch.ones(TENSOR)
+    u = torch.ones(2 * TENSOR)
     all_reduce = dist.all_reduce
     sender = _sender_clock()
     gc_clock = _GcClock()
@@ -202,6 +208,8 @@ def _worker(spec: dict[str, Any]) -> None:
         start = time.perf_counter()
         for _ in range(REWARM if i else WARMUP):
             all_reduce(t)
+            if name == TWO_LINES:
+                all_reduce(u)
         if not i:
             max_rate = _slowest(dist, torch, WARMUP / (time.perf_counter() - start))
         if rate:
@@ -222,6 +230,11 @@ def _worker(spec: dict[str, Any]) -> None:
                 ahead = slot - time.perf_counter()
                 if ahead > 0:
                     time.sleep(ahead)
+        elif name == TWO_LINES:
+            for _ in range(calls // 2):
+                all_reduce(t)
+                all_reduce(u)
+            calls = calls // 2 * 2
         else:
             for _ in range(calls):
                 all_reduce(t)
@@ -502,7 +515,7 @@ def main() -> None:
 
     # the ranks and the coordinator import this checkout's hangwatch, whatever is installed
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    workloads: list[tuple[str, int]] = [("tight", 0)] + [(f"paced {r:,}/s", r) for r in args.rates]
+    workloads: list[tuple[str, int]] = [("tight", 0), (TWO_LINES, 0)] + [(f"paced {r:,}/s", r) for r in args.rates]
     results: dict[tuple[int, str, str], list[dict[str, float]]] = {}
     try:
         from hangwatch.client import _fastpath  # type: ignore[attr-defined]  # noqa: F401

@@ -99,6 +99,7 @@ def status_json(
         "states": counts,
         "records_received": job.records_received,
         "records_in_runs": job.run_calls,  # of them, taken whole in runs of alike calls (issue 16)
+        "records_in_cycles": job.cycle_calls,  # of those, in runs of a cycle of signatures
         "relays": sorted({rk["relay"] for rk in ranks if rk["relay"]}),
         "dropped": sum(rk["dropped"] for rk in ranks),
         "conflicts": list(job.conflicts),  # registrations refused or overridden, newest last

@@ -139,6 +139,7 @@ class JobState:
         self._in_run = False
         self.runs_taken = 0  # runs taken whole, and the calls in them
         self.run_calls = 0
+        self.cycle_calls = 0  # of them, in runs of a cycle of signatures
 
     # ---- registration ---------------------------------------------------------------------
 
@@ -910,6 +911,8 @@ class JobState:
                 state.step = run.step
         self.runs_taken += 1
         self.run_calls += n
+        if run.cycle:
+            self.cycle_calls += n
         if passed:
             self._keep_run(state, run)  # compared with the others', then the rank's passed seq moves
         elif group in self.passed_to:
