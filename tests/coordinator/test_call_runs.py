@@ -373,6 +373,36 @@ def test_a_healthy_uneven_all_to_all_every_rank_returned_from_raises_nothing() -
     assert not any(slot.pinned for slot in job.job.slots["0"].values())
 
 
+def test_a_healthy_mixture_of_experts_layer_in_cycles_raises_nothing() -> None:
+    """The look-alike of a mismatch inside cycles: a mixture-of-experts layer's loop, an uneven
+    ``all_to_all_single`` (split sizes differ from rank to rank, agreeing pairwise) then an
+    ``all_reduce``, over and over, sent as cycles. The ranks' cycles differ at every
+    all_to_all seq, so those are made slots for the detectors; they find nothing."""
+    from tests.coordinator.rules._calls import UNEVEN, a2a_single
+
+    job = SimJob(3, registered=T0)
+    a2a = a2a_single(UNEVEN)
+    n = 40
+    for rank in range(3):
+        meta = (r.TensorMeta((4,), "float32"),)
+        reduce = dataclasses.replace(
+            a2a[rank], op="all_reduce", inputs=meta, outputs=meta, extra={}, reduce_op="sum", call_site=SITE_B
+        )
+        for seq, tpl in ((1, a2a[rank]), (2, reduce)):  # each signature's first call, alone
+            job.apply(dataclasses.replace(tpl, call_id=seq, seq=seq, enter_time=T0 + seq,
+                                          exit_time=T0 + seq + 0.01), T0 + seq)  # fmt: skip
+        enters = [T0 + 3 + i * 0.01 for i in range(n)]
+        run = r.CallRun(rank, a2a[rank], 3, 3, 0, enters, [e + 0.005 for e in enters], cycle=(reduce,))
+        job.apply(run, T0 + 4)
+    assert job.job.cycle_calls == 3 * n
+    made = set(job.job.slots.get("0", {}))
+    assert {s for s in range(3, 3 + n, 2)} <= made, sorted(made)  # every all_to_all seq, for the detectors
+    assert not {s for s in range(4, 3 + n, 2)} & made  # the all_reduces agree: left in the runs
+    assert job.tick(T0 + 5) == []
+    job.beat(T0 + 6)
+    assert job.tick(T0 + 30) == []
+
+
 def test_a_budget_note_reaches_status_with_the_rank_and_goes_when_its_batches_stop_saying_it() -> None:
     from hangwatch.coordinator import views
 
