@@ -12,13 +12,14 @@
   and where the extension is not built).
 
 ``--ranks`` ranks (a real ``JobState`` with that many registered), each a ring of completed
-4-float ``all_reduce`` calls on one call site, read in polls of each ``--batches`` size in turn
+4-float ``all_reduce`` calls on one call site (``--lines 2``: alternating with 8-float ones from
+a second line, which runs carry as a cycle of two signatures), read in polls of each ``--batches`` size in turn
 (the embedded agent reads every 50 ms: 5 calls a poll is 100 calls/s, 500 is 10,000/s), every
 rank's poll in a round, then the engine's ``take_changes``. The reading of the ring itself
 (``RingReader.poll``) is left out: it is the same for every path. Medians of ``--repeats``
 interleaved runs.
 
-    .venv/bin/python bench/ring_to_state.py [--ranks 4] [--calls 5000] [--batches 5,50,500] [--repeats 5]
+    .venv/bin/python bench/ring_to_state.py [--ranks 4] [--calls 5000] [--batches 5,50,500] [--repeats 5] [--lines 2]
 """
 
 from __future__ import annotations
@@ -44,17 +45,22 @@ PY_RUNS = "runs, Python gather"
 PATHS = ("wire", "wire runs", "typed", PY_RUNS, "runs")
 
 
-def _polls(ranks: int, calls: int, batch: int) -> list[list[Batch]]:
+def _polls(ranks: int, calls: int, batch: int, lines: int = 1) -> list[list[Batch]]:
     """Each rank's ring, written as the hook writes it, read in polls of ``batch`` calls."""
     out = []
     for rank in range(ranks):
         w = RingWriter(capacity=2 * calls + 8, blob_bytes=1 << 16, rank=rank)
         reader = RingReader(w.fd)
-        meta = (r.TensorMeta((4,), "float32"),)
-        record = r.CallRecord(rank, 0, "all_reduce", "0", 0, meta, meta, "sum", call_site="train.py:9 in step")
-        ref = w.blob(call_blob(record))
+        refs = []
+        for line in range(lines):
+            meta = (r.TensorMeta((4 << line,), "float32"),)
+            site = f"train.py:{9 + line} in step"
+            refs.append(
+                w.blob(call_blob(r.CallRecord(rank, 0, "all_reduce", "0", 0, meta, meta, "sum", call_site=site)))
+            )
         t = 1.795e9 + rank * 1e-5
         for i in range(1, calls + 1):
+            ref = refs[i % lines]
             w.write(Kind.ENTER, 0, 0, ref, i, i, 0, 0, t)
             w.write(Kind.EXIT, 0, 1, 0, i, 0, 0, 0, t + 1e-5)
             t += 1e-4
@@ -80,6 +86,7 @@ def run(path: str, polls: list[list[Batch]]) -> tuple[float, JobState]:
     encoders = [RingEncoder() for _ in range(ranks)]
     for encoder in encoders:
         encoder.send_runs = path == "wire runs"
+        encoder.send_cycles = "runs" in path  # a coordinator that takes runs takes cycles too
         encoder.native = path != PY_RUNS
     decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True) for _ in range(ranks)]
     calls = 0
@@ -105,16 +112,20 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5000, help="calls per rank")
     ap.add_argument("--batches", default="5,50,500", help="calls per poll, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--lines", type=int, default=1, choices=(1, 2), help="call sites the calls alternate between")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",") if x]
-    print(f"{args.ranks} ranks x {args.calls:,} completed all_reduce calls; CPU µs per call, median of {args.repeats}")
+    print(
+        f"{args.ranks} ranks x {args.calls:,} completed all_reduce calls from {args.lines} line(s); "
+        f"CPU µs per call, median of {args.repeats}"
+    )
     print(
         "| calls per poll | " + " | ".join(PATHS) + " | wire / wire runs | typed / runs | Python gather / C "
         "| held by the job state after (typed / runs) |"
     )
     print("| ---: |" + " ---: |" * (len(PATHS) + 4))
     for batch in batches:
-        polls = _polls(args.ranks, args.calls, batch)
+        polls = _polls(args.ranks, args.calls, batch, args.lines)
         figures: dict[str, list[float]] = {p: [] for p in PATHS}
         held: dict[str, int] = {}
         for _ in range(args.repeats):
@@ -123,7 +134,8 @@ def main() -> None:
                 figures[path].append(us)
                 held[path] = job.held
                 if "runs" in path:
-                    assert job.runs_taken > 0 or batch < 2, "no run was taken"
+                    assert job.runs_taken > 0 or batch < 2 * args.lines, "no run was taken"
+                    assert job.cycle_calls > 0 or args.lines == 1 or batch < 4, "no cycle was taken"
                 assert job.records_received == args.ranks * (args.calls // batch) * batch
         med = {p: statistics.median(v) for p, v in figures.items()}
         print(

@@ -31,10 +31,12 @@ from hangwatch.ring import Batch, Kind, Slot
 from hangwatch.signatures import MAX_CYCLE, MAX_SIGNATURES, Columns
 
 _native_gather: Callable[..., tuple[list[Any], bool]] | None
+_native_cycles: Callable[..., list[Any]] | None
 try:  # the gatherer in C, where the extension was built at install (``client/_fastpath.c``)
+    from hangwatch.client._fastpath import cycles as _native_cycles
     from hangwatch.client._fastpath import gather as _native_gather
 except ImportError:  # pragma: no cover - depends on the install
-    _native_gather = None
+    _native_gather = _native_cycles = None
 
 TAG_CALL = b"C"
 TAG_EVENT = b"V"
@@ -93,12 +95,13 @@ class _Run:
         self.refs: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, enter: Slot, exit_: Slot, enters: list[float], exits: list[float]) -> _Run:
-        """The run the C gatherer found: its first call's slots and every call's times."""
+    def of(cls, enter: Slot, exit_: Slot, enters: list[float], exits: list[float], refs: tuple[int, ...] = ()) -> _Run:
+        """The run the C gatherer found (or a cycle, ``refs``, that the C ``cycles`` did): its
+        first call's slots and every call's times."""
         run = cls.__new__(cls)
         run.ref, run.call_id, run.seq, run.step = enter.ref, enter.call_id, enter.seq, enter.step
         run.enters, run.exits = enters, exits
-        run.refs = ()
+        run.refs = refs
         return run
 
     @classmethod
@@ -530,11 +533,12 @@ class RingEncoder:
             return slots
         cycles = self.send_cycles and len(slots) >= 4 * CYCLE_MIN
         shown = set(self._whole) if cycles else set()  # before the gatherer adds this batch's firsts
-        if _native_gather is not None and self.native:
+        if _native_gather is not None and _native_cycles is not None and self.native:
             items, self.steady = _native_gather(slots, self._whole, self._run_ok, self._known, RUN_MIN)
-            gathered: Sequence[Slot | _Run] = [_Run.of(*x) if type(x) is tuple else x for x in items]
-        else:
-            gathered = self._gather_python(slots)
+            if cycles:
+                items = _native_cycles(items, shown, self._run_ok, self._lanes, CYCLE_MIN, MAX_CYCLE)
+            return [_Run.of(*x) if type(x) is tuple else x for x in items]  # a Slot is a tuple's subclass
+        gathered = self._gather_python(slots)
         return self._cycled(gathered, shown) if cycles else gathered
 
     def _cycled(self, items: Sequence[Slot | _Run], shown: set[int]) -> list[Slot | _Run]:

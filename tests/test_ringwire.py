@@ -396,13 +396,14 @@ _SIGNATURES = {
     2: call_blob(_template("broadcast", "1", 8)),  # runs may form, on another group
     3: call_blob(r.CallRecord(RANK, 0, "send", "0", 0, (), (), None, peer=1, call_site="pp.py:3 in step")),  # never
     4: text_blob("RuntimeError: Connection closed by peer"),  # an exit's error
+    5: call_blob(_template("all_reduce", "0", 8)),  # with 1, cycles may form (one group, two lines)
 }
 
 _SLOT = st.tuples(
     st.sampled_from([Kind.ENTER, Kind.ENTER, Kind.ENTER, Kind.EXIT, Kind.EXIT, Kind.STEP, Kind.EVENT]),
     st.sampled_from([0, 0, 0, 1]),  # flags: async now and then
     st.sampled_from([0, 1, 1, 2]),  # aux: collectives an exit issued
-    st.sampled_from([1, 1, 2, 3, 0, 4]),  # ref
+    st.sampled_from([1, 1, 5, 5, 2, 3, 0, 4]),  # ref
     st.sampled_from([0, 1, 1, 1, 2]),  # call id step from the last
     st.sampled_from([0, 1, 1, 1, 3]),  # seq step
     st.sampled_from([0, 0, 0, 1]),  # step step
@@ -418,7 +419,7 @@ def _slots(spec: list[tuple[int, ...]], start: int) -> list[Slot]:
         t += 0.001
         if kind == Kind.ENTER:
             call, seq, step = (call + dcall) & 0xFFFFFFFF, (seq + dseq) & 0xFFFFFFFF, step + dstep
-            out.append(Slot(0, kind, flags, 0, ref if ref in (1, 2, 3) else 1, call, seq, step, 0, t, 0))
+            out.append(Slot(0, kind, flags, 0, ref if ref in (1, 2, 3, 5) else 1, call, seq, step, 0, t, 0))
             if dcall and ref != 0:  # its exit, right after it, mostly
                 out.append(Slot(0, Kind.EXIT, 0, aux, 4 if ref == 4 else 0, call, 0, 0, 0, t + 0.0005, 0))
         elif kind == Kind.EXIT:
@@ -464,6 +465,36 @@ def test_the_gatherer_in_c_is_the_python_one(batches: list[list[tuple[int, ...]]
         assert native.steady == python.steady
         assert (native._whole, native._run_ok) == (python._whole, python._run_ok)
         assert native.holding == python.holding
+
+
+@pytest.mark.skipif(ringwire._native_cycles is None, reason="the C extension is not built here")
+def test_cycles_gathered_in_c_are_the_python_ones() -> None:
+    """A loop of two lines (refs 1 and 5 on one group), with a break in its ids, one in its seqs,
+    a step, an async call and an error among them: both find the same cycles, and some."""
+    spec = [(Kind.ENTER, 0, 1, 1 if i % 2 else 5, 1, 1, 0) for i in range(40)]
+    spec[9] = (Kind.ENTER, 0, 1, 1, 2, 1, 0)  # a call id skipped
+    spec[17] = (Kind.ENTER, 0, 1, 1, 1, 3, 0)  # a seq skipped (C++ issued one)
+    spec[25] = (Kind.STEP, 0, 0, 0, 0, 0, 0)
+    spec[31] = (Kind.ENTER, 1, 1, 1, 1, 1, 0)  # async
+    spec[35] = (Kind.ENTER, 0, 1, 4, 1, 1, 0)  # an error
+    native, python = RingEncoder(), RingEncoder()
+    python.native = False
+    outs = []
+    for enc in (native, python):
+        enc.send_cycles = True
+        enc.decode(Batch(_slots([(Kind.ENTER, 0, 1, r_, 1, 1, 0) for r_ in (1, 5)], 1), dict(_SIGNATURES), 0), RANK)
+        outs.append([_fields(e) for e in enc.decode(Batch(_slots(spec, 3), {}, 0), RANK)])
+    assert outs[0] == outs[1]
+    cycles = [e for e in outs[0] if isinstance(e, tuple) and len(e[1]) == 2]
+    assert len(cycles) >= 3, outs[0]
+    # the two lines' first calls in the same batch as their cycle: each goes alone, then the cycle
+    firsts = []
+    for enc in (RingEncoder(), RingEncoder()):
+        enc.native = not firsts
+        enc.send_cycles = True
+        firsts.append([_fields(e) for e in enc.decode(Batch(_slots(spec[:8], 1), dict(_SIGNATURES), 0), RANK)])
+    assert firsts[0] == firsts[1]
+    assert [type(e) for e in firsts[0]][:2] == [r.CallRecord, r.CallRecord] and isinstance(firsts[0][2], tuple)
 
 
 @pytest.mark.skipif(ringwire._native_gather is None, reason="the C extension is not built here")

@@ -700,6 +700,166 @@ fail:
     return NULL;
 }
 
+/* ---- cycles of signatures: ``RingEncoder._cycled`` (and ``_cycles_in``) in C ----------------
+ *
+ * The gatherer's output (slots, and runs as 4-tuples) with each stretch of calls that repeat a
+ * cycle of 2 to ``max_cycle`` signatures of one group ``cycle_min`` times or more put in place of
+ * their slots as a 5-tuple (enter, exit, enters, exits, refs). Step for step the Python one, which
+ * stays the reference (the tests play both on the same batches). */
+
+static int is_slot(PyObject *o) { return PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 11; }
+
+/* Whether ``s`` (an ENTER) and ``x`` make a call fit for a cycle: 1, 0, -1 on failure. */
+static int cycle_fit(PyObject *s, PyObject *x, PyObject *shown, PyObject *ok) {
+    unsigned long kind, flags, xkind, xcall, call, xref, xaux;
+    if (!is_slot(s) || !is_slot(x)) return 0;
+    if (field_ul(s, F_KIND, &kind) < 0 || field_ul(s, F_FLAGS, &flags) < 0) return -1;
+    if (kind != KIND_ENTER || (flags & 1)) return 0;
+    PyObject *refobj = PyTuple_GET_ITEM(s, F_REF);
+    int in = PySet_Contains(shown, refobj);
+    if (in <= 0) return in;
+    PyObject *may = PyDict_GetItemWithError(ok, refobj);
+    if (may == NULL) return PyErr_Occurred() ? -1 : 0;
+    int t = PyObject_IsTrue(may);
+    if (t <= 0) return t;
+    if (field_ul(x, F_KIND, &xkind) < 0 || field_ul(x, F_CALL, &xcall) < 0 || field_ul(x, F_REF, &xref) < 0 ||
+        field_ul(x, F_AUX, &xaux) < 0 || field_ul(s, F_CALL, &call) < 0)
+        return -1;
+    return xkind == KIND_EXIT && xcall == call && xref == 0 && xaux <= 1;
+}
+
+/* Whether the call at ``s`` follows the one at ``before`` (ids and seqs one apart, one step,
+ * one lane): 1, 0, -1 on failure. */
+static int cycle_follows(PyObject *s, PyObject *before, PyObject *lanes) {
+    unsigned long call, seq, step, bcall, bseq, bstep;
+    if (field_ul(s, F_CALL, &call) < 0 || field_ul(s, F_SEQ, &seq) < 0 || field_ul(s, F_STEP, &step) < 0 ||
+        field_ul(before, F_CALL, &bcall) < 0 || field_ul(before, F_SEQ, &bseq) < 0 ||
+        field_ul(before, F_STEP, &bstep) < 0)
+        return -1;
+    if (call != ((bcall + 1) & 0xFFFFFFFFul) || seq != ((bseq + 1) & 0xFFFFFFFFul) || step != bstep) return 0;
+    PyObject *a = PyDict_GetItemWithError(lanes, PyTuple_GET_ITEM(s, F_REF));
+    if (a == NULL && PyErr_Occurred()) return -1;
+    PyObject *b = PyDict_GetItemWithError(lanes, PyTuple_GET_ITEM(before, F_REF));
+    if (b == NULL && PyErr_Occurred()) return -1;
+    if (a == NULL || b == NULL) return a == b;
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* ``_cycles_in``: the ``m`` calls of ``pairs`` (two slots each) into ``out``, cycles gathered. */
+static int cycles_in(PyObject *const *pairs, Py_ssize_t m, PyObject *out, Py_ssize_t cycle_min, Py_ssize_t max_cycle) {
+    unsigned long *refs = PyMem_Malloc(sizeof(unsigned long) * (size_t)(m > 0 ? m : 1));
+    if (refs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < m; k++)
+        if (field_ul(pairs[2 * k], F_REF, &refs[k]) < 0) goto fail;
+    Py_ssize_t i = 0;
+    while (i < m) {
+        Py_ssize_t best_p = 0, best_len = 0;
+        for (Py_ssize_t p = 2; p <= max_cycle; p++) {
+            if (i + cycle_min * p > m) break;
+            Py_ssize_t length = p;
+            while (i + length < m && refs[i + length] == refs[i + length - p]) length++;
+            int varied = 0;
+            for (Py_ssize_t q = i + 1; q < i + p; q++)
+                if (refs[q] != refs[i]) varied = 1;
+            if (length >= cycle_min * p && length > best_len && varied) {
+                best_p = p;
+                best_len = length;
+            }
+        }
+        if (!best_p) {
+            if (PyList_Append(out, pairs[2 * i]) < 0 || PyList_Append(out, pairs[2 * i + 1]) < 0) goto fail;
+            i++;
+            continue;
+        }
+        PyObject *enters = PyList_New(best_len), *exits = PyList_New(best_len), *cyc = PyTuple_New(best_p);
+        if (enters == NULL || exits == NULL || cyc == NULL) {
+            Py_XDECREF(enters);
+            Py_XDECREF(exits);
+            Py_XDECREF(cyc);
+            goto fail;
+        }
+        for (Py_ssize_t k = 0; k < best_len; k++) {
+            PyList_SET_ITEM(enters, k, Py_NewRef(PyTuple_GET_ITEM(pairs[2 * (i + k)], F_TIME)));
+            PyList_SET_ITEM(exits, k, Py_NewRef(PyTuple_GET_ITEM(pairs[2 * (i + k) + 1], F_TIME)));
+        }
+        for (Py_ssize_t k = 0; k < best_p; k++) PyTuple_SET_ITEM(cyc, k, Py_NewRef(PyTuple_GET_ITEM(pairs[2 * (i + k)], F_REF)));
+        PyObject *t = PyTuple_Pack(5, pairs[2 * i], pairs[2 * i + 1], enters, exits, cyc);
+        Py_DECREF(enters);
+        Py_DECREF(exits);
+        Py_DECREF(cyc);
+        if (t == NULL) goto fail;
+        int rc = PyList_Append(out, t);
+        Py_DECREF(t);
+        if (rc < 0) goto fail;
+        i += best_len;
+    }
+    PyMem_Free(refs);
+    return 0;
+fail:
+    PyMem_Free(refs);
+    return -1;
+}
+
+static PyObject *cycles(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "cycles(items, shown, ok, lanes, cycle_min, max_cycle)");
+        return NULL;
+    }
+    PyObject *shown = args[1], *ok = args[2], *lanes = args[3];
+    Py_ssize_t cycle_min = PyLong_AsSsize_t(args[4]), max_cycle = PyLong_AsSsize_t(args[5]);
+    if ((cycle_min == -1 || max_cycle == -1) && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(args[0]) || !PySet_Check(shown) || !PyDict_Check(ok) || !PyDict_Check(lanes) || cycle_min < 1) {
+        PyErr_SetString(PyExc_TypeError, "cycles: items must be a list, shown a set, ok and lanes dicts");
+        return NULL;
+    }
+    PyObject *held = PyList_AsTuple(args[0]); /* a snapshot: nothing here runs Python code, but as gather */
+    if (held == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(held);
+    PyObject *const *items = &PyTuple_GET_ITEM(held, 0);
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        Py_DECREF(held);
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    while (i < n) {
+        Py_ssize_t j = i;
+        while (j + 1 < n) {
+            int fit = cycle_fit(items[j], items[j + 1], shown, ok);
+            if (fit < 0) goto fail;
+            if (!fit) break;
+            if (j > i) {
+                int f = cycle_follows(items[j], items[j - 2], lanes);
+                if (f < 0) goto fail;
+                if (!f) break;
+            }
+            j += 2;
+        }
+        if (j - i < 4 * cycle_min) {
+            PyObject *item = items[i];
+            if (is_slot(item)) {
+                unsigned long kind;
+                if (field_ul(item, F_KIND, &kind) < 0) goto fail;
+                if (kind == KIND_ENTER && PySet_Add(shown, PyTuple_GET_ITEM(item, F_REF)) < 0) goto fail;
+            }
+            if (PyList_Append(out, item) < 0) goto fail;
+            i++;
+            continue;
+        }
+        if (cycles_in(items + i, (j - i) / 2, out, cycle_min, max_cycle) < 0) goto fail;
+        i = j;
+    }
+    Py_DECREF(held);
+    return out;
+fail:
+    Py_DECREF(held);
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* scan(mm, header, capacity, position, budget, slot_type) -> (slots, position, stopped): the
  * slots published from ``position`` on, oldest first, at most ``budget``, as ``slot_type``
  * (``hangwatch.ring.Slot``) tuples: ``RingReader.poll``'s inner loop (about 0.8 us a slot in
@@ -803,6 +963,8 @@ static PyMethodDef module_methods[] = {
      "scan(mm, header, capacity, position, budget, slot_type) -> (slots, position, stopped)."},
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL,
      "gather(slots, whole, ok, known, run_min) -> (items, steady): RingEncoder._gather in C."},
+    {"cycles", (PyCFunction)(void (*)(void))cycles, METH_FASTCALL,
+     "cycles(items, shown, ok, lanes, cycle_min, max_cycle) -> items: RingEncoder._cycled in C."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,6 +15,12 @@ def gather(
     """``RingEncoder._gather`` in C: the items (slots, and runs as (enter, exit, enters, exits))
     and whether the batch was steady."""
 
+def cycles(
+    items: list[Any], shown: set[int], ok: dict[int, bool], lanes: dict[int, Any], cycle_min: int, max_cycle: int, /
+) -> list[Any]:
+    """``RingEncoder._cycled`` in C, on ``gather``'s items: cycles as (enter, exit, enters,
+    exits, refs)."""
+
 def scan(
     mm: Any, header: int, capacity: int, position: int, budget: int, slot_type: type[Any], /
 ) -> tuple[list[Any], int, tuple[int, int] | None]:
