@@ -680,7 +680,17 @@ class RingEncoder:
     def _decode_run(
         self, run: _Run, out: list[r.RankEvent], rank: int, cost: Callable[[r.CallRecord], int] | None
     ) -> None:
-        templates = [self._template(ref, rank) for ref in run.refs or (run.ref,)]
+        if not run.refs:  # one signature (the most of them)
+            t = self._template(run.ref, rank)
+            call_id, seq, step, _ = self._open_run(run)
+            if t is None:  # cannot be: gathered runs are of signatures read already
+                self.unnamed += len(run.enters)
+                return
+            if cost is not None and not t.cost:
+                t.cost = cost(t)
+            out.append(r.CallRun(rank, t, call_id, seq, step, run.enters, run.exits))
+            return
+        templates = [self._template(ref, rank) for ref in run.refs]
         call_id, seq, step, _ = self._open_run(run)
         if any(t is None for t in templates):  # cannot be: gathered runs are of signatures read already
             self.unnamed += len(run.enters)

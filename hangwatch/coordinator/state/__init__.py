@@ -590,9 +590,13 @@ class JobState:
                     return
                 hist = state.history[group] = History()
                 self._charge(state, b.RANK_GROUP_BYTES)
-            if len(hist) >= HISTORY_PER_GROUP:  # the oldest leaves
-                self._evict(state, hist, len(hist) - HISTORY_PER_GROUP + 1)
-            hist.append(call)
+            oldest = hist.push(call, HISTORY_PER_GROUP)  # the oldest leaves (inlined ``_unhold``)
+            if oldest is not None:
+                oldest.holds -= 1
+                if not oldest.holds:
+                    self._unhold_last(state, oldest)
+            elif len(hist) > HISTORY_PER_GROUP:  # its oldest stood in a run
+                self._evict(state, hist, len(hist) - HISTORY_PER_GROUP)
             call.holds += 1
             open_calls = state.open_calls
             kind = call.kind
@@ -850,12 +854,20 @@ class JobState:
         first call on the group, a call sent again) is applied call by call."""
         group = run.template.group
         n = len(run.enters)
-        templates = run.templates
-        costs = tuple(t.cost or b.call_bytes(t) for t in templates)  # each call's, as ``_enter`` charges it
+        t = run.template
+        if run.cycle:  # each call's bytes, as ``_enter`` charges it
+            templates = run.templates
+            costs = tuple(c.cost or b.call_bytes(c) for c in templates)
+            odd = any(
+                c.kind is not r.OpKind.COLLECTIVE or c.group != group or self._faulty(c, group) for c in templates
+            )
+        else:
+            costs = (t.cost or b.call_bytes(t),)
+            odd = t.kind is not r.OpKind.COLLECTIVE or self._faulty(t, group)
         if (
             n < 2
             or len(run.exits) != n
-            or any(t.kind is not r.OpKind.COLLECTIVE or t.group != group or self._faulty(t, group) for t in templates)
+            or odd
             or group not in state.history
             or state.progress
             or state.seq_shifts.get(group)
@@ -954,9 +966,13 @@ class JobState:
                 state.calls += cost
                 self.held += cost
                 ledger.held += cost
-                if len(hist) >= HISTORY_PER_GROUP:
-                    self._evict(state, hist, len(hist) - HISTORY_PER_GROUP + 1)
-                hist.append(call)
+                oldest = hist.push(call, HISTORY_PER_GROUP)  # the oldest leaves (inlined ``_unhold``)
+                if oldest is not None:
+                    oldest.holds -= 1
+                    if not oldest.holds:
+                        self._unhold_last(state, oldest)
+                elif len(hist) > HISTORY_PER_GROUP:  # its oldest stood in a run
+                    self._evict(state, hist, len(hist) - HISTORY_PER_GROUP)
         finally:
             self._in_run = False
         return passed, last
@@ -1222,6 +1238,11 @@ class _RunRef:
 
     @classmethod
     def of(cls, run: r.CallRun) -> _RunRef:
+        if not run.cycle:
+            t = run.template
+            return cls(
+                run.first_seq, run.last_seq, ((t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra),)
+            )
         keys = tuple((t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra) for t in run.templates)
         p = len(keys)
         for q in range(1, p):  # the shortest period that repeats the keys (a cycle of call sites may call alike)
@@ -1239,6 +1260,8 @@ class _RunRef:
         p = len(self.keys)
         if p != len(other.keys):
             return False
+        if p == 1:
+            return self.keys[0] == other.keys[0]
         shift = other.anchor - self.anchor
         return all(self.keys[(j + shift) % p] == other.keys[j] for j in range(p))
 

@@ -101,6 +101,21 @@ class History:
         call is one (runs are of collectives)."""
         return (c for c in self._items if not isinstance(c, RunSlice))
 
+    def push(self, call: r.CallRecord, cap: int) -> r.CallRecord | None:
+        """Append ``call``; where that takes the history past ``cap`` calls and its oldest is a
+        record, drop that and hand it back (the hot path of every call a rank sends alone);
+        the caller lets go of what is dropped, and of anything older with ``drop_oldest``."""
+        items = self._items
+        items.append(call)
+        n = self._len = self._len + 1
+        if n > cap:
+            first = items[0]
+            if type(first) is not RunSlice:
+                items.popleft()
+                self._len = n - 1
+                return first  # type: ignore[return-value]
+        return None
+
     def append(self, call: r.CallRecord) -> None:
         self._items.append(call)
         self._len += 1
