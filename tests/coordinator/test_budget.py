@@ -7,6 +7,7 @@ over its configured budget, measured with ``tracemalloc``) is in ``test_budget_r
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import tracemalloc
 
@@ -282,6 +283,45 @@ def test_estimates_are_not_below_what_python_allocates() -> None:
         traced, job = _traced(lambda shape=shape: _job_of(400, **shape))  # type: ignore[misc, arg-type]
         assert traced <= job.held, f"{shape}: allocated {traced} bytes, charged only {job.held}"
         assert job.held <= 6 * traced, f"{shape}: charged {job.held} bytes for {traced} allocated (too coarse)"
+
+
+def _long_runs(n: int, groups: int, cycle: bool) -> JobState:
+    """Two ranks, each sending on every group its first call alone, a run of ``n`` calls (over
+    the 4,096 slots a group keeps, as a rank far behind or a hostile one may send), then ten more,
+    so that every member passed the long runs and they are let go."""
+    job = JobState(Ledger())
+    for rk in range(2):
+        job.register(identity(rk, 2, session=f"s{rk}"), T0)
+    for g in range(groups):
+        name = f"g{g}"
+        for rk in range(2):
+            base = 1 + g * (n + 20)
+            a = call(rk, 0, group=name, call_id=0)
+            more = (call(rk, 0, group=name, call_id=0, shape=(8,), call_site="train.py:50 in step"),) if cycle else ()
+            events: list[r.RankEvent] = [
+                group_event(rk, name, (0, 1), T0),
+                call(rk, 1, group=name, call_id=base, enter_time=T0, exit_time=T0 + 0.1),
+            ]
+            events += [dataclasses.replace(m, call_id=base + 1, seq=2, enter_time=T0, exit_time=T0 + 0.1) for m in more]
+            first = len(events) - 1
+            for start, k in ((first + 1, n), (first + 1 + n, 10)):  # seqs from ``start``
+                enters = [T0 + 1 + (start + i) * 1e-5 for i in range(k)]
+                exits = [e + 1e-6 for e in enters]
+                events.append(r.CallRun(rk, a, base + start - 1, start, 0, enters, exits, cycle=more))
+            result = job.ingest(f"s{rk}", rk, events, now=T0 + 2, sent_time=T0 + 2)
+            assert result.failed == 0
+    return job
+
+
+def test_a_long_run_let_go_leaves_no_more_behind_than_it_is_charged() -> None:
+    """Found by review: a rank's history kept its last calls as a slice of the run that held the
+    whole run's times alive (8.6 MB allocated for 2.4 MB charged here), and a run over 4,096 calls
+    failed its own bookkeeping (it was dropped as the oldest run of its group, then looked for)."""
+    for cycle in (False, True):
+        traced, job = _traced(lambda cycle=cycle: _long_runs(5000, 8, cycle))  # type: ignore[misc]
+        assert job.runs_taken == 2 * 8 * 2
+        assert all(len(run) == 10 for byrank in job.passed.values() for runs in byrank.values() for run in runs)
+        assert traced <= job.held, f"cycle={cycle}: allocated {traced} bytes, charged only {job.held}"
 
 
 # ---- floods stop at the budget ----------------------------------------------------------------------

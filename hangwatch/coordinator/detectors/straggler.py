@@ -14,13 +14,19 @@ SHARE = 0.8  # the same rank last in at least this share of them
 MIN_MARGIN_S = 0.5  # and behind the median arrival by at least this much on average
 
 
+def _seq(arrival: tuple[int, float, int, float]) -> int:
+    return arrival[2]
+
+
 def detect(job: JobState, ctx: Context) -> list[Finding]:
     """The lag is the median of the rank's lags, not their mean, and slots an incident explains
     are left out: one hang that resolved (a rank 30 s late once) is that incident, not a rank that
     is persistently late; nor is a rank that is the culprit of an open hang now."""
     findings: list[Finding] = []
     for group, arrivals in job.arrivals.items():
-        recent = [a for a in arrivals if (group, a[2]) not in ctx.claimed][-WINDOW:]
+        # in seq order: slots and runs complete (and are counted) in the order their last rank's
+        # batch comes, so the window is the same whichever way the calls travelled
+        recent = sorted((a for a in arrivals if (group, a[2]) not in ctx.claimed), key=_seq)[-WINDOW:]
         if len(recent) < WINDOW:
             continue
         last = collections.Counter(rank for rank, _, _, _ in recent)

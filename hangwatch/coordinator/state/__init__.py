@@ -900,10 +900,10 @@ class JobState:
             if len(hist) + k > HISTORY_PER_GROUP:
                 self._evict(state, hist, len(hist) + k - HISTORY_PER_GROUP)
             last = run.call(n - 1, offset)
-            piece = RunSlice(run, n - k, last, costs)
-            last.cost = piece.cost_of(n - 1)
+            piece = RunSlice.tail(run, n - k, last, costs)  # its own copy: not the whole run's times
+            last.cost = piece.cost_of(k - 1)
             last.holds = 1
-            charged = piece.bytes(n - k, n)
+            charged = piece.bytes(0, k)
             state.calls += charged
             self.held += charged
             self.ledger.held += charged
@@ -1008,7 +1008,7 @@ class JobState:
                 self._drop_run(runs.popleft())
             self.run_refs.pop(group, None)
         runs.append(run)
-        while runs[-1].last_seq - runs[0].first_seq >= MAX_SLOTS_PER_GROUP:
+        while len(runs) > 1 and runs[-1].last_seq - runs[0].first_seq >= MAX_SLOTS_PER_GROUP:
             self._drop_run(runs.popleft())  # a member that never comes: bounded as slots are
         members = self.members(group)
         self._compare_run(group, run)

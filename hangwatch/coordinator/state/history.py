@@ -10,7 +10,9 @@ rank's ``last_call``, and the most read); the rest are made only when something 
 history in order (``__iter__``, indexing), once: they then replace the slice for good.
 
 Memory is charged as before: the ``JobState`` charges a slice's calls one by one, each at its
-run's cost per call, so what a history holds costs the same whether it is read or not. A call
+run's cost per call, so what a history holds costs the same whether it is read or not; a slice
+keeps a copy of its calls' times, not the run's (``RunSlice.tail``), so a run of a million calls
+let go leaves no more behind than its last 64. A call
 that only stands in a slice has no record, so no hold; dropping it (``drop_oldest``) hands back
 its bytes, and dropping a record hands back the record for the job state to let go.
 """
@@ -34,6 +36,22 @@ class RunSlice:
         self.lo = lo
         self.last = last
         self.costs = costs
+
+    @classmethod
+    def tail(cls, run: r.CallRun, lo: int, last: r.CallRecord, costs: tuple[int, ...]) -> RunSlice:
+        """Calls ``lo`` to the end of ``run``, kept apart from the run: a copy of their times
+        (and the cycle turned to start at ``lo``), so that the slice holds no more than it is
+        charged for once the run itself is let go (a run may stand for a million calls)."""
+        if lo:
+            p = len(costs)
+            turn = lo % p
+            templates = run.templates
+            templates = templates[turn:] + templates[:turn]
+            costs = costs[turn:] + costs[:turn]
+            kept = r.CallRun(run.rank, templates[0], run.first_call_id + lo, run.first_seq + lo, run.step,
+                             run.enters[lo:], run.exits[lo:], offset=run.offset, cycle=templates[1:])  # fmt: skip
+            run = kept
+        return cls(run, 0, last, costs)
 
     def __len__(self) -> int:
         return len(self.run.enters) - self.lo

@@ -65,3 +65,17 @@ def test_the_culprit_of_an_open_hang_is_not_also_a_straggler() -> None:
     ctx = sim.ctx(T0 + 200)
     ctx.hangs[2] = "stuck:0:21"
     assert straggler.detect(sim.job, ctx) == []
+
+
+def test_the_window_is_the_latest_seqs_whatever_order_they_completed_in() -> None:
+    """Found by review: slots and runs complete in the order their last rank's batch comes, so
+    ``arrivals`` may hold seqs out of order, and "the last 20" taken in that order differed
+    between calls sent one by one and in runs (the same straggler, told with another onset)."""
+    sim = _arrivals(lambda seq: 2, slots=24)
+    arrivals = sim.job.arrivals["0"]
+    in_order = straggler.detect(sim.job, sim.ctx(T0 + 200))
+    shuffled = sorted(arrivals, key=lambda a: (a[2] % 3, a[2]))  # every third seq completed late, say
+    arrivals.clear()
+    arrivals.extend(shuffled)
+    (f,) = straggler.detect(sim.job, sim.ctx(T0 + 200))
+    assert (f.onset_time, f.seq) == (in_order[0].onset_time, in_order[0].seq) == (T0 + 5 * 5, 24)
