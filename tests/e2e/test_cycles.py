@@ -7,10 +7,12 @@ rank, at that step, once.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 from hangwatch.coordinator.daemon import Coordinator
-from hangwatch.testing import Job, wait_for
+from hangwatch.testing import BIN, Job, wait_for
 from tests.e2e.test_fault_classes import TRAIN, _brief, settle, wait_incident
 
 #: two all_reduces a layer, four layers a step: attention's output, then the MLP's (another width)
@@ -58,3 +60,31 @@ def test_a_shape_mismatch_inside_the_cycles_is_told_once_on_its_rank(
     incs = coordinator.incidents_json()
     assert [i["kind"] for i in incs] == ["shape_mismatch"], _brief(incs)
     assert coordinator.status()["job"]["records_in_cycles"] > 0  # the steps before it went as cycles
+
+
+def test_cycles_travel_the_wire_from_a_node_agent_and_the_mismatch_is_told_the_same(
+    coordinator_factory: Callable[..., Coordinator], torchrun: Callable[..., Job], tmp_path: Path
+) -> None:
+    """A remote node agent (a `hangwatch agent` process) reads the ranks' rings and sends the
+    cycles over gRPC (``CallColumns.run_cycle``, as the coordinator's reply allows)."""
+    c = coordinator_factory(embedded_agent=False, stuck_after=3.0)
+    sock = tmp_path / "node-c.sock"
+    agent = subprocess.Popen(
+        [str(BIN / "hangwatch"), "agent", "--coordinator", f"127.0.0.1:{c.port}", "--node-name", "node-c",
+         "--rank-socket", str(sock)],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: "node-c" in set(c.hub.hosts()), 30, 0.2, "the agent to register")
+        env = {"HANGWATCH_NODE_NAME": "node-c", "HANGWATCH_AGENT_SOCKET": str(sock), "BAD_STEP": "30"}
+        job = torchrun(LAYERS, addr=f"127.0.0.1:{c.port}", name="tp_wire", env=env)
+        inc = wait_incident(c, "shape_mismatch")
+        assert (inc["culprit_ranks"], inc["waiting_ranks"], inc["step"]) == ([1], [0], 30)
+        settle(c, job)
+        assert [i["kind"] for i in c.incidents_json()] == ["shape_mismatch"], _brief(c.incidents_json())
+        status = c.status()
+        assert all(rk["via"] == "agent" for rk in status["ranks"]), status["ranks"]
+        assert status["job"]["records_in_cycles"] > 0, status["job"]
+    finally:
+        agent.kill()
+        agent.wait(10)
