@@ -265,11 +265,16 @@ def _run_batch(**change: object) -> pb.ReportBatch:
     cols.run.append(3)
     cols.run_enter.extend([11.0, 12.0])
     cols.run_exit.extend([11.5, 12.5])
+    _set_columns(cols, change)
+    return batch
+
+
+def _set_columns(cols: pb.CallColumns, change: dict[str, object]) -> None:
+    """Replace each named column of ``cols`` by the values ``change`` gives it."""
     for name, value in change.items():
         field = getattr(cols, name)
         del field[:]
-        field.extend(value)  # type: ignore[call-overload]
-    return batch
+        field.extend(value)
 
 
 def test_a_run_on_the_wire_is_the_calls_it_stands_for() -> None:
@@ -320,10 +325,7 @@ def _cycle_batch(group: str = "0", **change: object) -> pb.ReportBatch:
     sig.call.op, sig.call.group = "broadcast", group
     batch.calls.run_cycle.append(1)
     batch.calls.run_signature.append(2)
-    for name, value in change.items():
-        field = getattr(batch.calls, name)
-        del field[:]
-        field.extend(value)  # type: ignore[call-overload]
+    _set_columns(batch.calls, change)
     return batch
 
 

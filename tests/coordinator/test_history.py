@@ -61,7 +61,7 @@ def test_history_is_the_list_of_its_calls_whatever_is_read_when(steps: list[tupl
         if step[0] == "call":
             c = call(0, seq, enter_time=T0 + seq, cost=COST)
             c.holds = 1  # the history's (as ``JobState._enter`` gives it)
-            hist.append(c)
+            assert hist.push(c, 1 << 30) is None  # (no cap reached: nothing dropped)
             model.append((seq, c.enter_time))
             costs[seq] = COST
             made.add(seq)
@@ -112,7 +112,7 @@ def test_a_read_makes_a_runs_calls_once_and_keeps_the_last_the_same_record() -> 
 def test_alone_gives_the_calls_that_came_alone_without_making_runs() -> None:
     hist = History()
     send = call(0, 1, "send", peer=1)
-    hist.append(send)
+    hist.push(send, 1 << 30)
     hist.append_run(_slice(_run(2, 5), 0))
     assert list(hist.alone()) == [send]
     assert repr(hist) == "History(6 calls, 1 runs not made whole)"

@@ -1239,11 +1239,8 @@ class _RunRef:
     @classmethod
     def of(cls, run: r.CallRun) -> _RunRef:
         if not run.cycle:
-            t = run.template
-            return cls(
-                run.first_seq, run.last_seq, ((t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra),)
-            )
-        keys = tuple((t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra) for t in run.templates)
+            return cls(run.first_seq, run.last_seq, (_run_key(run.template),))
+        keys = tuple(map(_run_key, run.templates))
         p = len(keys)
         for q in range(1, p):  # the shortest period that repeats the keys (a cycle of call sites may call alike)
             if p % q == 0 and all(keys[j] == keys[j % q] for j in range(p)):
@@ -1264,6 +1261,11 @@ class _RunRef:
             return self.keys[0] == other.keys[0]
         shift = other.anchor - self.anchor
         return all(self.keys[(j + shift) % p] == other.keys[j] for j in range(p))
+
+
+def _run_key(t: r.CallRecord) -> tuple[object, ...]:
+    """What two ranks' runs must agree on at a seq (a call site is no difference)."""
+    return (t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra)
 
 
 def _any_in(slots: collections.OrderedDict[int, Slot], lo: int, hi: int) -> bool:

@@ -60,8 +60,7 @@ class RunSlice:
 
     def cost_of(self, i: int) -> int:
         """The bytes of the run's ``i``-th call."""
-        costs = self.costs
-        return costs[0] if len(costs) == 1 else costs[i % len(costs)]
+        return self.costs[i % len(self.costs)]
 
     def bytes(self, lo: int, hi: int) -> int:
         """The bytes of the run's calls ``lo`` to ``hi - 1``."""
@@ -88,9 +87,9 @@ class History:
 
     __slots__ = ("_items", "_len", "_slices")
 
-    def __init__(self, calls: tuple[r.CallRecord, ...] = ()) -> None:
-        self._items: collections.deque[r.CallRecord | RunSlice] = collections.deque(calls)
-        self._len = len(calls)
+    def __init__(self) -> None:
+        self._items: collections.deque[r.CallRecord | RunSlice] = collections.deque()
+        self._len = 0
         self._slices = 0
 
     def __len__(self) -> int:
@@ -135,10 +134,6 @@ class History:
                 self._len = n - 1
                 return first  # type: ignore[return-value]
         return None
-
-    def append(self, call: r.CallRecord) -> None:
-        self._items.append(call)
-        self._len += 1
 
     def append_run(self, piece: RunSlice) -> None:
         self._items.append(piece)
