@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from hangwatch import records as r
@@ -83,6 +83,9 @@ class PythonSeqs:
         self.finished = 0
         self.created: set[str] = set()  # groups the rank said it created and has not destroyed
         self.destroyed: set[str] = set()  # and those it destroyed
+        #: groups the rank's Python calls other than collectives used (p2p: their works run
+        #: on the group without a collective seq, and an isend returns before it completes)
+        self.p2p_groups: set[str] = set()
 
     def entered(self, call_id: int, group: str, seq: int, async_op: bool = False) -> None:
         here = self._open.setdefault(group, {})
@@ -95,6 +98,16 @@ class PythonSeqs:
         if len(self._groups) > self._keep:  # exits lost (the ring overflowed): forget the oldest
             oldest = next(iter(self._groups))
             self._open.get(self._groups.pop(oldest), {}).pop(oldest, None)
+
+    def entered_p2p(self, group: str) -> None:
+        """A Python call other than a collective (a send, a receive, a batch of them) on ``group``."""
+        if group not in self.p2p_groups and len(self.p2p_groups) < self._keep:
+            self.p2p_groups.add(group)
+
+    def busy_on(self, group: str) -> bool:
+        """Whether an op under way on ``group`` may be a Python call's: one is open there, or
+        the rank's p2p calls use the group (an isend's work outlives its call)."""
+        return bool(self._open.get(group)) or group in self.p2p_groups
 
     def exited(self, call_id: int, issued: int) -> None:
         self.finished += max(issued, 1)
@@ -182,6 +195,16 @@ class PythonSeqs:
         return True
 
 
+def _cpu_record_id(entry: Any) -> int:
+    """The ``record_id`` of a CPU ring entry (-1: a NCCL ring's, which numbers its own, or none)."""
+    try:
+        if str(entry.get("profiling_name", "")).startswith("nccl"):
+            return -1
+        return int(entry["record_id"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return -1
+
+
 class EntryTracker:
     """Turns successive reads of one rank's ring(s) into records: a CallRecord for each entry no
     Python call covers (once), and its CallExit once the entry is retired or completed, or a
@@ -201,6 +224,17 @@ class EntryTracker:
         self.held = 0  # the most CPU ring entries a read held: its size, once it has filled
         self.finished_at = 0  # the Python calls finished (``PythonSeqs.finished``) when the last read was handled
         self.reported = 0
+        #: CPU ring entries overwritten before any read held them (torch numbers a ring's entries
+        #: in one sequence: ``record_id``)
+        self.lost = 0
+        #: groups the rank is inside an op of that no read showed (:meth:`_unseen`): when that was
+        #: found (the reader's clock)
+        self.unseen: dict[str, float] = {}
+        self._unseen_at: dict[str, int] = {}  # and the group's completed count then
+        self._next_id = 0  # one past the newest record id any read held
+        #: ``_next_id`` after the last read that held CPU entries: torch numbers a ring's entries
+        #: from 0, so a first read that holds none below its first id shows entries lost too
+        self._read_to = 0
 
     def skip_existing(self, entries: Iterable[Any]) -> None:
         """Take every entry of ``entries`` as handled: a reader that starts late (a rank whose
@@ -212,23 +246,47 @@ class EntryTracker:
                 continue
             if seq > self._seen.get(group, 0):
                 self._seen[group] = seq
+            self._next_id = self._read_to = max(self._next_id, _cpu_record_id(entry) + 1)
 
-    def update(self, entries: Iterable[Any], coverage: Coverage, step: int, now: float) -> list[r.RankEvent]:
+    def update(
+        self,
+        entries: Iterable[Any],
+        coverage: Coverage,
+        step: int,
+        now: float,
+        status: Mapping[str, tuple[int, int]] | None = None,
+        busy: Callable[[str], bool] | None = None,
+    ) -> list[r.RankEvent]:
+        """The records one read of the rings makes (see the class). ``status``: the CPU ring's
+        groups' ``(last_enqueued, last_completed)`` counters at that read, and ``busy``, whether
+        an op under way on a group may be a Python call's: with them the tracker keeps
+        :attr:`unseen` (:meth:`_unseen`)."""
         out: list[r.RankEvent] = []
         newest: dict[str, int] = {}
+        pending: set[str] = set()  # groups with an entry of the CPU ring under way in this read
         held = 0
+        first_id = -1
         for entry in entries:  # a record made and closed in one read travels complete: the
             # coordinator applies a batch's exits before its calls
             if not (isinstance(entry, dict) and str(entry.get("profiling_name", "")).startswith("nccl")):
                 held += 1  # the CPU ring's (a NCCL ring is read through its own probe)
+                record_id = _cpu_record_id(entry)
+                if record_id >= 0:
+                    first_id = record_id if first_id < 0 else min(first_id, record_id)
+                    self._next_id = max(self._next_id, record_id + 1)
+                    if not entry.get("retired") and not entry.get("is_p2p"):
+                        pending.add(str((entry.get("process_group") or [""])[0]))
             try:
                 self._handle(entry, coverage, step, now, newest, out)
             except (AttributeError, TypeError, ValueError, IndexError, KeyError):
                 self.skipped += 1  # one malformed entry: skip it, keep the others
         made = {id(e) for e in out if isinstance(e, r.CallRecord)}
+        # a group whose counters say nothing is under way has completed every op it enqueued: a
+        # record whose entry was overwritten before a read showed it retired is closed so too
+        idle = {g for g, (enqueued, completed) in (status or {}).items() if enqueued <= completed} - pending
         for key, record in list(self._open.items()):
             group, seq = key
-            if newest.get(group, 0) > seq or coverage.newest(group) > seq:
+            if newest.get(group, 0) > seq or coverage.newest(group) > seq or group in idle:
                 del self._open[key]
                 if id(record) in made:
                     record.exit_time = now  # made in this read: it travels complete
@@ -238,7 +296,43 @@ class EntryTracker:
             self.clean = 0 if made or self._open else self.clean + 1
         self.held = max(self.held, held)
         self.finished_at = int(getattr(coverage, "finished", 0))
+        if status is not None and busy is not None:
+            gap = first_id > self._read_to
+            if gap:
+                self.lost += first_id - self._read_to
+            self._unseen(status, busy, pending, gap, now)
+        if first_id >= 0 or held:
+            self._read_to = self._next_id
         return out
+
+    def _unseen(
+        self,
+        status: Mapping[str, tuple[int, int]],
+        busy: Callable[[str], bool],
+        pending: set[str],
+        gap: bool,
+        now: float,
+    ) -> None:
+        """Groups with an op under way that no entry of the read shows, no Python call explains,
+        and whose entry the CPU ring overwrote before it was read (``gap``: entries were lost
+        since the last read): the rank is inside a collective C++ issued there (DDP's bucket
+        all-reduce while a metrics thread's calls fill the ring), which no read will ever show.
+        Kept while the group's completed count stands still; the coordinator then does not take
+        the rank for absent from the group's collectives."""
+        for group in list(self.unseen):
+            counts = status.get(group)
+            if counts is None or counts[1] != self._unseen_at[group] or counts[0] <= counts[1]:
+                del self.unseen[group], self._unseen_at[group]
+        for group, (enqueued, completed) in status.items():
+            if (
+                gap
+                and enqueued > completed
+                and group not in self.unseen
+                and group not in pending
+                and not busy(group)
+                and len(self.unseen) < MAX_UNSEEN
+            ):
+                self.unseen[group], self._unseen_at[group] = now, completed
 
     def seen(self) -> dict[str, int]:
         """Each group's highest collective seq the reads held (a snapshot: other threads ask)."""
@@ -303,6 +397,9 @@ class EntryTracker:
             self._open[key] = record
         out.append(record)
 
+
+#: Groups :attr:`EntryTracker.unseen` holds at most (a rank has few groups with an op under way).
+MAX_UNSEEN = 64
 
 #: Reads in a row that found every collective Python's, none under way, before a read of the
 #: rank's CPU ring may be spared (:class:`PythonAccounts`).

@@ -23,7 +23,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
@@ -135,6 +135,40 @@ def entries_of(rings: dict[str, dict[str, Any]]) -> list[Any]:
         if isinstance(entries, list):
             out.extend(entries)
     return out
+
+
+def cpu_status(rings: dict[str, dict[str, Any]], nccl: Iterable[str] = ()) -> dict[str, tuple[int, int]]:
+    """Each group's ``(last_enqueued, last_completed)`` from the CPU ring's ``pg_status`` (empty
+    without one). ProcessGroupGloo counts its p2p ops in these counters too (a ``send`` moves
+    them without an entry of its own), so they do not number collectives; their difference says
+    whether the group has an op under way, which outlives the entry a full ring overwrote.
+    Groups the NCCL ring showed (``nccl``) are left out: their collectives are recorded there."""
+    status = rings.get("cpu", {}).get("pg_status")
+    out: dict[str, tuple[int, int]] = {}
+    if not isinstance(status, dict):
+        return out
+    theirs = set(nccl)
+    for group, values in status.items():
+        if str(group) in theirs:
+            continue
+        enqueued, completed = _count(values, "last_enqueued_collective"), _count(values, "last_completed_collective")
+        if enqueued >= 0:
+            out[str(group)] = (enqueued, completed)
+    return out
+
+
+def newest_record(rings: dict[str, dict[str, Any]]) -> int:
+    """The CPU ring's newest ``record_id`` (-1: no entry): torch numbers every entry of a ring
+    in one sequence, whatever its group, so ids gained between two reads say how fast the ring
+    turns over."""
+    newest = -1
+    entries = rings.get("cpu", {}).get("entries")
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            newest = max(newest, int(entry["record_id"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return newest
 
 
 def enqueued(rings: dict[str, dict[str, Any]]) -> dict[str, int]:
@@ -254,6 +288,9 @@ class Fetched:
     #: every ring asked for was read (a ring that failed leaves its collectives untold: such a
     #: read says nothing of when C++'s collectives were last seen)
     complete: bool = True
+    #: the CPU ring's groups' ``(last_enqueued, last_completed)`` counters (:func:`cpu_status`;
+    #: empty where the CPU ring was not read)
+    status: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -277,6 +314,10 @@ class _Watched:
     every: float = 0.0  # seconds between its reads, as its cost allows (``READ_BUDGET``)
     due: float = 0.0  # when it may be read next
     cpu_at: float = 0.0  # when the CPU ring was last read whole
+    record: int = -1  # the CPU ring's newest record id at that read (-1: none yet)
+    held: int = 0  # the most entries a read of its CPU ring held (its size, once it has filled)
+    turnover: float = 0.0  # seconds the CPU ring lately took to gain ``held`` entries (0: unknown)
+    nccl_groups: set[str] = field(default_factory=set)  # groups the NCCL ring's pg_status showed
     vouched: float = 0.0  # the latest poll left unread because Python calls accounted for it all
     absent: set[str] = field(default_factory=set)  # rings this build has not (their handler answered 404)
 
@@ -288,6 +329,18 @@ class _Watched:
 #: so. The read's time as the agent sees it (the round trip, parsing included) stands for the
 #: rank's cost: it is the larger.
 READ_BUDGET = 0.01
+#: Groups a rank's NCCL ring may show that the reader remembers (a job has a few dozen at most).
+MAX_NCCL_GROUPS = 4096
+
+#: The share of a core a rank's reads may take to keep up with its CPU ring: one whose ring turns
+#: over sooner than ``READ_BUDGET`` would read it is read every half turnover up to this share.
+#: A collective C++ issued is known only from its entry, and the entries of a busy side thread
+#: (a metrics thread's all-reduces, 100 a second) push it out of a 256-entry ring in 2.5 s: on
+#: a loaded machine a read's round trip grows, the budget spaced reads ten seconds apart, and
+#: a rank waiting inside DDP's bucket all-reduce was blamed for not arriving. What such a ring
+#: costs to follow: about 22 us of the rank's CPU per entry, 0.4 % of a core at 100 entries a
+#: second; a read whose round trip passes this share is read at the share's pace.
+TURNOVER_BUDGET = 0.05
 #: However much a read costs, a rank is read at least this often (then over ``READ_BUDGET``, and
 #: ``status`` says so): the coordinator takes reads this far apart for reads that stopped
 #: (``detectors.stuck.FLIGHT_STALE_S``).
@@ -444,6 +497,7 @@ class RingFetcher:
         if not errors:  # a ring neither read nor failed: the build has none (404), now or ever
             watched.absent.update(name for name in names if name not in rings)
         if "cpu" in rings:
+            self._turnover(watched, rings, asked)
             watched.cpu_at = asked
         watched.read_to = {**(watched.read_to or {}), **enqueued(rings)}
         if "nccl" in names:
@@ -451,9 +505,27 @@ class RingFetcher:
             nccl_seqs = enqueued({"nccl": rings.get("nccl", {})})
             watched.described.update(group for group, seq in nccl_seqs.items() if seq > 0)
         nccl, read_at = (rings.get("nccl"), asked) if "nccl" in names else (watched.probed, watched.probed_at)
+        shown = nccl.get("pg_status") if isinstance(nccl, dict) else None
+        if isinstance(shown, dict) and len(watched.nccl_groups) < MAX_NCCL_GROUPS:
+            watched.nccl_groups.update(map(str, shown))
         progress = [] if nccl is None else progress_of(nccl, watched.timeouts, watched.highest)
         progress = [dataclasses.replace(p, time=read_at) for p in progress]
-        return Fetched(asked, entries_of(rings), progress, complete=not errors)
+        status = cpu_status(rings, watched.nccl_groups)
+        return Fetched(asked, entries_of(rings), progress, complete=not errors, status=status)
+
+    @staticmethod
+    def _turnover(watched: _Watched, rings: dict[str, dict[str, Any]], asked: float) -> None:
+        """How long the CPU ring takes to turn over, from the record ids it gained since its last
+        read (a moving average; unknown until it has gained some)."""
+        entries = rings["cpu"].get("entries")
+        watched.held = max(watched.held, len(entries) if isinstance(entries, list) else 0)
+        newest = newest_record(rings)
+        gained, elapsed = newest - watched.record, asked - watched.cpu_at
+        if watched.record >= 0 and gained > 0 and elapsed > 0 and watched.held:
+            took = watched.held * elapsed / gained
+            watched.turnover = took if not watched.turnover else min(took, 0.5 * watched.turnover + 0.5 * took)
+        if newest >= 0:
+            watched.record = newest
 
     def note(self, key: int) -> str:
         """What the budget slowed down for ``key`` (empty: nothing): said in ``status``."""
@@ -485,6 +557,8 @@ class RingFetcher:
             took = max(0.0, self._clock() - started)
             w.cost = took if not w.cost else 0.7 * w.cost + 0.3 * took
             w.every = min(max(self.interval_s, w.cost / READ_BUDGET), max(self.interval_s, MAX_READ_EVERY_S))
+            if w.turnover:  # read before the CPU ring turns over, where that costs little enough
+                w.every = min(w.every, max(self.interval_s, w.turnover / 2, w.cost / TURNOVER_BUDGET))
             w.due = started + w.every - self.interval_s / 2  # read on the tick nearest its due time
             if fetched is not None:
                 with self._lock:

@@ -337,8 +337,9 @@ class Shipper:
             state.pending = None
         if fetched is not None and state.read_to >= fetched.time:
             state.fetched = None
+            python = state.encoder.python
             state.unsent += state.flight.update(
-                fetched.entries, state.encoder.python, state.encoder.last_step, self.clock()
+                fetched.entries, python, state.encoder.last_step, self.clock(), fetched.status, python.busy_on
             )
             if fetched.complete:  # a ring that failed says nothing of when C++'s were last seen
                 if state.unsent:
@@ -392,6 +393,8 @@ class Shipper:
         if state.flight is not None:
             batch.budget_note = self.fetcher.note(id(state.link))
             batch.flight_read_time = self._flight_read_time(state)
+            if state.flight.unseen:
+                batch.flight_unseen.extend(sorted(state.flight.unseen))
         status = state.link.reader.status()
         if status is not None:
             state.status_time = batch.alive_time = status[0]

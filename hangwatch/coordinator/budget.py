@@ -58,7 +58,12 @@ PROGRESS_BYTES = 512
 RUN_BYTES = 512
 RUN_CALL_BYTES = 2 * (24 + 8) + 8
 #: A rank's own state before any call: its dataclass, deques and tables, markers at their cap.
-RANK_BYTES = 8192 + 2 * (80 + 4 * 1024)  # and its latest ``where`` and ``where_user`` (cut to 1 KiB)
+#: Its latest ``where`` and ``where_user`` (cut to 1 KiB), and the groups its agent found it
+#: inside an op no read showed (``RankState.unseen``: ``UNSEEN_KEPT`` names, each cut to
+#: ``UNSEEN_NAME``: torch names groups "0", "1", ... unless told otherwise).
+UNSEEN_KEPT = 4
+UNSEEN_NAME = 128
+RANK_BYTES = 8192 + 2 * (80 + 4 * 1024) + UNSEEN_KEPT * (80 + 4 * UNSEEN_NAME)
 
 
 def text_bytes(text: str | None) -> int:

@@ -419,6 +419,9 @@ class Coordinator:
                 where_user=wire.clip(batch.where_user, wire.MAX_SITE),
                 budget_note=wire.clip(batch.budget_note, wire.MAX_SITE),
                 flight_time=batch.flight_read_time,
+                flight_unseen=tuple(
+                    wire.clip(g, budget.UNSEEN_NAME) for g in batch.flight_unseen[: budget.UNSEEN_KEPT]
+                ),
             )
             if result is None:
                 return None

@@ -136,3 +136,42 @@ def test_a_rank_waiting_in_a_cxx_collective_while_its_side_thread_calls_python_i
     assert (inc["culprit_ranks"], inc["waiting_ranks"]) == ([2], [0, 1]), inc["summary"]
     assert inc["op"] == "all_reduce"
     job.kill()
+
+
+#: A CPU ring the metrics thread's 100 calls a second turn over four times between two reads:
+#: the entry of the bucket all-reduce C++ issued is always overwritten before it is read.
+TINY_RING = {"TORCH_FR_BUFFER_SIZE": "24"}
+
+
+def test_a_rank_whose_cxx_collective_s_entry_was_overwritten_unread_is_not_blamed(
+    coordinator: Coordinator, torchrun: Callable[..., Job]
+) -> None:
+    """Found in CI: on a loaded machine reads of rank 0's ring were spaced ten seconds apart
+    (their cost), its metrics thread's calls pushed the entry of the bucket all-reduce it waited
+    in out of the ring first, and rank 0 was blamed with rank 2. Here the ring always turns over
+    between two reads: the ring's counters show an op under way on group 0 that no entry and no
+    Python call explains, and rank 0 is told inside it."""
+    job = torchrun(SIDE_THREAD, addr=f"127.0.0.1:{coordinator.port}", nproc=3, env=TINY_RING, name="tiny_ring")
+    inc = wait_incident(coordinator, "stuck_collective", timeout=90)
+    assert (inc["culprit_ranks"], inc["waiting_ranks"]) == ([2], [0, 1]), inc["summary"]
+    assert inc["details"]["unseen"] == [0]
+    assert "rank 0 is inside a collective of group 0 that C++ issued" in inc["summary"]
+    assert "rank 2 is busy" in inc["summary"]
+    job.kill()
+
+
+def test_the_same_tiny_ring_still_names_the_rank_that_never_reached_the_collective(
+    coordinator: Coordinator, torchrun: Callable[..., Job]
+) -> None:
+    """The look-alike the other way round: rank 0 itself stalls before its backward (saving a
+    checkpoint) while its metrics thread fills its ring; it is in no collective of group 0, its
+    counters say so, and it is blamed alone (rank 2, whose own metrics thread overwrote the
+    entry it waits in, is told inside it)."""
+    program = SIDE_THREAD.replace("if rank == 2:\n    time.sleep(60)", "if rank == 0:\n    time.sleep(60)")
+    assert program != SIDE_THREAD
+    job = torchrun(program, addr=f"127.0.0.1:{coordinator.port}", nproc=3, env=TINY_RING, name="tiny_ring_r0")
+    inc = wait_incident(coordinator, "stuck_collective", timeout=90)
+    assert (inc["culprit_ranks"], inc["waiting_ranks"]) == ([0], [1, 2]), inc["summary"]
+    assert inc["details"]["unseen"] == [2]
+    assert "rank 0 is busy" in inc["summary"]
+    job.kill()

@@ -318,11 +318,20 @@ def _early_exit(
     waiting: list[int] = []
     op = group = ""
     seq = 0
+    # What C++ issued is known only from Flight Recorder reads. A leaver whose node agent reads
+    # its rings gets one last read as it ends; where that read was not asked after its end (its
+    # worker server did not answer within the farewell, on a loaded machine), its last C++
+    # collectives are unknown, and another rank's C++ collective it seems not to have reached
+    # proves nothing (a healthy DDP job was told an early exit so, its last buckets unread).
+    end_time = first.end.time + first.clock_offset if first.end is not None else first_time
+    blind = 0.0 < first.flight_to < end_time
     for st in job.ranks.values():
         if st is first:
             continue
         for call in st.history_calls_after(first_time - 1.0):
             if call.kind is r.OpKind.MARKER:
+                continue
+            if blind and call.source != "python":
                 continue
             members = job.members(call.group)
             if members and first.rank not in members:

@@ -171,8 +171,23 @@ def _started_everywhere(job: JobState, slot: Slot, ctx: Context) -> str | None:
     return "nothing queued before it; whether it started is unknown without TORCH_NCCL_ENABLE_TIMING=1"
 
 
+def _unseen(job: JobState, slot: Slot, absent: list[int]) -> list[int]:
+    """The absent ranks whose node agent found them inside an op on the slot's group that no
+    Flight Recorder read showed (its entry overwritten before it was read, ``RankState.unseen``):
+    not known to be absent, and not known to be anywhere else."""
+    return [
+        rk
+        for rk in absent
+        if (st := job.ranks.get(rk)) is not None and st.end is None and st.alive and slot.group in st.unseen
+    ]
+
+
 def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...], waiting: list[int]) -> Finding | None:
     absent = [m for m in members if m not in slot.calls]
+    inside = _unseen(job, slot, absent)
+    if inside and len(inside) == len(absent):
+        return None  # every member is in a collective of the group: nothing known to blame
+    absent = [rk for rk in absent if rk not in inside]
     waiting = sorted(waiting)
     sample = slot.calls[waiting[0]]
     op = sample.op
@@ -180,6 +195,15 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     waited = ctx.now - entered
     where = f"{op} (group {slot.group}, seq {slot.seq})"
     details: dict[str, object] = {"waited_s": round(waited, 1)}
+    clause = ""
+    if inside:
+        details["unseen"] = inside
+        plural = len(inside) > 1
+        clause = (
+            f"; rank{'s' if plural else ''} {format_ranks(inside)} {'are' if plural else 'is'} inside a collective "
+            f"of group {slot.group} that C++ issued, {'their' if plural else 'its'} Flight Recorder entr"
+            f"{'ies' if plural else 'y'} overwritten before {'they were' if plural else 'it was'} read (a busy ring)"
+        )
 
     def finding(
         kind: IncidentKind,
@@ -195,8 +219,8 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             kind=kind,
             key=incident_key(KEY_FAMILY[kind], group=slot.group, seq=slot.seq),
             culprit_ranks=culprits,
-            waiting_ranks=waiting,
-            summary=summary,
+            waiting_ranks=sorted(waiting + inside),
+            summary=summary + clause,
             hint=hint,
             onset_time=slot.last_enter if not absent else entered,
             op=op,
@@ -278,9 +302,13 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     # The latest batch we have from an absent rank must have left it after the others entered,
     # else its absence is not known yet (batches travel for up to a report interval, more
     # through a relay or a busy coordinator; thousands of ranks report every 2 s). A collective
-    # issued from C++ is known only from a Flight Recorder read of the rank asked after it began
-    # (``flight_to``: its node agent says when; reads are spaced by their cost, and spared where
-    # Python calls account for them), or, where no agent says, up to one poll later.
+    # issued from C++ is known only from a Flight Recorder read of the rank (``flight_to``: its
+    # node agent says when the latest was asked; reads are spaced by their cost, and spared where
+    # Python calls account for them), or, where no agent says, up to one poll later. A read
+    # shows only that the rank had not arrived when it was asked: one asked just after the
+    # others entered says nothing of the seconds since (on a loaded machine a rank's reads came
+    # seconds apart, and a rank that arrived right after one was blamed at the stuck threshold).
+    # The rank's absence is known from a read asked half the threshold after the others entered.
     # Reads that stopped coming (a worker server that no longer answers) say nothing: then the
     # allowance is what it is where no agent says.
     cxx = any(c.source != "python" for c in slot.calls.values())
@@ -290,7 +318,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         if st.last_sent < slot.first_enter:
             return None
         if cxx and (
-            st.flight_to < slot.first_enter
+            st.flight_to < slot.first_enter + ctx.stuck_after / 2
             if st.flight_to > st.last_sent - FLIGHT_STALE_S
             else st.last_sent < slot.first_enter + config.FR_POLL_INTERVAL_S
         ):

@@ -262,12 +262,14 @@ class JobState:
         where_user: str = "",
         budget_note: str = "",
         flight_time: float = 0.0,
+        flight_unseen: tuple[str, ...] = (),
     ) -> IngestResult | None:
         """Apply one batch of ``rank``'s session ``session`` that arrived at ``now``.
 
         ``sent_time`` (rank clock; 0: unknown) and ``held_s`` (seconds a relay held it) feed the
         rank's clock offset; ``flight_time`` (the clock of ``sent_time``; 0: none) is when the
-        latest Flight Recorder read of the rank whose records have all come was asked;
+        latest Flight Recorder read of the rank whose records have all come was asked, and
+        ``flight_unseen`` the groups its agent found it inside an op of that no read showed;
         ``alive_time`` (rank clock; 0: the rank sent it) bounds what the batch proves the rank
         had not done (a node agent reads a frozen rank's ring too); the rest of the header
         (``relay``, ``queued``, ``dropped``, ``where``, ``where_user``) is recorded as the
@@ -292,6 +294,7 @@ class JobState:
                 settled_offset, state.clock_offset = state.clock_offset, batch_offset  # for this batch
         if flight_time:
             state.flight_to = max(state.flight_to, flight_time + state.clock_offset)
+        state.unseen = flight_unseen
         state.queued = queued
         state.dropped = dropped
         state.where = where

@@ -63,6 +63,10 @@ class RankState:
     #: coordinator time of the latest Flight Recorder read of the rank whose records have all
     #: come (0: its rings are not read by a node agent): what C++ issued before it is known
     flight_to: float = 0.0
+    #: groups its node agent found it inside an op of that no Flight Recorder read showed (its
+    #: entry overwritten before it was read: ``flight_entries.EntryTracker.unseen``), the agent's
+    #: latest word: the rank is not absent from those groups' collectives
+    unseen: tuple[str, ...] = ()
     history: dict[str, History] = field(default_factory=dict)
     groups: dict[str, r.GroupInfo] = field(default_factory=dict)
     end: r.RankEnd | None = None

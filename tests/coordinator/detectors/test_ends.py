@@ -36,6 +36,33 @@ def test_early_exit_from_ends_peer_connection_closed() -> None:
     assert [inc.kind for inc in engine.incidents.values()] == ["early_exit"]
 
 
+def test_a_leaver_whose_last_flight_recorder_read_did_not_come_is_not_judged_on_cxx_calls() -> None:
+    """Found under load: rank 1's agent could not read its rings within the farewell as it
+    ended, so its last DDP buckets never came; rank 0's last bucket, read while under way,
+    seemed unanswered and a healthy job was told an early exit. Where the leaver's last read
+    was asked before its end, C++'s calls of the others prove nothing; once it comes, they do."""
+    sim = SimJob(2)
+    for seq in (1, 2, 3):
+        sim.collective(seq, T0 + seq)
+    sim.call(0, T0 + 9.5, seq=4, source="flight_recorder")  # rank 0's last bucket, seen under way
+    sim.end(1, EndKind.CLEAN_EXIT, T0 + 10)
+    sim.states[1].flight_to = T0 + 9  # its reads stopped before it ended
+    assert ends.detect(sim.job, sim.ctx(T0 + 12)) == []
+    sim.states[1].flight_to = T0 + 10.2  # its last read came, without that bucket: it skipped it
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 12)), "early_exit")
+    assert (f.culprit_ranks, f.waiting_ranks, f.seq) == ([1], [0], 4)
+
+
+def test_a_leaver_whose_last_read_did_not_come_is_still_judged_on_python_calls() -> None:
+    sim = SimJob(2)
+    for seq in (1, 2, 3):
+        sim.collective(seq, T0 + seq)
+    sim.call(0, T0 + 9.5, seq=4)  # a Python call: the leaver's own records tell whether it made it
+    sim.end(1, EndKind.CLEAN_EXIT, T0 + 10)
+    sim.states[1].flight_to = T0 + 9
+    assert only(ends.detect(sim.job, sim.ctx(T0 + 12)), "early_exit").culprit_ranks == [1]
+
+
 def test_clean_exit_after_everything_completed_is_not_an_incident() -> None:
     sim = SimJob(2)
     for seq in (1, 2):

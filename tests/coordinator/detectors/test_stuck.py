@@ -45,6 +45,29 @@ def test_absent_rank_is_not_blamed_on_news_older_than_the_slot() -> None:
     assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.6)), "stuck_collective").culprit_ranks == [1]
 
 
+def test_a_rank_inside_an_op_no_read_showed_is_not_absent() -> None:
+    """A rank whose node agent found it inside an op of the group that no Flight Recorder read
+    showed (its entry overwritten first: ``RankState.unseen``) is not blamed with the rank that
+    never came; told inside it, among the waiting. With every absent rank so, nobody is blamed."""
+    sim = SimJob(3)
+    sim.collective(1, T0 + 1)
+    sim.call(1, T0 + 2, seq=2, source="flight_recorder")
+    for rk in (0, 2):
+        st = sim.states[rk]
+        st.last_seen = st.last_sent = st.flight_to = T0 + 12
+    sim.states[1].last_seen = sim.states[1].last_sent = T0 + 12
+    assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective").culprit_ranks == [0, 2]
+    sim.states[0].unseen = ("0",)
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective")
+    assert (f.culprit_ranks, f.waiting_ranks, f.details["unseen"]) == ([2], [0, 1], [0])
+    assert "rank 0 is inside a collective of group 0 that C++ issued" in f.summary
+    assert "rank 2 is" in f.summary and "rank 0 is busy" not in f.summary
+    sim.states[0].unseen = ("5",)  # another group's: rank 0 is absent from this one
+    assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective").culprit_ranks == [0, 2]
+    sim.states[0].unseen = sim.states[2].unseen = ("0",)
+    assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
+
+
 def test_absent_rank_gets_a_flight_recorder_read_before_blame() -> None:
     """A collective issued from C++ (DDP) is reported after the rank's next Flight Recorder read:
     a batch sent just after the others entered does not prove the absent rank skipped it."""
@@ -65,7 +88,9 @@ def test_where_its_agent_says_when_its_flight_recorder_was_read_that_decides() -
     went was asked (``flight_to``): a C++ collective of the absent rank that began before that
     read would be in its records. Until a read asked after the slot began has come, however
     fresh its batches, the rank's absence is not known (an attacking review saw a waiting rank
-    blamed, its wait inside DDP's bucket all-reduce not read yet)."""
+    blamed, its wait inside DDP's bucket all-reduce not read yet). A read asked just after the
+    slot began is not enough either (under load reads came seconds apart, and a rank that arrived
+    right after one was blamed): one asked half the stuck threshold after it is."""
     sim = SimJob(2)
     sim.collective(1, T0 + 1)
     sim.call(0, T0 + 2, seq=2, source="flight_recorder")
@@ -74,7 +99,9 @@ def test_where_its_agent_says_when_its_flight_recorder_was_read_that_decides() -
     st.last_seen, st.last_sent = T0 + 12, T0 + 12  # batches well after the slot, from a side thread
     st.flight_to = T0 + 1.5  # its latest read was asked before rank 0 entered
     assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
-    st.flight_to = T0 + 2.1
+    st.flight_to = T0 + 2.1  # just after: it may have arrived a moment later
+    assert stuck.detect(sim.job, sim.ctx(T0 + 12.5)) == []
+    st.flight_to = T0 + 2 + 10 / 2  # half the stuck threshold (10 s) after
     assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective").culprit_ranks == [1]
     # reads that stopped coming (its worker server no longer answers) say nothing: the allowance
     # is the one-poll one again, rather than never blaming it
