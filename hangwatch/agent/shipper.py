@@ -391,7 +391,14 @@ class Shipper:
             dropped=state.link.reader.lost,
         )
         if state.flight is not None:
-            batch.budget_note = self.fetcher.note(id(state.link))
+            note = self.fetcher.note(id(state.link))
+            if state.flight.lost:  # a ring that turns over between reads: a larger one would not
+                lost = (
+                    f"{state.flight.lost} CPU Flight Recorder entries overwritten before a read (a larger "
+                    "TORCH_FR_BUFFER_SIZE turns over less often)"
+                )
+                note = f"{note}; {lost}" if note else lost
+            batch.budget_note = note
             batch.flight_read_time = self._flight_read_time(state)
             if state.flight.unseen:
                 batch.flight_unseen.extend(sorted(state.flight.unseen))

@@ -616,3 +616,37 @@ def test_a_read_of_which_a_ring_failed_says_nothing_of_when_cxx_was_last_seen(ri
         assert set(said) == {0.0} and not _from_flight_recorder(intake)
     finally:
         sock.close()
+
+
+def test_a_ring_that_overwrote_the_entry_of_the_op_under_way_says_so_in_the_header(rig: Any) -> None:
+    """The shipper passes the ring's counters to the tracker: a read whose ring lost entries
+    (its first record id 40, none read before) while group 0 has an op under way that no entry
+    and no Python call explains puts group 0 in ``flight_unseen``, and ``status``'s note says
+    how many entries were overwritten unread; once the group completes it, neither is said of
+    the group again."""
+    server, shipper, intake, reads, sink = rig
+    said: list[tuple[list[str], str]] = []
+    accept = intake.accept_report
+
+    def report(request: Any, relay: str = "") -> Any:
+        said.append((list(request.flight_unseen), request.budget_note))
+        return accept(request, relay)
+
+    intake.accept_report = report
+    entries = [dict(e, record_id=40 + i) for i, e in enumerate(DUMP["entries"])]
+    under_way = {"last_enqueued_collective": "8", "last_completed_collective": "7", "last_started_collective": "-1"}
+    reads.dump = dict(DUMP, entries=entries, pg_status={"0": under_way})
+    sock = link.connect(server.path, _hello("/run/rank0-worker.sock"), [sink.fd])
+    assert sock is not None
+    try:
+        _python_calls(sink)
+        _ticks_until(shipper, lambda: any(unseen for unseen, _ in said), "a header saying group 0 unseen")
+        unseen, note = next((u, n) for u, n in said if u)
+        assert unseen == ["0"]
+        assert "40 CPU Flight Recorder entries overwritten before a read" in note
+        done = {"last_enqueued_collective": "8", "last_completed_collective": "8", "last_started_collective": "-1"}
+        reads.dump = dict(reads.dump, pg_status={"0": done})
+        count = len(said)
+        _ticks_until(shipper, lambda: len(said) > count and not said[-1][0], "group 0 no longer unseen")
+    finally:
+        sock.close()
