@@ -83,9 +83,6 @@ class PythonSeqs:
         self.finished = 0
         self.created: set[str] = set()  # groups the rank said it created and has not destroyed
         self.destroyed: set[str] = set()  # and those it destroyed
-        #: groups the rank's Python calls other than collectives used (p2p: their works run
-        #: on the group without a collective seq, and an isend returns before it completes)
-        self.p2p_groups: set[str] = set()
 
     def entered(self, call_id: int, group: str, seq: int, async_op: bool = False) -> None:
         here = self._open.setdefault(group, {})
@@ -99,15 +96,12 @@ class PythonSeqs:
             oldest = next(iter(self._groups))
             self._open.get(self._groups.pop(oldest), {}).pop(oldest, None)
 
-    def entered_p2p(self, group: str) -> None:
-        """A Python call other than a collective (a send, a receive, a batch of them) on ``group``."""
-        if group not in self.p2p_groups and len(self.p2p_groups) < self._keep:
-            self.p2p_groups.add(group)
-
     def busy_on(self, group: str) -> bool:
-        """Whether an op under way on ``group`` may be a Python call's: one is open there, or
-        the rank's p2p calls use the group (an isend's work outlives its call)."""
-        return bool(self._open.get(group)) or group in self.p2p_groups
+        """Whether an op under way on ``group`` may be a Python call's: one is open there. (A p2p
+        op never shows as under way in gloo's counters, which ``EntryTracker`` asks this for:
+        an isend, an irecv, a batch of them waiting on their peer leave ``last_enqueued`` and
+        ``last_completed`` as they were, torch 2.13.)"""
+        return bool(self._open.get(group))
 
     def exited(self, call_id: int, issued: int) -> None:
         self.finished += max(issued, 1)

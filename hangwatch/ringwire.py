@@ -173,7 +173,6 @@ class RingEncoder:
         self.blobs: dict[int, bytes] = {}  # bounded by the ring's blob area
         self._lanes: dict[int, tuple[str, int]] = {}  # signature blob -> (group, peer), for seqs
         self._collective: dict[int, str] = {}  # signature blob of a collective -> its group
-        self._p2p: dict[int, str] = {}  # signature blob of a p2p call -> its group
         #: the collective seqs the rank's Python calls covered (Flight Recorder's reader asks)
         self.python = PythonSeqs()
         self.last_step = 0
@@ -264,10 +263,7 @@ class RingEncoder:
     def _learn(self, blob_id: int, call: pb.Call) -> None:
         if blob_id not in self._lanes:
             self._lanes[blob_id] = (call.group, call.peer if call.HasField("peer") else -1)
-            kind = r.op_kind(call.op)
-            if kind is r.OpKind.P2P:
-                self._p2p[blob_id] = call.group
-            if kind is r.OpKind.COLLECTIVE:
+            if r.op_kind(call.op) is r.OpKind.COLLECTIVE:
                 self._collective[blob_id] = call.group
                 # calls that may travel as runs: Python-issued collectives every rank numbers alike
                 self._run_ok[blob_id] = (
@@ -735,5 +731,3 @@ class RingEncoder:
         group = self._collective.get(blob_id)
         if group is not None:
             self.python.entered(call_id, group, seq, async_op)
-        elif blob_id in self._p2p:
-            self.python.entered_p2p(self._p2p[blob_id])

@@ -139,9 +139,10 @@ def entries_of(rings: dict[str, dict[str, Any]]) -> list[Any]:
 
 def cpu_status(rings: dict[str, dict[str, Any]], nccl: Iterable[str] = ()) -> dict[str, tuple[int, int]]:
     """Each group's ``(last_enqueued, last_completed)`` from the CPU ring's ``pg_status`` (empty
-    without one). ProcessGroupGloo counts its p2p ops in these counters too (a ``send`` moves
-    them without an entry of its own), so they do not number collectives; their difference says
-    whether the group has an op under way, which outlives the entry a full ring overwrote.
+    without one). They do not number collectives: ProcessGroupGloo's p2p ops move the group's
+    sequence without an entry (the next collective's counter jumps past them), though never
+    showing as under way, torch 2.13. Their difference says whether the group has a collective
+    under way, which outlives the entry a full ring overwrote.
     Groups the NCCL ring showed (``nccl``) are left out: their collectives are recorded there."""
     status = rings.get("cpu", {}).get("pg_status")
     out: dict[str, tuple[int, int]] = {}
