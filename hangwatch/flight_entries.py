@@ -212,6 +212,8 @@ class EntryTracker:
         self._new_call_id = new_call_id
         self._seen: dict[str, int] = {}  # group -> highest collective seq handled
         self._open: dict[tuple[str, int], r.CallRecord] = {}  # reported, not yet seen retired
+        #: each open record's group's enqueued count (``pg_status``) at the read that made it
+        self._marks: dict[tuple[str, int], int] = {}
         self.skipped = 0
         #: reads in a row that held entries and no collective Python calls did not cover
         self.clean = 0
@@ -275,13 +277,27 @@ class EntryTracker:
             except (AttributeError, TypeError, ValueError, IndexError, KeyError):
                 self.skipped += 1  # one malformed entry: skip it, keep the others
         made = {id(e) for e in out if isinstance(e, r.CallRecord)}
-        # a group whose counters say nothing is under way has completed every op it enqueued: a
-        # record whose entry was overwritten before a read showed it retired is closed so too
-        idle = {g for g, (enqueued, completed) in (status or {}).items() if enqueued <= completed} - pending
+        for key in self._open.keys() - self._marks.keys():  # the group's enqueued count when first seen open
+            counts = (status or {}).get(key[0])
+            if counts is not None:
+                self._marks[key] = counts[0]
+        # A record whose entry was overwritten before a read showed it retired is closed by the
+        # group's counters: once they say nothing is under way, or that the group completed as
+        # far as it had enqueued when the record was made (gloo completes a group's ops in order;
+        # the rank may be inside a later one, DDP's bucket all-reduce after its constructor's).
+        status = status or {}
+        idle = {g for g, (enqueued, completed) in status.items() if enqueued <= completed} - pending
         for key, record in list(self._open.items()):
             group, seq = key
-            if newest.get(group, 0) > seq or coverage.newest(group) > seq or group in idle:
+            mark = self._marks.get(key)
+            if (
+                newest.get(group, 0) > seq
+                or coverage.newest(group) > seq
+                or group in idle
+                or (mark is not None and group in status and status[group][1] >= mark)
+            ):
                 del self._open[key]
+                self._marks.pop(key, None)
                 if id(record) in made:
                     record.exit_time = now  # made in this read: it travels complete
                 else:
@@ -355,6 +371,7 @@ class EntryTracker:
             record = self._open.get(key)
             if record is not None and done:
                 del self._open[key]
+                self._marks.pop(key, None)
                 out.append(r.CallExit(self.rank, record.call_id, now, None, 1))
             return
         self._seen[group] = seq

@@ -246,3 +246,23 @@ def test_a_ring_turning_over_faster_than_the_turnover_budget_allows_is_read_at_t
     server.run(40)
     gaps = _gaps(server.reads, 3)
     assert gaps and all(2.5 <= gap <= 4.5 for gap in gaps), gaps
+
+
+def test_a_record_whose_entry_was_overwritten_is_closed_once_its_group_completed_past_it() -> None:
+    """Found under load: DDP's constructor's all-gather was read under way, then overwritten
+    unread, and the rank went on into a bucket all-reduce of the same group, where it waits: the
+    group never idle again, the all-gather stayed "waiting" for good, and the detector, which
+    looks at each group's oldest open collective, told it and never the real hang. The group's
+    completed count reaching what it had enqueued when the record was made closes it."""
+    ring = Ring()
+    ring.metrics(10)
+    ring.read()
+    ring.cxx("0")  # the constructor's all-gather, read under way
+    (made,) = ring.read()
+    assert made.exit_time is None
+    ring.finish("0")
+    ring.cxx("0")  # the bucket all-reduce the rank now waits in
+    ring.metrics(100)  # both entries overwritten unread
+    (done,) = ring.read()
+    assert (done.call_id, done.exit_time) == (made.call_id, ring.now)
+    assert set(ring.tracker.unseen) == {"0"}  # and the rank is inside the all-reduce
