@@ -88,3 +88,16 @@ def test_clock_offset_ignores_queueing_and_relay_holding() -> None:
     assert st.clock_offset == pytest.approx(3.0)
     st.observe_clock(3000.0, 3000.0 - 3600.0)  # the rank's clock was set back an hour
     assert st.clock_offset == pytest.approx(3600.0)  # learnt at once, not after the window
+
+
+def test_a_rank_s_own_word_that_it_is_inside_an_unseen_collective_is_not_believed() -> None:
+    """``flight_unseen`` spares a rank blame (``detectors.stuck``): only a batch of a rank a node
+    agent registered (its pid the kernel's word, its rings read by that agent) may say it."""
+    job = JobState()
+    direct = job.register(RankIdentity("job", 0, 2, "h", 1, session="s0"), T0)
+    agent = job.register(RankIdentity("job", 1, 2, "h", 2, session="s1"), T0, via="agent")
+    for rank, session in ((0, "s0"), (1, "s1")):
+        job.ingest(session, rank, [], now=T0 + 1, sent_time=T0 + 1, flight_unseen=("0",))
+    assert (direct.unseen, agent.unseen) == ((), ("0",))
+    job.ingest("s1", 1, [], now=T0 + 2, sent_time=T0 + 2)  # the agent's latest word: none now
+    assert agent.unseen == ()

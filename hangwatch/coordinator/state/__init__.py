@@ -294,7 +294,9 @@ class JobState:
                 settled_offset, state.clock_offset = state.clock_offset, batch_offset  # for this batch
         if flight_time:
             state.flight_to = max(state.flight_to, flight_time + state.clock_offset)
-        state.unseen = flight_unseen
+        # only a node agent reads the rings, and only a rank it registered is proven: a rank's own
+        # word that it is inside a collective (which spares it blame) is not believed
+        state.unseen = flight_unseen if state.proven else ()
         state.queued = queued
         state.dropped = dropped
         state.where = where
