@@ -223,10 +223,9 @@ class EntryTracker:
         #: CPU ring entries overwritten before any read held them (torch numbers a ring's entries
         #: in one sequence: ``record_id``)
         self.lost = 0
-        #: groups the rank is inside an op of that no read showed (:meth:`_unseen`): when that was
-        #: found (the reader's clock)
-        self.unseen: dict[str, float] = {}
-        self._unseen_at: dict[str, int] = {}  # and the group's completed count then
+        #: groups the rank is inside an op of that no read showed (:meth:`_unseen`), each with its
+        #: completed count when that was found
+        self.unseen: dict[str, int] = {}
         self._next_id = 0  # one past the newest record id any read held
         #: ``_next_id`` after the last read that held CPU entries: torch numbers a ring's entries
         #: from 0, so a first read that holds none below its first id shows entries lost too
@@ -277,16 +276,15 @@ class EntryTracker:
             except (AttributeError, TypeError, ValueError, IndexError, KeyError):
                 self.skipped += 1  # one malformed entry: skip it, keep the others
         made = {id(e) for e in out if isinstance(e, r.CallRecord)}
+        counters = status or {}
         for key in self._open.keys() - self._marks.keys():  # the group's enqueued count when first seen open
-            counts = (status or {}).get(key[0])
-            if counts is not None:
-                self._marks[key] = counts[0]
+            if key[0] in counters:
+                self._marks[key] = counters[key[0]][0]
         # A record whose entry was overwritten before a read showed it retired is closed by the
         # group's counters: once they say nothing is under way, or that the group completed as
         # far as it had enqueued when the record was made (gloo completes a group's ops in order;
         # the rank may be inside a later one, DDP's bucket all-reduce after its constructor's).
-        status = status or {}
-        idle = {g for g, (enqueued, completed) in status.items() if enqueued <= completed} - pending
+        idle = {g for g, (enqueued, completed) in counters.items() if enqueued <= completed} - pending
         for key, record in list(self._open.items()):
             group, seq = key
             mark = self._marks.get(key)
@@ -294,7 +292,7 @@ class EntryTracker:
                 newest.get(group, 0) > seq
                 or coverage.newest(group) > seq
                 or group in idle
-                or (mark is not None and group in status and status[group][1] >= mark)
+                or (mark is not None and group in counters and counters[group][1] >= mark)
             ):
                 del self._open[key]
                 self._marks.pop(key, None)
@@ -310,7 +308,7 @@ class EntryTracker:
             gap = first_id > self._read_to
             if gap:
                 self.lost += first_id - self._read_to
-            self._unseen(status, busy, pending, gap, now)
+            self._unseen(status, busy, pending, gap)
         if first_id >= 0 or held:
             self._read_to = self._next_id
         return out
@@ -321,7 +319,6 @@ class EntryTracker:
         busy: Callable[[str], bool],
         pending: set[str],
         gap: bool,
-        now: float,
     ) -> None:
         """Groups with an op under way that no entry of the read shows, no Python call explains,
         and whose entry the CPU ring overwrote before it was read (``gap``: entries were lost
@@ -331,8 +328,8 @@ class EntryTracker:
         the rank for absent from the group's collectives."""
         for group in list(self.unseen):
             counts = status.get(group)
-            if counts is None or counts[1] != self._unseen_at[group] or counts[0] <= counts[1]:
-                del self.unseen[group], self._unseen_at[group]
+            if counts is None or counts[1] != self.unseen[group] or counts[0] <= counts[1]:
+                del self.unseen[group]
         for group, (enqueued, completed) in status.items():
             if (
                 gap
@@ -342,7 +339,7 @@ class EntryTracker:
                 and not busy(group)
                 and len(self.unseen) < MAX_UNSEEN
             ):
-                self.unseen[group], self._unseen_at[group] = now, completed
+                self.unseen[group] = completed
 
     def seen(self) -> dict[str, int]:
         """Each group's highest collective seq the reads held (a snapshot: other threads ask)."""
