@@ -11,8 +11,11 @@ connection carries nothing; it exists for what the kernel says about it:
 
 One exchange follows the hello, at the rank's end: the rank says it is ending (``ENDING``) once its
 last records are in its ring, and waits, for a bounded time, for the agent's ``FAREWELL``, sent
-once the agent has read them and the rank's Flight Recorder one last time through its worker
-server (which dies with the process).
+once the agent has read them and the rank's Flight Recorder one last time. That last read comes
+with ``ENDING`` itself where the rank could make it: a memfd holding its rings' dump, as its
+worker server would have answered, handed over like the ring. The agent reads it whenever it
+gets to it, the rank gone or not; an agent starved of CPU used to ask the worker server after
+the rank had stopped waiting, and the rank's last collectives issued from C++ went unread.
 
 The ring's descriptor keeps the ring alive in the agent after the rank is gone, so its last
 records are still there to read. Both ends are here; neither raises into the training job (the
@@ -33,7 +36,7 @@ HELLO_MAX = 16384
 _LEN = struct.Struct("<I")
 MAX_FDS = 2  # the ring, and one spare for later use
 ACK = b"\x01"  # the agent took the hello
-ENDING = b"E"  # the rank: my last records are written
+ENDING = b"E"  # the rank: my last records are written (with it, maybe: its last Flight Recorder dump)
 FAREWELL = b"\x02"  # the agent: read; you may go
 
 
@@ -114,12 +117,16 @@ def connect(path: str, hello: dict[str, Any], fds: list[int], timeout_s: float =
         return None
 
 
-def farewell(sock: socket.socket, timeout_s: float) -> bool:
-    """The rank's side, as it ends: say so, and wait up to ``timeout_s`` for the agent to have
+def farewell(sock: socket.socket, timeout_s: float, last_read: int | None = None) -> bool:
+    """The rank's side, as it ends: say so (handing over ``last_read``, a descriptor of its last
+    Flight Recorder dump, where it has one), and wait up to ``timeout_s`` for the agent to have
     read its last records. True when it answered. Never raises."""
     try:
         sock.settimeout(timeout_s)
-        sock.sendall(ENDING)
+        if last_read is None:
+            sock.sendall(ENDING)
+        else:
+            socket.send_fds(sock, [ENDING], [last_read])
         while True:
             data = sock.recv(16)
             if not data:

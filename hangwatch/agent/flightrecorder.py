@@ -126,6 +126,26 @@ def read_rings(
     return rings, errors
 
 
+def rings_of_dump(dump: bytes) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """A rank's own dump of its rings (``{"cpu": ..., "nccl": ...}``) as :func:`read_rings`
+    answers: the rings that parsed, and why any did not. Never raises."""
+    try:
+        data = json.loads(dump)
+    except (ValueError, RecursionError) as e:
+        return {}, {"dump": f"not JSON ({type(e).__name__})"}
+    if not isinstance(data, dict):
+        return {}, {"dump": "not a JSON object"}
+    rings: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for name in RING_HANDLERS:
+        ring = data.get(name)
+        if isinstance(ring, dict):
+            rings[name] = ring
+        elif ring is not None:
+            errors[name] = "not a JSON object"
+    return rings, errors
+
+
 def entries_of(rings: dict[str, dict[str, Any]]) -> list[Any]:
     """Every entry of both rings, the CPU ring's first (their (group, seq) never overlap: a
     group records into one of them)."""
@@ -486,6 +506,33 @@ class RingFetcher:
             rings, errors = self._read(watched.path, watched.pid, names=names, timeout_s=timeout_s)
         except Exception as e:  # never the caller's problem
             rings, errors = {}, {"read": f"{type(e).__name__}: {e}"}
+        return self._digest(watched, names, rings, errors, asked)
+
+    def handed(self, key: int, dump: bytes, asked: float) -> Fetched | None:
+        """The last read of ``key``, from the dump the rank handed over as it ended
+        (:func:`hangwatch.client.workerserver.last_dump`), taken as a read asked at ``asked``
+        (when the agent heard the rank say it is ending: the dump was made before). None: not
+        watched, or not a dump (and then the worker server is asked, if it still answers)."""
+        with self._lock:
+            watched = self._watched.get(key)
+        if watched is None:
+            return None
+        rings, errors = rings_of_dump(dump)
+        if not rings:
+            if errors:
+                log.info("pid %d's last Flight Recorder dump not read: %s", watched.pid, "; ".join(errors.values()))
+            return None
+        names = tuple(n for n in RING_HANDLERS if n not in watched.absent)
+        return self._digest(watched, names, rings, errors, asked)
+
+    def _digest(
+        self,
+        watched: _Watched,
+        names: tuple[str, ...],
+        rings: dict[str, dict[str, Any]],
+        errors: dict[str, str],
+        asked: float,
+    ) -> Fetched | None:
         self.reads += 1
         if errors and not rings:
             self.failures += 1

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0
 #: Links kept at most (live and recently closed); a new one beyond this is refused.
 MAX_LINKS = 4096
+#: The largest last Flight Recorder dump a rank may hand over (a full 2,000-entry NCCL ring is
+#: about 1 MB of JSON); a larger one is ignored, and the worker server is asked instead.
+LAST_READ_MAX = 32 * 2**20
 
 
 @dataclass
@@ -59,15 +62,45 @@ class RankLink:
     #: when the rank said it is ending (its last records are in its ring; it waits, briefly,
     #: for the agent's farewell before it exits)
     ending_at: float | None = None
+    #: the memfd of its last Flight Recorder dump, handed over as it said so (None: none came,
+    #: or it was taken)
+    last_read_fd: int | None = None
 
     @property
     def alive(self) -> bool:
         return self.closed_at is None
 
+    def take_last_read(self) -> bytes | None:
+        """The rank's last Flight Recorder dump, handed over as it said it is ending (None: none
+        came, it was taken, or it is over ``LAST_READ_MAX``); the descriptor is closed."""
+        fd, self.last_read_fd = self.last_read_fd, None
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > LAST_READ_MAX:
+                log.warning(
+                    "pid %d's last Flight Recorder dump of %d bytes ignored (over %d)",
+                    self.peer.pid,
+                    size,
+                    LAST_READ_MAX,
+                )
+                return None
+            return os.pread(fd, size, 0)
+        except OSError:
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def close(self) -> None:
         self.reader.close()
         with contextlib.suppress(OSError):
             os.close(self.ring_fd)
+        if self.last_read_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.last_read_fd)
+            self.last_read_fd = None
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.close()
@@ -239,11 +272,17 @@ class RingServer:
         if sock is None:
             return
         try:
-            data = sock.recv(4096)
+            data, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
+            data, fds = b"", []
+        for fd in fds:  # a descriptor comes only with ENDING: the rank's last dump
+            if ENDING in data and link.ending_at is None and link.last_read_fd is None:
+                link.last_read_fd = fd
+            else:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         if data:
             if ENDING in data and link.ending_at is None:
                 link.ending_at = self._clock()

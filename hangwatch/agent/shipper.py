@@ -320,12 +320,19 @@ class Shipper:
         """Ship the entries of the newest Flight Recorder read that no Python call covered, once
         the rank's ring has been read past the moment of that read (every Python call an entry
         could belong to has then been seen: its record was written before it was issued). A
-        rank that says it is ending is read once more, here, and then let go."""
+        rank that says it is ending is read once more, here, and then let go: from the dump it
+        handed over, made as it ended, which outlives it; else from its worker server, while
+        its process lives."""
         link = state.link
         assert state.flight is not None
-        ending = link.ending_at is not None and not state.farewell and link.alive
+        ending = link.ending_at is not None and not state.farewell
         if ending:
-            state.fetched = self.fetcher.fetch_now(id(link)) or state.fetched
+            assert link.ending_at is not None
+            dump = link.take_last_read()
+            last = self.fetcher.handed(id(link), dump, link.ending_at) if dump is not None else None
+            if last is None and link.alive:
+                last = self.fetcher.fetch_now(id(link))
+            state.fetched = last or state.fetched
             if not _has_records(state.pending):
                 state.pending = self._read(state)  # read the ring past this last read
         fetched = state.fetched

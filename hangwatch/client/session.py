@@ -9,6 +9,7 @@ never register; forked children drop the inherited Session at fork.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -129,9 +130,15 @@ class Session:
         self.sender.flush(flush_timeout)
         sock = self.link
         if sock is not None:
-            # the agent reads this rank's last records, and its Flight Recorder one last time,
-            # before the process (and the worker server in it) is gone
-            link.farewell(sock, min(flush_timeout, FAREWELL_TIMEOUT_S))
+            # the agent reads this rank's last records, and its Flight Recorder one last time:
+            # the dump handed over with the farewell, made here, outlives the process
+            last_read = workerserver.last_dump() if self.worker_server is not None else None
+            try:
+                link.farewell(sock, min(flush_timeout, FAREWELL_TIMEOUT_S), last_read)
+            finally:
+                if last_read is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(last_read)
 
 
 _session: Session | None = None

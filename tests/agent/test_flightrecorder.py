@@ -3,8 +3,9 @@
 A one-rank gloo process makes three ``all_reduce`` calls, starts its worker server with
 ``hangwatch.client.workerserver.start`` and then holds its GIL in a native call (a regular
 expression that backtracks for seconds): the agent's read still answers, with the three
-collectives, in well under a second. A socket served by another pid is refused before a byte is
-sent, and a rank with no server gives a clear error.
+collectives, in well under a second; the dump it makes of itself as it ends
+(``workerserver.last_dump``) is the same ring. A socket served by another pid is refused before
+a byte is sent, and a rank with no server gives a clear error.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatch.agent.flightrecorder import WorkerServerError, query, read_rings
+from hangwatch.agent.flightrecorder import WorkerServerError, query, read_rings, rings_of_dump
 
 pytestmark = pytest.mark.slow  # starts torch in a subprocess (a few seconds)
 
@@ -41,6 +42,8 @@ _RANK = textwrap.dedent(
     re.match(r"(a+)+$", "a" * 26 + "b")  # native, GIL held, about 3 s
     print("released", flush=True)
     ws.stop()
+    fd = workerserver.last_dump()  # what the rank hands its agent as it ends
+    print(os.pread(fd, os.fstat(fd).st_size, 0).decode(), flush=True)
     """
 )
 
@@ -74,6 +77,11 @@ def test_the_ring_is_read_while_the_rank_holds_its_gil(tmp_path: Path) -> None:
             query(path, "ping", expect_pid=os.getpid())
         assert query(path, "ping", expect_pid=rank.pid) == b"pong"
         assert rank.stdout.readline().strip() == "released"  # it was frozen, and we read it anyway
+        # the dump the rank makes of itself as it ends is the ring its worker server answered
+        handed, errors = rings_of_dump(rank.stdout.readline().encode())
+        assert errors == {} and set(handed) == {"cpu"}
+        assert [e["record_id"] for e in handed["cpu"]["entries"]] == [e["record_id"] for e in rings["cpu"]["entries"]]
+        assert handed["cpu"]["pg_status"] == rings["cpu"]["pg_status"]
     finally:
         rank.kill()
         rank.wait(timeout=10)

@@ -218,6 +218,108 @@ def test_an_ending_rank_is_read_one_last_time_before_it_goes(rig: Any) -> None:
         sock.close()
 
 
+def _dump_fd(body: bytes) -> int:
+    """A memfd holding ``body``, as ``workerserver.last_dump`` hands one over."""
+    fd = os.memfd_create("last-read")
+    os.write(fd, body)
+    return fd
+
+
+def test_an_ending_rank_s_own_last_dump_is_read_after_it_is_gone(rig: Any) -> None:
+    """An agent starved of CPU gets to an ending rank after the rank stopped waiting and exited;
+    its worker server is gone with it. The dump the rank made of its rings as it ended, handed
+    over with its farewell, still says what C++ issued last (DDP's last buckets): without it the
+    coordinator could not tell a rank that left the loop early from one whose last reads were
+    missed. The batch carrying them says the read came after the rank said it is ending."""
+    server, shipper, intake, reads, sink = rig
+    reads.dump = {"entries": []}  # the periodic reads see nothing
+    said: list[float] = []
+    accept = intake.accept_report
+
+    def report(request: Any, relay: str = "") -> Any:
+        if any(e.HasField("call") and e.call.source == "flight_recorder" for e in request.events):
+            said.append(request.flight_read_time)
+        return accept(request, relay)
+
+    intake.accept_report = report
+    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
+    assert sock is not None
+    _ticks_until(shipper, lambda: intake.identities, "registered")
+    shipper.fetcher.interval_s = 3600.0
+    _python_calls(sink)
+    sink.put(r.RankEnd(0, r.EndKind.CLEAN_EXIT, 9.0, "interpreter exit", exit_code=0))
+    ending = time.time()
+    fd = _dump_fd(json.dumps({"cpu": DUMP}).encode())
+    try:
+        assert link.farewell(sock, 0.05, fd) is False  # nobody ticks: the rank stops waiting
+    finally:
+        os.close(fd)
+    sock.close()  # and exits
+    wait_for(lambda: all(not lk.alive for lk in server.links()), 5, 0.02, "the link closed")
+    asked = len(reads.asked)
+    _ticks_until(shipper, lambda: _from_flight_recorder(intake), "the last read's records")
+    assert [c.seq for c in _from_flight_recorder(intake)] == [3, 4, 5, 6]
+    assert len(reads.asked) == asked  # the worker server, gone, was not asked
+    assert said and said[0] >= ending
+    assert any(isinstance(e, r.RankEnd) for e in intake.events[0])
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"cpu": 3}', b""])
+def test_a_bad_last_dump_falls_back_to_the_worker_server(rig: Any, body: bytes) -> None:
+    """What a rank hands over is read as carefully as anything else it says: a dump that is not
+    one is dropped, and the agent asks the worker server while the rank still waits."""
+    server, shipper, intake, reads, sink = rig
+    reads.dump = {"entries": []}
+    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
+    assert sock is not None
+    stop = threading.Event()
+
+    def ticking() -> None:
+        while not stop.wait(0.05):
+            shipper.tick()
+
+    thread = threading.Thread(target=ticking)
+    thread.start()
+    fd = _dump_fd(body)
+    try:
+        wait_for(lambda: intake.identities, 5, 0.02, "registered")
+        shipper.fetcher.interval_s = 3600.0
+        reads.dump = DUMP
+        _python_calls(sink)
+        sink.put(r.RankEnd(0, r.EndKind.CLEAN_EXIT, 9.0, "interpreter exit", exit_code=0))
+        assert link.farewell(sock, 2.0, fd)
+        assert [c.seq for c in _from_flight_recorder(intake)] == [3, 4, 5, 6]
+    finally:
+        os.close(fd)
+        stop.set()
+        thread.join(5)
+        sock.close()
+
+
+def test_a_last_dump_over_its_bound_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hangwatch.agent import rings
+
+    monkeypatch.setattr(rings, "LAST_READ_MAX", 8)
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    sink = RingSink(16, rank=0)
+    try:
+        for body, taken in ((b'{"cpu":{}}', None), (b"{}", b"{}")):
+            sock = link.connect(server.path, _hello(""), [sink.fd])
+            assert sock is not None
+            fd = _dump_fd(body)
+            link.farewell(sock, 0.05, fd)
+            os.close(fd)
+            wait_for(lambda: server.links()[-1].ending_at is not None, 5, 0.02, "ending")
+            ours = server.links()[-1]
+            assert ours.take_last_read() == taken
+            assert ours.last_read_fd is None and ours.take_last_read() is None  # taken once, closed
+            sock.close()
+    finally:
+        server.stop()
+        sink.close()
+
+
 def test_a_farewell_without_an_agent_answer_returns_within_its_timeout(tmp_path: Path) -> None:
     server = RingServer(str(tmp_path / "agent.sock"))
     server.start()
