@@ -41,6 +41,13 @@ AFTERMATH_CALLS = 2
 
 STOP, FAULT, UNKNOWN = "stop", "fault", "unknown"
 
+#: What a backend raises on a rank whose peer went first (gloo's transport, NCCL's remote
+#: error): such a rank is never the root cause, however early its own end was seen.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "ncclRemoteError")
+#: The exceptions the backends raise them as (a Python ``ConnectionResetError`` from the user's
+#: own socket is the rank's own fault, not a peer's).
+BACKEND_ERRORS = ("RuntimeError", "DistError", "DistBackendError", "DistNetworkError")
+
 
 def _signal_name(number: int) -> str:
     try:
@@ -49,18 +56,34 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def _peer_gone(state: RankState) -> bool:
+    """The rank raised what its backend raises when a peer's connection closed: a consequence."""
+    end = state.end
+    if end is None or end.kind is not r.EndKind.EXCEPTION:
+        return False
+    raised = end.detail.split(":", 1)[0].rsplit(".", 1)[-1]
+    return raised in BACKEND_ERRORS and any(text in end.detail for text in PEER_GONE)
+
+
 def _cause(state: RankState) -> str:
     """How a rank that did not exit cleanly ended: ``stop`` (a stop signal, Ctrl-C), ``fault``
     (an exception, a fatal signal, the OOM killer, a failing exit code) or ``unknown`` (its
-    process vanished and was reaped before anyone could see how)."""
+    process vanished and was reaped before anyone could see how).
+
+    A rank that raised only because a peer's connection closed and whose process a stop signal
+    then ended was stopped: a job stopped as a whole is signalled rank by rank (a loop of
+    ``kill``), and a rank whose signal came a few milliseconds after a peer's fails on the
+    closed connection first (seen on a loaded CI machine)."""
     end = state.end
+    proc = state.proc
     if end is not None:
         if end.kind is r.EndKind.SIGNAL:
             return STOP if end.detail in STOP_SIGNALS else FAULT
         if end.kind is r.EndKind.EXCEPTION:
+            if _peer_gone(state) and proc is not None and proc.signal is not None:
+                return STOP if _signal_name(proc.signal) in STOP_SIGNALS else FAULT
             return STOP if end.detail.startswith("KeyboardInterrupt") else FAULT
         return UNKNOWN
-    proc = state.proc
     if proc is None:
         return UNKNOWN
     if proc.oom_killed:
@@ -206,6 +229,14 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     reaction = _launcher_reaction(ended)
     if reaction is not None:
         ended.insert(0, ended.pop(reaction))
+    elif _peer_gone(ended[0][1]):
+        # It raised because a peer had gone: that peer is the cause, though the agent, starved of
+        # CPU, saw its process vanish later than the rank it left behind said it failed.
+        went = next((i for i, (t, st) in enumerate(ended) if not _peer_gone(st)), None)
+        if went is not None and ended[went][0] - ended[0][0] <= JOB_STOP_WINDOW_S:
+            ended.insert(0, ended.pop(went))
+        elif ctx.now - ended[0][0] < JOB_STOP_WINDOW_S:
+            return []  # the peer that went is yet to be seen gone
     first_time, first = ended[0]
     running = [st for st in job.ranks.values() if _end_time(st) is None]
     clean = first.end is not None and first.end.kind in CLEAN

@@ -241,6 +241,75 @@ def test_a_job_stopped_as_a_whole_seen_at_once_is_still_no_death() -> None:
             assert engine.tick(now) == [], (first, rest)
 
 
+GLOO_PEER_GONE = (
+    "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+    "closed by peer [127.0.0.1]:13034. This is typically caused by a remote worker crashing."
+)
+
+
+def test_a_job_stopped_rank_by_rank_is_no_death_though_one_failed_on_a_closed_connection_first() -> None:
+    """Failed CI once: every rank was sent SIGTERM by a loop of ``kill``, the sender preempted
+    between two of them. Rank 2 failed on the connection of a rank stopped before it, its
+    exception stamped before the starved agent saw any process gone; then its own SIGTERM came."""
+    sim = SimJob(4)
+    sim.collective(1, T0 + 1)
+    for rk in (1, 2, 3):
+        sim.call(rk, T0 + 5, seq=2)
+    sim.end(2, EndKind.EXCEPTION, T0 + 10, detail=GLOO_PEER_GONE, site="stopped_ranks.py:14 in <module>")
+    for rk, dt in ((3, 0.05), (2, 0.058), (1, 0.058), (0, 0.076)):
+        _gone(sim, rk, T0 + 10 + dt, signal=SIGTERM, exit_code=1 if rk == 2 else None)
+    engine = sim.engine()
+    for now in (T0 + 10.6, T0 + 12.5, T0 + 30):
+        assert ends.detect(sim.job, sim.ctx(now)) == []
+        assert engine.tick(now) == []
+
+
+def test_the_rank_whose_going_closed_a_peer_s_connection_is_the_culprit_though_seen_later() -> None:
+    """The contrast: rank 3 is SIGKILLed alone. Rank 2 fails on its closed connection and says
+    so before the starved agent sees rank 3 gone; then torchrun stops the rest. Rank 3 is the
+    cause, rank 2 one of those it left behind."""
+    sim = SimJob(4)
+    sim.collective(1, T0 + 1)
+    for rk in (0, 1, 2, 3):
+        sim.call(rk, T0 + 5, seq=2)
+    sim.end(2, EndKind.EXCEPTION, T0 + 10, detail=GLOO_PEER_GONE, site="train.py:14 in <module>")
+    _gone(sim, 3, T0 + 10.3, signal=SIGKILL)
+    _gone(sim, 2, T0 + 10.32, exit_code=1)
+    assert ends.detect(sim.job, sim.ctx(T0 + 10.6)) == []  # rank 2 alone yet, and settling
+    for rk in (0, 1):
+        _gone(sim, rk, T0 + 10.5, signal=SIGTERM)
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 11)), "rank_died")
+    assert (f.culprit_ranks, f.waiting_ranks) == ([3], [0, 1, 2])
+    assert "rank 3 died: its process was killed by SIGKILL" in f.summary
+    assert "Connection closed by peer" in f.details["affected"]["2"]
+
+
+def test_a_connection_error_of_the_rank_s_own_is_its_fault() -> None:
+    """Not a backend's word that a peer went: the rank's own socket (a data loader reading from
+    object storage) reset, and torchrun stopped the rest after it. It stays the culprit."""
+    sim = SimJob(3)
+    sim.collective(1, T0 + 1)
+    own = "ConnectionResetError: [Errno 104] Connection reset by peer"
+    sim.end(1, EndKind.EXCEPTION, T0 + 10, detail=own, site="data.py:30 in fetch")
+    _gone(sim, 1, T0 + 10.1, exit_code=1)
+    for rk in (0, 2):
+        _gone(sim, rk, T0 + 10.3, signal=SIGTERM)
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 11)), "rank_died")
+    assert (f.culprit_ranks, f.waiting_ranks) == ([1], [0, 2])
+    assert "ConnectionResetError" in f.summary
+
+
+def test_a_rank_left_failing_on_a_closed_connection_with_no_peer_seen_gone_is_told_after_the_window() -> None:
+    """The peer that went is never seen gone (a node without an agent): the rank that failed on
+    its connection is told, once the window for the peer's end has passed."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.end(1, EndKind.EXCEPTION, T0 + 10, detail=GLOO_PEER_GONE)
+    assert ends.detect(sim.job, sim.ctx(T0 + 11)) == []
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 12.1)), "rank_died")
+    assert f.culprit_ranks == [1] and "Connection closed by peer" in f.summary
+
+
 def test_rank_vanished_without_a_trace_alone_and_earlier_is_the_culprit() -> None:
     """Reaped before anyone saw how it ended: the timing alone tells it went first, alone."""
     sim = SimJob(3)
