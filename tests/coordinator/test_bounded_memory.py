@@ -190,10 +190,14 @@ def assert_plateau(make: Callable[[], Flood], n: int, *, traced: bool = True) ->
     at_n, at_2n, at_4n = m.sizes[n], m.sizes[2 * n], m.sizes[4 * n]
     assert not diff(at_n, at_2n), f"container sizes grew from {n} to {2 * n} steps: {diff(at_n, at_2n)}"
     assert not diff(at_2n, at_4n), f"container sizes grew from {2 * n} to {4 * n} steps: {diff(at_2n, at_4n)}"
-    growth = m.traced[4 * n] - m.traced[n]
+    # Traced bytes are judged from 2n on: up to there they still settle after the containers
+    # filled (the 32-rank flood, measured: +6.5 KiB from 160 to 320 steps, then under 1 KiB from
+    # 320 to 960; from n, a loaded CI machine once read 33 KiB). A leak of over 100 bytes a step
+    # still fails at n = 160.
+    growth = m.traced[4 * n] - m.traced[2 * n]
     assert growth <= TRACED_SLACK, (
-        f"traced memory grew by {growth / 1024:.0f} KiB from {n} to {4 * n} steps "
-        f"({m.traced[n] / 2**20:.2f} -> {m.traced[4 * n] / 2**20:.2f} MiB); bench/soak_memory.py shows where"
+        f"traced memory grew by {growth / 1024:.0f} KiB from {2 * n} to {4 * n} steps "
+        f"({m.traced[2 * n] / 2**20:.2f} -> {m.traced[4 * n] / 2**20:.2f} MiB); bench/soak_memory.py shows where"
     )
     check_caps(m.flood.job, m.flood.slots_per_step * m.flood.steps_per_tick)
     assert len(m.flood.engine.incidents) <= engine_mod.MAX_INCIDENTS_IN_MEMORY
@@ -206,7 +210,7 @@ def assert_plateau(make: Callable[[], Flood], n: int, *, traced: bool = True) ->
 @pytest.mark.slow
 def test_flood_of_32_ranks_plateaus_in_size_and_traced_memory() -> None:
     """Windows fill within ~64 steps; from 160 steps on every container keeps its size, and the
-    traced memory at 640 steps is that at 160."""
+    traced memory at 640 steps is that at 320."""
     m = assert_plateau(lambda: Flood(32), 160)
     flood, job, at_end = m.flood, m.flood.job, m.sizes[640]
     assert flood.opened == [] and flood.engine.incidents == {}, [i.summary for i in flood.opened]
