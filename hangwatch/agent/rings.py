@@ -18,6 +18,7 @@ import logging
 import os
 import selectors
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -77,7 +78,11 @@ class RankLink:
         if fd is None:
             return None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):  # a memfd is one; a pipe, socket or device is no dump
+                log.warning("pid %d handed over a last Flight Recorder dump that is not a file", self.peer.pid)
+                return None
             if size > LAST_READ_MAX:
                 log.warning(
                     "pid %d's last Flight Recorder dump of %d bytes ignored (over %d)",

@@ -296,7 +296,7 @@ def test_a_bad_last_dump_falls_back_to_the_worker_server(rig: Any, body: bytes) 
         sock.close()
 
 
-def test_a_last_dump_over_its_bound_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_last_dump_over_its_bound_or_not_a_file_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hangwatch.agent import rings
 
     monkeypatch.setattr(rings, "LAST_READ_MAX", 8)
@@ -315,6 +315,17 @@ def test_a_last_dump_over_its_bound_is_not_read(tmp_path: Path, monkeypatch: pyt
             assert ours.take_last_read() == taken
             assert ours.last_read_fd is None and ours.take_last_read() is None  # taken once, closed
             sock.close()
+        # not a file (a pipe, a socket, a device): no dump, whatever it holds
+        sock = link.connect(server.path, _hello(""), [sink.fd])
+        assert sock is not None
+        read_end, write_end = os.pipe()
+        os.write(write_end, b"{}")
+        link.farewell(sock, 0.05, read_end)
+        os.close(read_end)
+        wait_for(lambda: server.links()[-1].ending_at is not None, 5, 0.02, "ending")
+        assert server.links()[-1].take_last_read() is None
+        os.close(write_end)
+        sock.close()
     finally:
         server.stop()
         sink.close()
