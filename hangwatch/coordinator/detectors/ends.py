@@ -41,9 +41,10 @@ AFTERMATH_CALLS = 2
 
 STOP, FAULT, UNKNOWN = "stop", "fault", "unknown"
 
-#: What a backend raises on a rank whose peer went first (gloo's transport, NCCL's remote
-#: error): such a rank is never the root cause, however early its own end was seen.
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "ncclRemoteError")
+#: What gloo's transport raises on a rank whose peer went first: such a rank is never the root
+#: cause, however early its own end was seen. (NCCL's ``ncclRemoteError`` is left out: it is
+#: also raised for a network failure where no peer went.)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 #: The exceptions the backends raise them as (a Python ``ConnectionResetError`` from the user's
 #: own socket is the rank's own fault, not a peer's).
 BACKEND_ERRORS = ("RuntimeError", "DistError", "DistBackendError", "DistNetworkError")
@@ -232,11 +233,15 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     elif _peer_gone(ended[0][1]):
         # It raised because a peer had gone: that peer is the cause, though the agent, starved of
         # CPU, saw its process vanish later than the rank it left behind said it failed.
-        went = next((i for i, (t, st) in enumerate(ended) if not _peer_gone(st)), None)
-        if went is not None and ended[went][0] - ended[0][0] <= JOB_STOP_WINDOW_S:
+        # A rank stopped by a signal is that peer only if the job was being stopped as a whole: a
+        # bystander torchrun stopped after the failures (the peer's end never seen) is not.
+        near = [i for i, (t, st) in enumerate(ended) if not _peer_gone(st) and t - ended[0][0] <= JOB_STOP_WINDOW_S]
+        went = next((i for i in near if _cause(ended[i][1]) != STOP), near[0] if near else None)
+        if went is None:
+            if ctx.now - ended[0][0] < JOB_STOP_WINDOW_S:
+                return []  # the peer that went is yet to be seen gone
+        elif _cause(ended[went][1]) != STOP or _job_stopping(job, ctx, ended[went][1], ended[went][0]):
             ended.insert(0, ended.pop(went))
-        elif ctx.now - ended[0][0] < JOB_STOP_WINDOW_S:
-            return []  # the peer that went is yet to be seen gone
     first_time, first = ended[0]
     running = [st for st in job.ranks.values() if _end_time(st) is None]
     clean = first.end is not None and first.end.kind in CLEAN
@@ -253,7 +258,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         and not is_exception
         and not running
         and reaction is None
-        and all(t - first_time <= TOGETHER_S for t, _ in ended)
+        and all(st.end is None and abs(t - first_time) <= TOGETHER_S for t, st in ended)
     ):
         return []  # every process vanished at once: the job was stopped (killed) as a whole
     affected = sorted(st.rank for _, st in ended[1:]) + sorted(st.rank for st in running)

@@ -284,6 +284,38 @@ def test_the_rank_whose_going_closed_a_peer_s_connection_is_the_culprit_though_s
     assert "Connection closed by peer" in f.details["affected"]["2"]
 
 
+@pytest.mark.parametrize("seen", [-0.001, 0.3, 1.0])
+def test_a_rank_killed_while_every_peer_failed_on_its_connection_is_the_culprit(seen: float) -> None:
+    """Found by an independent review: rank 3 SIGKILLed, ranks 0-2 each raise on its closed
+    connection within milliseconds and exit 1; the agent sees rank 3 gone a millisecond before
+    (once silent: taken for a job killed as a whole) or up to a second after them."""
+    sim = SimJob(4)
+    sim.collective(1, T0 + 1)
+    for rk in range(4):
+        sim.call(rk, T0 + 5, seq=2)
+    for rk in (0, 1, 2):
+        sim.end(rk, EndKind.EXCEPTION, T0 + 10 + rk * 0.002, detail=GLOO_PEER_GONE, site="train.py:14 in <module>")
+        _gone(sim, rk, T0 + 10.2 + rk * 0.002, exit_code=1)
+    _gone(sim, 3, T0 + 10 + seen, signal=SIGKILL)
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 12.5)), "rank_died")
+    assert (f.culprit_ranks, f.waiting_ranks) == ([3], [0, 1, 2])
+
+
+def test_a_bystander_torchrun_stopped_after_the_failures_is_not_the_culprit() -> None:
+    """Found by an independent review: rank 3's node is lost (its end never seen); ranks 0-2 fail
+    on its connection and exit 1, then torchrun stops rank 4, which never talked to it. Rank 4's
+    SIGTERM is the launcher's reaction, not the cause: the ranks that failed are told."""
+    sim = SimJob(5)
+    sim.collective(1, T0 + 1)
+    for rk in (0, 1, 2):
+        sim.end(rk, EndKind.EXCEPTION, T0 + 10 + rk * 0.002, detail=GLOO_PEER_GONE)
+        _gone(sim, rk, T0 + 10.2, exit_code=1)
+    _gone(sim, 4, T0 + 10.3, signal=SIGTERM)
+    sim.beat(T0 + 12.5, ranks=[3])
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 12.5)), "rank_died")
+    assert 4 not in f.culprit_ranks and f.culprit_ranks[0] == 0
+
+
 def test_a_connection_error_of_the_rank_s_own_is_its_fault() -> None:
     """Not a backend's word that a peer went: the rank's own socket (a data loader reading from
     object storage) reset, and torchrun stopped the rest after it. It stays the culprit."""
