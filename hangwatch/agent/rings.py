@@ -14,6 +14,7 @@ the agent's own user (and root) can connect, the same rule the ring itself follo
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import selectors
@@ -39,6 +40,8 @@ MAX_LINKS = 4096
 #: The largest last Flight Recorder dump a rank may hand over (a full 2,000-entry NCCL ring is
 #: about 1 MB of JSON); a larger one is ignored, and the worker server is asked instead.
 LAST_READ_MAX = 32 * 2**20
+#: The seals it must carry (``hangwatch.client.workerserver.SEALS``): nothing can change it.
+LAST_READ_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 @dataclass
@@ -80,8 +83,10 @@ class RankLink:
         try:
             st = os.fstat(fd)
             size = st.st_size
-            if not stat.S_ISREG(st.st_mode):  # a memfd is one; a pipe, socket or device is no dump
-                log.warning("pid %d handed over a last Flight Recorder dump that is not a file", self.peer.pid)
+            # only a sealed memfd: a pipe, socket or device is no dump, and any other file (one
+            # on a FUSE or hung network mount) could block the shipper's thread, every rank's
+            if not stat.S_ISREG(st.st_mode) or not _sealed(fd):
+                log.warning("pid %d handed over a last Flight Recorder dump that is not a sealed memfd", self.peer.pid)
                 return None
             if size > LAST_READ_MAX:
                 log.warning(
@@ -110,6 +115,14 @@ class RankLink:
             with contextlib.suppress(OSError):
                 self.sock.close()
             self.sock = None
+
+
+def _sealed(fd: int) -> bool:
+    """``fd`` is a memfd sealed against every change (``F_GET_SEALS`` fails on anything else)."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & LAST_READ_SEALS == LAST_READ_SEALS
+    except OSError:
+        return False
 
 
 class RingServer:

@@ -16,6 +16,7 @@ served by the rank's own pid before it believes a byte of it. A user's own serve
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from typing import Any
 
@@ -71,6 +72,9 @@ def start(path: str) -> WorkerServer | None:
         return None
 
 
+#: The seals a last dump carries: its agent reads only a memfd that can no longer change.
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
 #: What the rank's last dump answers for each ring, by the name the agent uses, and the function
 #: in ``torch._C._distributed_c10d`` that makes it (the worker server's handlers call the same).
 _DUMPS = {"cpu": "_dump_fr_trace_json", "nccl": "_dump_nccl_trace_json"}
@@ -100,9 +104,10 @@ def last_dump() -> int | None:
         if not parts:
             return None
         body = memoryview(b"{" + b",".join(parts) + b"}")
-        fd = os.memfd_create("hangwatch-last-read", os.MFD_CLOEXEC)
+        fd = os.memfd_create("hangwatch-last-read", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         while body:
             body = body[os.write(fd, body) :]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # what the agent reads cannot change under it
         return fd
     except Exception:
         if fd >= 0:

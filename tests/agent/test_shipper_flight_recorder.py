@@ -11,6 +11,7 @@ same end to end, through a real worker server.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -27,6 +28,7 @@ from hangwatch.agent.flightrecorder import WHOLE_READ_EVERY_S, RingFetcher
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import Shipper
+from hangwatch.client import workerserver
 from hangwatch.client.ringsink import RingSink
 from hangwatch.flight_entries import EntryTracker, PythonSeqs, entry_call_id
 from hangwatch.testing import wait_for
@@ -218,10 +220,12 @@ def test_an_ending_rank_is_read_one_last_time_before_it_goes(rig: Any) -> None:
         sock.close()
 
 
-def _dump_fd(body: bytes) -> int:
-    """A memfd holding ``body``, as ``workerserver.last_dump`` hands one over."""
-    fd = os.memfd_create("last-read")
+def _dump_fd(body: bytes, *, seal: bool = True) -> int:
+    """A memfd holding ``body``, sealed as ``workerserver.last_dump`` hands one over."""
+    fd = os.memfd_create("last-read", os.MFD_ALLOW_SEALING)
     os.write(fd, body)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, workerserver.SEALS)
     return fd
 
 
@@ -296,7 +300,9 @@ def test_a_bad_last_dump_falls_back_to_the_worker_server(rig: Any, body: bytes) 
         sock.close()
 
 
-def test_a_last_dump_over_its_bound_or_not_a_file_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_last_dump_over_its_bound_or_not_a_sealed_memfd_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from hangwatch.agent import rings
 
     monkeypatch.setattr(rings, "LAST_READ_MAX", 8)
@@ -315,17 +321,21 @@ def test_a_last_dump_over_its_bound_or_not_a_file_is_not_read(tmp_path: Path, mo
             assert ours.take_last_read() == taken
             assert ours.last_read_fd is None and ours.take_last_read() is None  # taken once, closed
             sock.close()
-        # not a file (a pipe, a socket, a device): no dump, whatever it holds
-        sock = link.connect(server.path, _hello(""), [sink.fd])
-        assert sock is not None
+        # not a sealed memfd (a pipe; a memfd that may still change; a file, which could sit on
+        # a mount that blocks a read): no dump, whatever it holds
+        plain = tmp_path / "dump.json"
+        plain.write_bytes(b"{}")
         read_end, write_end = os.pipe()
         os.write(write_end, b"{}")
-        link.farewell(sock, 0.05, read_end)
-        os.close(read_end)
-        wait_for(lambda: server.links()[-1].ending_at is not None, 5, 0.02, "ending")
-        assert server.links()[-1].take_last_read() is None
+        for handed in (read_end, _dump_fd(b"{}", seal=False), os.open(plain, os.O_RDONLY)):
+            sock = link.connect(server.path, _hello(""), [sink.fd])
+            assert sock is not None
+            link.farewell(sock, 0.05, handed)
+            os.close(handed)
+            wait_for(lambda: server.links()[-1].ending_at is not None, 5, 0.02, "ending")
+            assert server.links()[-1].take_last_read() is None
+            sock.close()
         os.close(write_end)
-        sock.close()
     finally:
         server.stop()
         sink.close()
