@@ -43,6 +43,9 @@ _RANK = textwrap.dedent(
     print("released", flush=True)
     ws.stop()
     fd = workerserver.last_dump()  # what the rank hands its agent as it ends
+    import fcntl
+    from hangwatch.agent.rings import LAST_READ_SEALS
+    print(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & LAST_READ_SEALS == LAST_READ_SEALS, flush=True)
     print(os.pread(fd, os.fstat(fd).st_size, 0).decode(), flush=True)
     """
 )
@@ -77,7 +80,9 @@ def test_the_ring_is_read_while_the_rank_holds_its_gil(tmp_path: Path) -> None:
             query(path, "ping", expect_pid=os.getpid())
         assert query(path, "ping", expect_pid=rank.pid) == b"pong"
         assert rank.stdout.readline().strip() == "released"  # it was frozen, and we read it anyway
-        # the dump the rank makes of itself as it ends is the ring its worker server answered
+        # the dump the rank makes of itself as it ends is the ring its worker server answered,
+        # in a memfd sealed as its agent requires
+        assert rank.stdout.readline().strip() == "True"
         handed, errors = rings_of_dump(rank.stdout.readline().encode())
         assert errors == {} and set(handed) == {"cpu"}
         assert [e["record_id"] for e in handed["cpu"]["entries"]] == [e["record_id"] for e in rings["cpu"]["entries"]]
