@@ -296,7 +296,7 @@ class RingServer:
         except OSError:
             data, fds = b"", []
         for fd in fds:  # a descriptor comes only with ENDING: the rank's last dump
-            if ENDING in data and link.ending_at is None and link.last_read_fd is None:
+            if ENDING in data and link.ending_at is None:  # set just below: one dump at most
                 link.last_read_fd = fd
             else:
                 with contextlib.suppress(OSError):

@@ -190,9 +190,13 @@ def test_without_a_worker_socket_nothing_is_read(rig: Any) -> None:
         sock.close()
 
 
-def test_an_ending_rank_is_read_one_last_time_before_it_goes(rig: Any) -> None:
+@pytest.mark.parametrize("handed", [None, b"not json", b"[1, 2]", b'{"cpu": 3}', b""])
+def test_an_ending_rank_is_read_one_last_time_before_it_goes(rig: Any, handed: bytes | None) -> None:
     """DDP's last buckets before a rank exits: the periodic read may not have seen them. The rank
-    says it is ending and waits; the agent reads the ring and Flight Recorder, ships, answers."""
+    says it is ending and waits; the agent reads the ring and Flight Recorder, ships, answers.
+    With no dump handed over, or one that is not one (what a rank hands over is read as
+    carefully as anything else it says: dropped), the agent asks the worker server while the
+    rank still waits."""
     server, shipper, intake, reads, sink = rig
     reads.dump = {"entries": []}  # the periodic reads see nothing yet
     sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
@@ -205,16 +209,19 @@ def test_an_ending_rank_is_read_one_last_time_before_it_goes(rig: Any) -> None:
 
     thread = threading.Thread(target=ticking)
     thread.start()
+    fd = _dump_fd(handed) if handed is not None else None
     try:
         wait_for(lambda: intake.identities, 5, 0.02, "registered")
         shipper.fetcher.interval_s = 60.0  # from now on only the last read can see the entries
         reads.dump = DUMP
         _python_calls(sink)
         sink.put(r.RankEnd(0, r.EndKind.CLEAN_EXIT, 9.0, "interpreter exit", exit_code=0))
-        assert link.farewell(sock, 2.0)  # answered once everything below had arrived
+        assert link.farewell(sock, 2.0, fd)  # answered once everything below had arrived
         assert [c.seq for c in _from_flight_recorder(intake)] == [3, 4, 5, 6]
         assert any(isinstance(e, r.RankEnd) for e in intake.events[0])
     finally:
+        if fd is not None:
+            os.close(fd)
         stop.set()
         thread.join(5)
         sock.close()
@@ -266,38 +273,6 @@ def test_an_ending_rank_s_own_last_dump_is_read_after_it_is_gone(rig: Any) -> No
     assert len(reads.asked) == asked  # the worker server, gone, was not asked
     assert said and said[0] >= ending
     assert any(isinstance(e, r.RankEnd) for e in intake.events[0])
-
-
-@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"cpu": 3}', b""])
-def test_a_bad_last_dump_falls_back_to_the_worker_server(rig: Any, body: bytes) -> None:
-    """What a rank hands over is read as carefully as anything else it says: a dump that is not
-    one is dropped, and the agent asks the worker server while the rank still waits."""
-    server, shipper, intake, reads, sink = rig
-    reads.dump = {"entries": []}
-    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
-    assert sock is not None
-    stop = threading.Event()
-
-    def ticking() -> None:
-        while not stop.wait(0.05):
-            shipper.tick()
-
-    thread = threading.Thread(target=ticking)
-    thread.start()
-    fd = _dump_fd(body)
-    try:
-        wait_for(lambda: intake.identities, 5, 0.02, "registered")
-        shipper.fetcher.interval_s = 3600.0
-        reads.dump = DUMP
-        _python_calls(sink)
-        sink.put(r.RankEnd(0, r.EndKind.CLEAN_EXIT, 9.0, "interpreter exit", exit_code=0))
-        assert link.farewell(sock, 2.0, fd)
-        assert [c.seq for c in _from_flight_recorder(intake)] == [3, 4, 5, 6]
-    finally:
-        os.close(fd)
-        stop.set()
-        thread.join(5)
-        sock.close()
 
 
 def test_a_last_dump_over_its_bound_or_not_a_sealed_memfd_is_not_read(
