@@ -275,6 +275,41 @@ def test_an_ending_rank_s_own_last_dump_is_read_after_it_is_gone(rig: Any) -> No
     assert any(isinstance(e, r.RankEnd) for e in intake.events[0])
 
 
+def test_an_ending_rank_whose_last_read_finds_nothing_new_still_says_when_it_was_asked(rig: Any) -> None:
+    """The periodic reads saw every entry (DDP's last bucket all-reduce retired, then read) and
+    the rank ends: its last read finds nothing new and carries no records. The coordinator must
+    still hear that a read asked after the end saw nothing more, or it cannot tell the rank's
+    last C++ collectives known (a rank that skipped a backward and ran out of calls, found on
+    CI: silent, its early end told by nothing)."""
+    server, shipper, intake, _reads, sink = rig
+    said: list[float] = []
+    accept = intake.accept_report
+
+    def report(request: Any, relay: str = "") -> Any:
+        said.append(request.flight_read_time)
+        return accept(request, relay)
+
+    intake.accept_report = report
+    sock = link.connect(server.path, _hello("/run/w.sock"), [sink.fd])
+    assert sock is not None
+    _python_calls(sink)
+    _ticks_until(shipper, lambda: _from_flight_recorder(intake), "the periodic read's records")
+    shipper.fetcher.interval_s = 3600.0  # no read but the last from now on
+    time.sleep(0.05)
+    sink.put(r.RankEnd(0, r.EndKind.CLEAN_EXIT, 9.0, "interpreter exit", exit_code=0))
+    ending = time.time()
+    fd = _dump_fd(json.dumps({"cpu": DUMP}).encode())  # the same entries: nothing new
+    try:
+        assert link.farewell(sock, 0.05, fd) is False  # nobody ticks: the rank stops waiting
+    finally:
+        os.close(fd)
+    sock.close()
+    wait_for(lambda: all(not lk.alive for lk in server.links()), 5, 0.02, "the link closed")
+    _ticks_until(shipper, lambda: not server.links(), "the rank let go")
+    assert len(_from_flight_recorder(intake)) == 4  # nothing shipped twice
+    assert max(said) >= ending
+
+
 def test_a_last_dump_over_its_bound_or_not_a_sealed_memfd_is_not_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
