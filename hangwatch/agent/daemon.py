@@ -213,7 +213,7 @@ def _start_rank_links(
     path: str, stub: CoordinatorStub, agent: _Agent, stop: threading.Event, mode: int = 0o600
 ) -> RingServer | None:
     """This node's ranks link to the agent on ``path``; a thread ships their rings."""
-    from hangwatch.agent.shipper import TICK_S, Shipper
+    from hangwatch.agent.shipper import Shipper
 
     try:
         server = RingServer(path, mode=mode, proofs=agent.core.proofs)
@@ -223,11 +223,6 @@ def _start_rank_links(
         return None
     shipper = Shipper(server, _RemoteIntake(stub, agent), agent.core.host, agent.core.inspector)
 
-    def loop() -> None:
-        while not stop.wait(TICK_S):
-            shipper.tick()
-        shipper.close()
-
-    threading.Thread(target=loop, name="hangwatch-rings", daemon=True).start()
+    threading.Thread(target=shipper.run, args=(stop,), name="hangwatch-rings", daemon=True).start()
     log.info("rank links on %s", path)
     return server

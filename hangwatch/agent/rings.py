@@ -146,6 +146,9 @@ class RingServer:
         self._clock = clock
         self.proofs = proofs  # where each linked process's kernel-proven identity is recorded
         self._lock = threading.Lock()
+        #: set when a link is made, says it is ending, or closes: the shipper's loop sleeps until
+        #: its next read is due, or until this (``Shipper.run``)
+        self.changed = threading.Event()
         self._links: list[RankLink] = []
         self.refused = 0  # connections dropped: no hello, a bad ring, too many links
         self._stop = threading.Event()
@@ -185,6 +188,7 @@ class RingServer:
 
     def stop(self) -> None:
         self._stop.set()
+        self.changed.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
         if self._listener is not None:
@@ -245,6 +249,7 @@ class RingServer:
             return
         conn.setblocking(False)
         sel.register(conn, selectors.EVENT_READ, link)
+        self.changed.set()
         if self._on_link is not None:
             self._on_link(link)
 
@@ -304,6 +309,7 @@ class RingServer:
         if data:
             if ENDING in data and link.ending_at is None:
                 link.ending_at = self._clock()
+                self.changed.set()  # it waits for its farewell
             return  # nothing else is said on a link
         sel.unregister(sock)
         link.closed_at = self._clock()
@@ -311,6 +317,7 @@ class RingServer:
             sock.close()
         link.sock = None
         self._ended(link)
+        self.changed.set()
         if self._on_close is not None:
             self._on_close(link)
 

@@ -223,6 +223,8 @@ class Coordinator:
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
+        if self.rings is not None:
+            self.rings.changed.set()  # the rank links' loop may sleep up to a second
         if self.server is not None:
             self.server.stop(grace)
         for thread in self._threads:
@@ -259,7 +261,7 @@ class Coordinator:
         and are read from here. Without it (another user's ranks, a socket that cannot be made)
         ranks ship their own records, as before."""
         from hangwatch.agent.rings import RingServer
-        from hangwatch.agent.shipper import TICK_S, Shipper
+        from hangwatch.agent.shipper import Shipper
 
         core = self.hub.embedded
         assert core is not None
@@ -272,13 +274,7 @@ class Coordinator:
             self.rings = None
             return
         shipper = self.shipper = Shipper(self.rings, self, self.hub.embedded_host, core.inspector)
-
-        def loop() -> None:
-            while not self._stop.wait(TICK_S):
-                shipper.tick()
-            shipper.close()
-
-        self._spawn(loop, "hangwatch-rings")
+        self._spawn(lambda: shipper.run(self._stop), "hangwatch-rings")
         log.info("rank links on %s", path)
 
     def _embedded_agent_loop(self) -> None:

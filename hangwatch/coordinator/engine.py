@@ -149,6 +149,9 @@ class Engine:
             if inc.status == "open" and key_family(inc.key) in HANG_FAMILIES
             for rank in inc.culprit_ranks + inc.waiting_ranks
         }
+        cache = self.caches.get(job.run)
+        if cache is None:  # made once per run: making it is most of an idle tick's cost
+            cache = self.caches[job.run] = new_cache()
         ctx = Context(
             now=now,
             stuck_after=self.stuck_threshold(job),
@@ -157,7 +160,7 @@ class Engine:
             mismatched=mismatched,
             hangs=hangs,
             changes=job.take_changes(),
-            cache=self.caches.setdefault(job.run, new_cache()),
+            cache=cache,
         )
         absorbed: list[tuple[Finding, Incident | None, bool]] = []
         for detector in self.detectors:

@@ -114,3 +114,28 @@ def test_oom_kills_of_the_ranks_cgroup_v2(tmp_path: Path) -> None:
     assert memory_events_path(42, proc_root=str(proc), cgroup_root=str(cgroup)) is None
     assert memory_events_path(43, proc_root=str(proc), cgroup_root=str(cgroup)) is None
     assert oom_kills(None) is None and oom_kills(str(tmp_path / "missing")) is None
+
+
+def test_status_from_proc_agrees_with_psutil(spawn: Spawn) -> None:
+    """The status read from ``/proc/<pid>/stat`` says what psutil says of the same process."""
+    import psutil
+
+    proc = spawn(SLEEPER)
+    inspector = PsutilInspector()
+    wait_until(lambda: inspector.status(proc.pid).state is ProcState.SLEEPING)
+    s, p = inspector.status(proc.pid), psutil.Process(proc.pid)
+    assert s.start_time == p.create_time()
+    assert s.num_threads == p.num_threads()
+    assert abs(s.rss_bytes - p.memory_info().rss) < 1 << 20
+
+
+def test_an_unparsable_stat_falls_back_to_psutil(tmp_path: Path, spawn: Spawn) -> None:
+    """Where ``/proc/<pid>/stat`` cannot be parsed, psutil answers (it reads the real ``/proc``)."""
+    proc = spawn(SLEEPER)
+    (tmp_path / str(proc.pid)).mkdir()
+    (tmp_path / str(proc.pid) / "stat").write_bytes(b"not a stat line")
+    inspector = PsutilInspector(proc_root=str(tmp_path))
+    wait_until(lambda: inspector.status(proc.pid).state is ProcState.SLEEPING)
+    s = inspector.status(proc.pid)
+    assert s.start_time == target(proc).start_time and s.num_threads >= 1
+    assert PsutilInspector(proc_root=str(tmp_path)).status(proc.pid + 10_000_000).state is ProcState.DEAD

@@ -7,6 +7,7 @@ with runs on); the shipper's monotonic clock is driven, so "a tick" is ``TICK_S`
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 
 from hangwatch import link
 from hangwatch import records as r
+from hangwatch.agent import shipper as shipper_module
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import STEADY_S, TICK_S, Shipper
@@ -187,3 +189,63 @@ def test_a_steady_rank_inside_a_call_is_read_on_the_next_tick(rig: Any) -> None:
     assert last not in _ids(intake.events[0])
     _ticks(shipper, clock, 1)  # the next tick sends it
     assert last in _ids(intake.events[0])
+
+
+def test_the_loop_sleeps_until_a_read_is_due(rig: Any, tmp_path: Path) -> None:
+    """Between ticks the loop sleeps as long as nothing is due: a tick while a rank is read
+    every tick, to the next period's start while every rank is steady, ``IDLE_S`` with none."""
+    shipper, _intake, sink, clock = rig
+    ids = iter(range(1, 10_000))
+    _ticks(shipper, clock, 1)  # registered, nothing read yet: not steady
+    assert shipper.next_tick_in() == TICK_S
+    _steady(shipper, sink, clock, ids)
+    clock.now = 1000.05  # 0.15 s before the next STEADY_S period of the shipper's clock
+    assert shipper.next_tick_in() == pytest.approx(1000.2 - 1000.05, abs=0.002)
+    sink.put(_call(next(ids), done=False))  # a call under way: held back, read every tick
+    clock.now += STEADY_S
+    shipper.tick()
+    assert shipper.next_tick_in() == TICK_S
+    empty = RingServer(str(tmp_path / "empty.sock"))
+    empty.start()
+    try:
+        assert Shipper(empty, Counting(), "node-1", PsutilInspector()).next_tick_in() == shipper_module.IDLE_S
+    finally:
+        empty.stop()
+
+
+def test_a_new_link_and_an_ending_rank_wake_the_sleeping_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop asleep with no rank (or with steady ones only) is woken at once by a link made,
+    and by a rank saying it is ending, which waits for its farewell: with both sleeps an hour
+    long here, either would take an hour without the wake."""
+    monkeypatch.setattr(shipper_module, "IDLE_S", 3600.0)
+    monkeypatch.setattr(shipper_module, "STEADY_S", 3600.0)
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    intake, sink, stop = Counting(), RingSink(4096, rank=0), threading.Event()
+    shipper = Shipper(server, intake, "node-1", PsutilInspector(), heartbeat_s=3600.0)
+    loop = threading.Thread(target=shipper.run, args=(stop,), daemon=True)
+    loop.start()
+    sock = None
+    try:
+        wait_for(lambda: server.changed.is_set() is False, 5, 0.01, "the loop asleep")
+        ids = iter(range(1, 100_000))
+        for _ in range(5):
+            sink.put(_call(next(ids)))
+        sock = link.connect(server.path, {"job_id": "j", "rank": 0, "world_size": 2, "session": "s0"}, [sink.fd])
+        assert sock is not None
+        wait_for(lambda: intake.identities and intake.reports, 10, 0.02, "the new rank registered and read")
+
+        def steady() -> bool:  # the rank goes on calling until a read finds it steady
+            sink.put(_call(next(ids)))
+            return shipper.next_tick_in() > 1.0
+
+        wait_for(steady, 10, 0.02, "the rank steady, the loop asleep for a period")
+        assert link.farewell(sock, timeout_s=10.0), "the ending rank waited for its farewell"
+    finally:
+        stop.set()
+        server.stop()
+        loop.join(5)
+        if sock is not None:
+            sock.close()
+        sink.close()
+    assert not loop.is_alive(), "the loop ends when stopped (the server's stop wakes it)"
