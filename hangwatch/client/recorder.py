@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
@@ -127,6 +128,10 @@ class Recorder:
         # async works not yet complete (call id, collectives issued, works): appended by the
         # caller, polled by the sender thread
         self.pending: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
+        #: async works recorded so far, and what wakes the sender thread (set while it sleeps
+        #: past its poll interval: an async work's completion is polled for from then on)
+        self.async_calls = 0
+        self.on_pending: Callable[[], object] | None = None
         self.default_pg: Any = None  # cached: looking it up costs more than the rest of a record
         self.lock = threading.Lock()  # only for rare paths (groups); never held by the hot path
         self.novel = 0  # signatures first seen so far (a new one is flushed where no agent reads the ring)
@@ -300,6 +305,10 @@ class Recorder:
             # The work object completes later; the sender polls it and records completion.
             works = result if isinstance(result, list) else [result]
             self.pending.append((raw[0], issued, [w for w in works if w is not None]))
+            self.async_calls += 1
+            wake = self.on_pending  # set while the sender thread sleeps long (after the append)
+            if wake is not None:
+                wake()
             return
         sink = self.sink
         ref = 0 if error is None else sink.text(f"{type(error).__name__}: {error}")

@@ -199,6 +199,7 @@ class Sender:
         self.link_losses = 0  # times the node agent's end of the link closed
         self.fallbacks = 0  # times this rank went on without its agent (shipping its own records)
         self.batches_sent = 0
+        self.wakes = 0  # times the linked loop went to sleep (each wake-up costs CPU, cold caches)
         self.send_failures = 0
         self.registered = False
         self.coordinator_id = ""
@@ -291,13 +292,21 @@ class Sender:
         the rank has no worker server for the agent to read them through),
         publishes where the main thread is every heartbeat, and links again when its agent goes
         away (a restarted coordinator's embedded agent, a restarted node agent): the new agent
-        reads the ring from its start, as far as it still holds, and registers the rank anew."""
+        reads the ring from its start, as far as it still holds, and registers the rank anew.
+
+        It wakes every ``interval_s`` only while it has something to poll (async works, or
+        Flight Recorder read from here); otherwise it sleeps to its next heartbeat, and an async
+        work recorded meanwhile wakes it at once. A wake-up costs 50-150 µs of CPU on a 2-core
+        VM whatever follows it (caches gone cold): five a second were 0.45 ms of the rank's
+        CPU a second, 0.45 µs a call at 1,000 calls/s (2026-11-24)."""
         session = self.session
         clock = self._clock
         # the agent reads Flight Recorder through the worker server; only without one, from here
         session.recorder.covers = session.worker_server is None
         session.recorder.flush_novel = False  # every record is outside the rank already
         poller = self._poller_factory(session.recorder) if session.worker_server is None else None
+        recorder = session.recorder
+        async_seen = -1  # async works recorded as of the last wake-up
         last_status = 0.0
         relink_at = 0.0
         lost_at: float | None = None
@@ -331,7 +340,18 @@ class Sender:
                 self._flushed.set()
             if stopping:
                 return True
-            self._wake.wait(self.interval_s)
+            timeout = self.interval_s
+            calls = recorder.async_calls
+            if poller is None and session.link is not None and calls == async_seen:
+                # nothing to poll for (no async work recorded since the last wake-up): sleep to
+                # the next heartbeat; an async work recorded meanwhile wakes the thread at once
+                recorder.on_pending = self._wake.set  # before looking: one of the two sees it
+                if not recorder.pending and recorder.async_calls == calls:
+                    timeout = max(self.interval_s, last_status + self.heartbeat_s - clock())
+            async_seen = calls
+            self.wakes += 1
+            self._wake.wait(timeout)
+            recorder.on_pending = None
             self._wake.clear()
 
     def _loop_direct(self) -> bool:

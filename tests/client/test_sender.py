@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,14 +26,16 @@ import pytest
 import torch
 
 from hangwatch import records as r
+from hangwatch.agent.rings import RingServer
 from hangwatch.client import capture
 from hangwatch.client import session as session_mod
 from hangwatch.client.ops import OPS_BY_NAME
 from hangwatch.client.sender import MAX_BACKOFF_S, MAX_BATCH, SEND_INTERVAL_S, Sender
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Batch
+from hangwatch.ring import Batch, Kind, RingReader
 from hangwatch.testing import wait_for
-from tests.client.fakes import FakeWork, SlotDecoder, make_session
+from tests.client import fakes
+from tests.client.fakes import FakeC10d, FakeWork, SlotDecoder, make_session
 
 START = 1_000_000_000.0  # a clock in seconds since the epoch, as time.time() is
 
@@ -557,3 +560,44 @@ def test_records_written_after_an_idle_read_are_shipped_at_the_next_interval(rig
     steps = t.put_steps(1)
     wait_for(lambda: len(t.transport.reports()) == 2, WAIT_S, 0.002, "the step written after an idle read")
     assert t.transport.reports()[1].events == steps
+
+
+def test_a_linked_sender_sleeps_to_its_heartbeat_and_an_async_work_wakes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linked to a node agent (which reads the ring), with no async work to poll for, the
+    thread sleeps until its next heartbeat, not every ``interval_s``; an async work recorded
+    meanwhile wakes it at once, and its completion is polled for from then on."""
+    monkeypatch.setenv("HANGWATCH_FLIGHT_RECORDER", "0")  # no worker server: nothing else to read
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    session = session_mod.Session(fakes.identity(0), "127.0.0.1:1", None, FakeC10d(0), str(tmp_path / "agent.sock"))
+    sender = session.sender
+    try:
+        assert session.link is not None
+        session.recorder.default_pg = session.recorder.c10d._get_default_group()
+        sender.interval_s, sender.heartbeat_s = 0.02, 3600.0
+        sender.start()
+        wait_for(lambda: sender.wakes >= 2, WAIT_S, 0.005, "the thread asleep")
+        time.sleep(0.5)
+        assert sender.wakes <= 3, f"woke {sender.wakes} times in 0.5 s with nothing to poll (every 0.02 s: 25)"
+        work = FakeWork(done=False)
+        rec = session.recorder
+        raw, pg, before = rec.enter(OPS_BY_NAME["all_reduce"], {"tensor": torch.ones(1), "async_op": True})
+        rec.exit(raw, pg, before, None, work)
+        work.done = True
+        reader = RingReader(session.sink.fd)
+        exits: list[Any] = []
+
+        def exited() -> bool:
+            exits.extend(s for s in reader.poll().slots if s.kind == Kind.EXIT)
+            return bool(exits)
+
+        wait_for(exited, WAIT_S, 0.005, "the async work's completion, polled for at once (not in an hour)")
+    finally:
+        sender.stop(1.0)
+        if session.link is not None:
+            session.link.close()
+        server.stop()
+        session.sink.close()
+        capture.set_session(None)
