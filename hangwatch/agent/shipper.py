@@ -200,18 +200,25 @@ class Shipper:
             if state is None:
                 state = self._ranks[id(link)] = self._new_rank(link)
             period = int(now // STEADY_S)  # one clock for all ranks: steady ones are read together
-            if state.steady_period == period and link.closed_at is None and link.ending_at is None:
+            ended = link.ending_at is None or state.farewell  # an ending rank waits for its farewell
+            if state.steady_period == period and link.closed_at is None and ended:
                 continue  # steady: read in the next period
             try:
+                # steady as of its last read, or let go after its end (a process that lives on)
+                was_steady = state.steady_period is not None or state.farewell
+                position = state.link.reader.position
                 state.encoder.steady = False
                 self._ship(state)
+                # a read that found nothing leaves the rank as it was: one between bursts of
+                # calls (a step's compute, evaluation) is not read every tick for nothing
+                still = was_steady and state.link.reader.position == position
                 # a call held back (under way as the ring was read) goes on the next tick: it may
                 # be one that never returns, or one of a mismatch the other ranks' records tell
                 steady = (
                     self.read_less
-                    and state.encoder.steady
+                    and (state.encoder.steady or still)
                     and not state.encoder.holding
-                    and state.pending is None
+                    and not _has_records(state.pending)  # an empty read is kept back, not sent
                     and not state.unsent
                 )
                 state.steady_period = period if steady else None
@@ -248,9 +255,14 @@ class Shipper:
         """Tick until ``stop`` is set (and the server's ``changed``, or a tick's wait passed),
         sleeping between ticks as long as nothing is due; then ``close``."""
         changed = self.server.changed
-        while not stop.is_set():
+        while True:
             changed.clear()  # before the tick: a change during it makes the wait return at once
-            self.tick()
+            if stop.is_set():  # after the clear: a stop's wake is never swallowed
+                break
+            try:
+                self.tick()
+            except Exception:  # every rank's shipping would stop with this thread
+                log.exception("shipping tick failed")
             changed.wait(self.next_tick_in())
         self.close()
 
@@ -272,6 +284,8 @@ class Shipper:
     def _ship(self, state: _Rank) -> None:
         link = state.link
         closed = link.closed_at is not None
+        # said before this tick's reads: its RankEnd, written before it said so, is read by them
+        ending = link.ending_at is not None
         if state.flight is not None:
             taken = self.fetcher.take(id(link))
             if taken is not None and (state.fetched is None or taken.time >= state.fetched.time):
@@ -322,7 +336,6 @@ class Shipper:
                     state.registered = False
                     state.encoder.held_restore(held)  # the same records again: the same held back
                     return  # register on the next tick and send the same records again
-                carried = len(pending.slots) // 2 if pending is not None else 0  # calls, as a run counts one
             else:
                 batch = self._batch(state, pending, now)
                 reply = self.intake.accept_report(batch)
@@ -330,16 +343,16 @@ class Shipper:
                     state.registered = False
                     state.encoder.held_restore(held)  # the same records again: the same held back
                     return  # register on the next tick and send the same records again
-                carried = len(batch.calls.call_id) + len(batch.events)
             state.pending = None
             state.last_sent = self.mono()  # heartbeats are timed on the monotonic clock
-            if carried < MAX_SLOTS // 2:
-                break  # read to the end for now
+            if pending is None or len(pending.slots) < MAX_SLOTS:
+                break  # read to the end for now (a full read: more to read, whatever runs made of it)
         if state.flight is not None:
             self._flight_recorder(state)  # an ending rank's farewell comes after its last read
-        elif link.ending_at is not None and not state.farewell:
-            # no Flight Recorder to read last (no worker server): its ring is read to the end (its
-            # RankEnd the last record), so it may go; before, it waited out the farewell's timeout
+        elif ending and not state.farewell:
+            # no Flight Recorder to read last (no worker server): its ring is read to the end since
+            # it said it is ending (its RankEnd read), so it may go; before, it waited out the
+            # farewell's timeout. Ending said during the reads: the wake it made reads it again
             state.farewell = True
             self.server.farewell(link)
         if closed and not state.gone_reported:

@@ -44,6 +44,11 @@ MAX_BATCH = 2000
 #: thread's CPU, so batching matters more than latency here: the coordinator's detection tick is
 #: 0.25 s, and a call of a new kind is flushed at once anyway.
 SEND_INTERVAL_S = 0.2
+#: A linked sender polls every ``SEND_INTERVAL_S`` while async works were recorded this recently,
+#: else sleeps to its next heartbeat, ``MAX_SLEEP_S`` at most (``Sender._loop_linked``): an
+#: async call a little over an interval apart would otherwise wake it twice per call.
+ASYNC_QUIET_S = 1.0
+MAX_SLEEP_S = 1.0
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 5.0  # bounds on the interval a coordinator may ask for
 MAX_BACKOFF_S = 2.0  # a restarted coordinator is found again within a few seconds
 #: A linked rank whose agent went away ships its own records after this long without one (well
@@ -294,11 +299,14 @@ class Sender:
         away (a restarted coordinator's embedded agent, a restarted node agent): the new agent
         reads the ring from its start, as far as it still holds, and registers the rank anew.
 
-        It wakes every ``interval_s`` only while it has something to poll (async works, or
-        Flight Recorder read from here); otherwise it sleeps to its next heartbeat, and an async
-        work recorded meanwhile wakes it at once. A wake-up costs 50-150 µs of CPU on a 2-core
-        VM whatever follows it (caches gone cold): five a second were 0.45 ms of the rank's
-        CPU a second, 0.45 µs a call at 1,000 calls/s (2026-11-24)."""
+        It wakes every ``interval_s`` only while it has something to poll (async works recorded
+        in the last ``ASYNC_QUIET_S``, or Flight Recorder read from here); otherwise it sleeps to
+        its next heartbeat (``MAX_SLEEP_S`` at most: a lost link is seen within it, and the
+        fallback is timed from when the link was last seen open), and an async work recorded
+        meanwhile wakes it at once (once: it polls every ``interval_s`` from then on). A wake-up
+        costs 50-150 µs of CPU on a 2-core VM whatever follows it (caches gone cold): five a
+        second were 0.45 ms of the rank's CPU a second, 0.45 µs a call at 1,000 calls/s
+        (2026-11-24)."""
         session = self.session
         clock = self._clock
         # the agent reads Flight Recorder through the worker server; only without one, from here
@@ -306,7 +314,8 @@ class Sender:
         session.recorder.flush_novel = False  # every record is outside the rank already
         poller = self._poller_factory(session.recorder) if session.worker_server is None else None
         recorder = session.recorder
-        async_seen = -1  # async works recorded as of the last wake-up
+        async_seen, async_at = -1, clock()  # async works recorded as of a wake-up, and when they moved
+        seen_open = clock()  # when the link was last seen open
         last_status = 0.0
         relink_at = 0.0
         lost_at: float | None = None
@@ -324,8 +333,10 @@ class Sender:
                 session.link.close()
                 session.link = None
                 self.link_losses += 1
-                lost_at = now
+                lost_at = seen_open  # not when a long sleep ended: the fallback is not put off
                 log.warning("hangwatch: lost the link to the node agent; will link again")
+            elif session.link is not None:
+                seen_open = now
             if session.link is None and now >= relink_at and not stopping:
                 if not session.relink():
                     relink_at = now + backoff
@@ -342,13 +353,16 @@ class Sender:
                 return True
             timeout = self.interval_s
             calls = recorder.async_calls
-            if poller is None and session.link is not None and calls == async_seen:
-                # nothing to poll for (no async work recorded since the last wake-up): sleep to
-                # the next heartbeat; an async work recorded meanwhile wakes the thread at once
+            if calls != async_seen:
+                async_seen, async_at = calls, now
+            if poller is None and session.link is not None and now - async_at >= ASYNC_QUIET_S:
+                # nothing to poll for (no async work recorded for a while): sleep to the next
+                # heartbeat; an async work recorded meanwhile wakes the thread at once
                 recorder.on_pending = self._wake.set  # before looking: one of the two sees it
                 if not recorder.pending and recorder.async_calls == calls:
-                    timeout = max(self.interval_s, last_status + self.heartbeat_s - clock())
-            async_seen = calls
+                    timeout = min(max(self.interval_s, last_status + self.heartbeat_s - clock()), MAX_SLEEP_S)
+                else:
+                    recorder.on_pending = None
             self.wakes += 1
             self._wake.wait(timeout)
             recorder.on_pending = None

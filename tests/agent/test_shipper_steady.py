@@ -249,3 +249,91 @@ def test_a_new_link_and_an_ending_rank_wake_the_sleeping_loop(tmp_path: Path, mo
             sock.close()
         sink.close()
     assert not loop.is_alive(), "the loop ends when stopped (the server's stop wakes it)"
+
+
+def test_a_rank_ending_during_a_read_is_let_go_only_after_a_read_that_follows(tmp_path: Path) -> None:
+    """A rank without Flight Recorder (no worker server) that says it is ending while the
+    shipper reads its ring gets no farewell from that tick (its RankEnd may have come after the
+    read), but from the next one, which its ENDING's wake makes, once the RankEnd is read."""
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    intake, sink = Counting(), RingSink(4096, rank=0)
+    shipper = Shipper(server, intake, "node-1", PsutilInspector(), heartbeat_s=3600.0)
+    sock = link.connect(server.path, {"job_id": "j", "rank": 0, "world_size": 2, "session": "s0"}, [sink.fd])
+    assert sock is not None
+    told: dict[str, Any] = {}
+    try:
+        wait_for(lambda: server.links(), 5, 0.02, "the link")
+        shipper.tick()
+        read = shipper._read
+
+        def read_then_end(state: Any) -> Any:
+            batch = read(state)  # the ring read; meanwhile the rank ends (Session.end)
+            if not told:
+                sink.put(r.RankEnd(0, r.EndKind.CLEAN_EXIT, 1.0, "exit"))
+                told["thread"] = threading.Thread(target=lambda: told.setdefault("farewell", link.farewell(sock, 10.0)))
+                told["thread"].start()
+                wait_for(lambda: state.link.ending_at is not None, 5, 0.001, "the rank's ENDING")
+            return batch
+
+        shipper._read = read_then_end  # type: ignore[method-assign]
+        server.changed.clear()
+        shipper.tick()
+        state = next(iter(shipper._ranks.values()))
+        assert not state.farewell, "let go though its RankEnd was written after the read"
+        assert server.changed.is_set(), "its ENDING wakes the loop for another tick"
+        shipper.tick()
+        told["thread"].join(10)
+        assert told.get("farewell") is True
+        assert any(isinstance(e, r.RankEnd) for e in intake.events[0]), "its RankEnd read before its farewell"
+    finally:
+        sock.close()
+        sink.close()
+        server.stop()
+
+
+def _counting_reads(shipper: Shipper) -> list[int]:
+    reads = [0]
+    read = shipper._read
+
+    def counted(state: Any) -> Any:
+        reads[0] += 1
+        return read(state)
+
+    shipper._read = counted  # type: ignore[method-assign]
+    return reads
+
+
+def test_a_steady_rank_that_writes_nothing_stays_steady(rig: Any) -> None:
+    """A steady rank between bursts of calls (a step's compute, evaluation) is read once a
+    period, not every tick; a call it then enters is read in the next period, and the rank is
+    read every tick while that call is under way."""
+    shipper, _intake, sink, clock = rig
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    reads = _counting_reads(shipper)
+    ticks = round(3 * STEADY_S / TICK_S)
+    _ticks(shipper, clock, ticks)
+    assert reads[0] <= 4, f"{reads[0]} reads in {ticks} ticks of a rank that wrote nothing"
+    sink.put(_call(next(ids), done=False))
+    _ticks(shipper, clock, round(STEADY_S / TICK_S) + 1)
+    assert shipper.next_tick_in() == TICK_S
+    reads[0] = 0
+    _ticks(shipper, clock, 3)
+    assert reads[0] == 3
+
+
+def test_a_rank_let_go_that_lives_on_is_read_once_a_period(rig: Any) -> None:
+    """A rank given its farewell whose process lives on (``destroy_process_group`` and then
+    more Python) is no longer read every tick."""
+    shipper, _intake, sink, clock = rig
+    (link_,) = shipper.server.links()
+    _ticks(shipper, clock, 1)
+    sink.put(r.RankEnd(0, r.EndKind.CLEAN_EXIT, 1.0, "exit"))
+    link_.ending_at = clock.now  # as the server marks it when the rank says so
+    _ticks(shipper, clock, 1)
+    assert shipper._ranks[id(link_)].farewell
+    reads = _counting_reads(shipper)
+    ticks = round(3 * STEADY_S / TICK_S)
+    _ticks(shipper, clock, ticks)
+    assert reads[0] <= 5, f"{reads[0]} reads in {ticks} ticks of a rank let go"

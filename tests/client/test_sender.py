@@ -28,9 +28,10 @@ import torch
 from hangwatch import records as r
 from hangwatch.agent.rings import RingServer
 from hangwatch.client import capture
+from hangwatch.client import sender as sender_mod
 from hangwatch.client import session as session_mod
 from hangwatch.client.ops import OPS_BY_NAME
-from hangwatch.client.sender import MAX_BACKOFF_S, MAX_BATCH, SEND_INTERVAL_S, Sender
+from hangwatch.client.sender import ASYNC_QUIET_S, MAX_BACKOFF_S, MAX_BATCH, SEND_INTERVAL_S, Sender
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, RingReader
 from hangwatch.testing import wait_for
@@ -566,9 +567,11 @@ def test_a_linked_sender_sleeps_to_its_heartbeat_and_an_async_work_wakes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Linked to a node agent (which reads the ring), with no async work to poll for, the
-    thread sleeps until its next heartbeat, not every ``interval_s``; an async work recorded
-    meanwhile wakes it at once, and its completion is polled for from then on."""
+    thread sleeps until its next heartbeat (``MAX_SLEEP_S`` at most), not every ``interval_s``; an
+    async work recorded meanwhile wakes it at once, and its completion is polled for from then
+    on."""
     monkeypatch.setenv("HANGWATCH_FLIGHT_RECORDER", "0")  # no worker server: nothing else to read
+    monkeypatch.setattr(sender_mod, "MAX_SLEEP_S", 3600.0)  # asleep, it would not look again for an hour
     server = RingServer(str(tmp_path / "agent.sock"))
     server.start()
     session = session_mod.Session(fakes.identity(0), "127.0.0.1:1", None, FakeC10d(0), str(tmp_path / "agent.sock"))
@@ -578,9 +581,12 @@ def test_a_linked_sender_sleeps_to_its_heartbeat_and_an_async_work_wakes_it(
         session.recorder.default_pg = session.recorder.c10d._get_default_group()
         sender.interval_s, sender.heartbeat_s = 0.02, 3600.0
         sender.start()
-        wait_for(lambda: sender.wakes >= 2, WAIT_S, 0.005, "the thread asleep")
+        time.sleep(ASYNC_QUIET_S + 0.2)  # no async work for ASYNC_QUIET_S: the thread sleeps long
+        woke = sender.wakes
         time.sleep(0.5)
-        assert sender.wakes <= 3, f"woke {sender.wakes} times in 0.5 s with nothing to poll (every 0.02 s: 25)"
+        assert sender.wakes - woke <= 1, (
+            f"woke {sender.wakes - woke} times in 0.5 s with nothing to poll (25 at 0.02 s)"
+        )
         work = FakeWork(done=False)
         rec = session.recorder
         raw, pg, before = rec.enter(OPS_BY_NAME["all_reduce"], {"tensor": torch.ones(1), "async_op": True})
