@@ -263,7 +263,14 @@ class Shipper:
                 self.tick()
             except Exception:  # every rank's shipping would stop with this thread
                 log.exception("shipping tick failed")
-            changed.wait(self.next_tick_in())
+            if changed.wait(self.next_tick_in()):
+                # woken by a link made, ending or closed: what comes with it goes in the same tick.
+                # A job stopped as a whole closes every link within moments, and the selector
+                # thread stamps each close as it sees it; a tick at the first close would take the
+                # GIL from it (reporting that rank gone) and spread the later stamps past
+                # ``ends.TOGETHER_S``: on a loaded machine, a false rank_died (the ticks every
+                # ``TICK_S`` before this loop slept left the selector that long, as this does)
+                stop.wait(TICK_S)
         self.close()
 
     def _new_rank(self, link: RankLink) -> _Rank:

@@ -8,6 +8,7 @@ with runs on); the shipper's monotonic clock is driven, so "a tick" is ``TICK_S`
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -337,3 +338,49 @@ def test_a_rank_let_go_that_lives_on_is_read_once_a_period(rig: Any) -> None:
     ticks = round(3 * STEADY_S / TICK_S)
     _ticks(shipper, clock, ticks)
     assert reads[0] <= 5, f"{reads[0]} reads in {ticks} ticks of a rank let go"
+
+
+def test_closes_that_come_together_are_stamped_before_any_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job stopped as a whole closes its links within moments: woken by the first close, the
+    loop waits a tick before reporting it, so the selector thread stamps the others undisturbed
+    (a rank reported gone at once took the GIL from it, spread the stamps, and a stop of the whole
+    job was told as one rank's death on a loaded machine). The tick is made a second long here."""
+    monkeypatch.setattr(shipper_module, "TICK_S", 1.0)
+
+    class Timed(Counting):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reported_at: list[float] = []
+
+        def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None:
+            self.reported_at.append(time.monotonic())
+            super().apply_process_statuses(host, statuses)
+
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    intake, stop = Timed(), threading.Event()
+    sinks = [RingSink(4096, rank=rank) for rank in (0, 1)]
+    shipper = Shipper(server, intake, "node-1", PsutilInspector(), heartbeat_s=3600.0)
+    socks = [
+        link.connect(server.path, {"job_id": "j", "rank": rank, "world_size": 2, "session": f"s{rank}"}, [sink.fd])
+        for rank, sink in enumerate(sinks)
+    ]
+    loop = threading.Thread(target=shipper.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        wait_for(lambda: len(intake.identities) == 2, 10, 0.01, "both ranks registered")
+        assert socks[0] is not None and socks[1] is not None
+        socks[0].close()
+        time.sleep(0.1)
+        socks[1].close()
+        second_closed = time.monotonic()
+        wait_for(lambda: len(intake.statuses) == 2, 10, 0.01, "both ranks reported gone")
+        assert intake.reported_at[0] >= second_closed, "a rank reported gone before the next close was stamped"
+    finally:
+        stop.set()
+        server.stop()
+        loop.join(5)
+        for sink in sinks:
+            sink.close()
