@@ -40,6 +40,19 @@ def wait_status(status: int) -> tuple[int | None, int | None]:
     return None, None
 
 
+def stat_fields(pid: int, proc_root: str = "/proc") -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command name (which may hold spaces and
+    parentheses): ``[0]`` is field 3 of proc(5), the state letter. OSError where it cannot be
+    read, ValueError where it is not a stat line."""
+    with open(f"{proc_root}/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rindex(b")") + 2 :].decode("ascii").split()
+
+
+#: Index in :func:`stat_fields` of the exit status word (field 52 of proc(5), Linux >= 3.5).
+EXIT_FIELD = 49
+
+
 def zombie_exit(pid: int) -> tuple[int | None, int | None]:
     """Exit code or signal of an unreaped process, from ``/proc/PID/stat`` (Linux >= 3.5).
 
@@ -47,10 +60,7 @@ def zombie_exit(pid: int) -> tuple[int | None, int | None]:
     ``waitpid`` it reaps nothing, so the real parent still gets the status.
     """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return wait_status(int(fields[49]))  # field 52 of proc(5); fields start at field 3
+        return wait_status(int(stat_fields(pid)[EXIT_FIELD]))
     except (OSError, ValueError, IndexError):
         return None, None
 
@@ -74,7 +84,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class PsutilInspector:
-    """:class:`ProcessInspector` from ``/proc/<pid>/stat`` (psutil where there is no such file).
+    """:class:`ProcessInspector` from ``/proc/<pid>/stat`` (psutil where it cannot be parsed).
 
     ``cpu_percent`` is measured between two calls for the same process (0.0 on the first), as
     psutil's ``cpu_percent(interval=None)``, so a status never blocks. A process is known by
@@ -98,10 +108,8 @@ class PsutilInspector:
     def status(self, pid: int) -> ProcessStatus:
         now = time.time()
         try:
-            with open(f"{self.proc_root}/{pid}/stat", "rb") as f:
-                stat = f.read()
-            fields = stat[stat.rindex(b")") + 2 :].split()
-            letter, ticks = fields[0].decode(), int(fields[19])
+            fields = stat_fields(pid, self.proc_root)
+            letter, ticks = fields[0], int(fields[19])
             cpu, threads, rss = int(fields[11]) + int(fields[12]), int(fields[17]), int(fields[21]) * _PAGE
         except (FileNotFoundError, ProcessLookupError):
             return self._dead(pid, now)
@@ -131,7 +139,7 @@ class PsutilInspector:
             self._known[pid] = (ticks, start, (cpu, mono))
         state = _LETTERS.get(letter, ProcState.UNKNOWN)
         if state is ProcState.ZOMBIE:
-            code, sig = wait_status(int(fields[49])) if len(fields) > 49 else (None, None)
+            code, sig = wait_status(int(fields[EXIT_FIELD])) if len(fields) > EXIT_FIELD else (None, None)
             with self._lock:
                 self._exits[pid] = (start, code, sig)
             return ProcessStatus(pid, state, now, start, exit_code=code, signal=sig)
@@ -189,11 +197,9 @@ def exit_when_gone(pid: int, wait_s: float = 0.02, proc_root: str = "/proc") -> 
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            with open(f"{proc_root}/{pid}/stat") as f:
-                stat = f.read()
-            fields = stat[stat.rindex(")") + 2 :].split()
+            fields = stat_fields(pid, proc_root)
             if fields[0] == "Z":
-                return wait_status(int(fields[49]))
+                return wait_status(int(fields[EXIT_FIELD]))
         except (OSError, ValueError, IndexError):
             return None, None  # reaped already (or never readable)
         if time.monotonic() >= deadline:

@@ -66,7 +66,7 @@ TICK_S = 0.05
 #: paid in up to 0.15 s more before a steady rank's records reach the coordinator, whose
 #: detectors tick every 0.25 s.
 STEADY_S = 0.2
-#: With no rank linked, the loop sleeps this long at most: a new link wakes it at once
+#: With no rank linked, the loop sleeps this long at most: a new link wakes it
 #: (``RingServer.changed``), so this only bounds how long a missed wake could last.
 IDLE_S = 1.0
 
@@ -200,18 +200,18 @@ class Shipper:
             if state is None:
                 state = self._ranks[id(link)] = self._new_rank(link)
             period = int(now // STEADY_S)  # one clock for all ranks: steady ones are read together
-            ended = link.ending_at is None or state.farewell  # an ending rank waits for its farewell
-            if state.steady_period == period and link.closed_at is None and ended:
+            waiting = link.ending_at is not None and not state.farewell  # an ending rank: its farewell
+            if state.steady_period == period and link.closed_at is None and not waiting:
                 continue  # steady: read in the next period
             try:
                 # steady as of its last read, or let go after its end (a process that lives on)
                 was_steady = state.steady_period is not None or state.farewell
-                position = state.link.reader.position
+                position = link.reader.position
                 state.encoder.steady = False
                 self._ship(state)
                 # a read that found nothing leaves the rank as it was: one between bursts of
                 # calls (a step's compute, evaluation) is not read every tick for nothing
-                still = was_steady and state.link.reader.position == position
+                still = was_steady and link.reader.position == position
                 # a call held back (under way as the ring was read) goes on the next tick: it may
                 # be one that never returns, or one of a mismatch the other ranks' records tell
                 steady = (
