@@ -43,9 +43,9 @@ import itertools
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple, overload
 
 from hangwatch import config
 
@@ -107,11 +107,64 @@ class Slot(NamedTuple):
         return self.stamp - 1
 
 
+class PackedSlots(Sequence[Slot]):
+    """Slots as the ring lays them out, in one bytes object (``data``: the C scan's copy), after
+    the slots of ``head`` (an entry held back from the batch before): a :class:`Slot` is made
+    only for a slot asked for. The C gatherer (``client/_fastpath.c`` ``gather_packed``) reads
+    ``data`` itself and makes a tuple only for a slot that travels alone or opens a run; most of
+    a steady rank's slots never become one. Indexing by a slice gives a list."""
+
+    __slots__ = ("data", "head", "n")
+
+    def __init__(self, data: bytes, head: Sequence[Slot] = (), n: int | None = None) -> None:
+        self.data = data
+        self.head: tuple[Slot, ...] = tuple(head)
+        #: slots of ``data`` taken (its first ``n``)
+        self.n = len(data) // SLOT_SIZE if n is None else n
+
+    def __len__(self) -> int:
+        return len(self.head) + self.n
+
+    def _at(self, i: int) -> Slot:
+        h = len(self.head)
+        return self.head[i] if i < h else Slot._make(SLOT.unpack_from(self.data, (i - h) * SLOT_SIZE))
+
+    @overload
+    def __getitem__(self, i: int) -> Slot: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Slot]: ...
+    def __getitem__(self, i: int | slice) -> Slot | list[Slot]:
+        if isinstance(i, slice):
+            return [self._at(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("slot index out of range")
+        return self._at(i)
+
+    def __iter__(self) -> Iterator[Slot]:
+        yield from self.head
+        if self.n:
+            yield from map(Slot._make, SLOT.iter_unpack(memoryview(self.data)[: self.n * SLOT_SIZE]))
+
+    def after(self, held: Sequence[Slot]) -> PackedSlots:
+        """These slots after ``held``."""
+        return PackedSlots(self.data, (*held, *self.head), self.n)
+
+    def but_last(self) -> PackedSlots:
+        """These slots but the last (there is one)."""
+        if self.n:
+            return PackedSlots(self.data, self.head, self.n - 1)
+        return PackedSlots(self.data, self.head[:-1], 0)
+
+
 @dataclass
 class Batch:
-    """What one :meth:`RingReader.poll` found: new slots and blobs, and what was lost."""
+    """What one :meth:`RingReader.poll` found: new slots and blobs, and what was lost. ``slots``
+    is a list, or the C scan's :class:`PackedSlots`."""
 
-    slots: list[Slot]
+    slots: Sequence[Slot]
     blobs: dict[int, bytes]
     lost: int  # slots overwritten before this reader got to them
 
@@ -222,7 +275,7 @@ def read_geometry(buf: bytes | mmap.mmap) -> Geometry:
     return Geometry(capacity, blob_bytes, pid, rank)
 
 
-_native_scan: Callable[..., tuple[list[Any], int, tuple[int, int] | None]] | None = None
+_native_scan: Callable[..., tuple[bytes, int, tuple[int, int] | None]] | None = None
 
 
 def _load_scan() -> None:
@@ -231,10 +284,10 @@ def _load_scan() -> None:
     global _native_scan
     if _native_scan is None:
         try:
-            from hangwatch.client._fastpath import scan
+            from hangwatch.client._fastpath import scan_packed
         except ImportError:  # pragma: no cover - depends on the install
             return
-        _native_scan = scan
+        _native_scan = scan_packed
 
 
 class RingReader:
@@ -349,14 +402,15 @@ class RingReader:
         return Batch(slots=out, blobs=blobs, lost=lost)
 
     def _poll_native(self, budget: int) -> Batch:
-        """``poll`` with its loop over slots in C (``client/_fastpath.c`` scan): the same slots."""
+        """``poll`` with its loop over slots in C (``client/_fastpath.c`` ``scan_packed``): the
+        same slots, as :class:`PackedSlots`."""
         assert _native_scan is not None
-        out: list[Slot] = []
+        data = b""
         lost = 0
         p = self.position
-        while len(out) < budget:
-            got, p, stopped = _native_scan(self.mm, HEADER_SIZE, self.capacity, p, budget - len(out), Slot)
-            out += got
+        while len(data) < budget * SLOT_SIZE:
+            got, p, stopped = _native_scan(self.mm, HEADER_SIZE, self.capacity, p, budget - len(data) // SLOT_SIZE)
+            data = data + got if data else got
             if stopped is None:
                 break  # the budget is spent
             if stopped[0] == stopped[1] and stopped[0] > p + 1:
@@ -368,7 +422,7 @@ class RingReader:
         self.lost += lost
         self.position = p
         blobs = self._new_blobs()  # after the slots, as ``poll`` says
-        return Batch(slots=out, blobs=blobs, lost=lost)
+        return Batch(slots=PackedSlots(data), blobs=blobs, lost=lost)
 
     def counts(self) -> tuple[int, int]:
         """(unread, lost): slots published and not read yet (at most the capacity), and slots

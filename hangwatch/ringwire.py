@@ -27,16 +27,18 @@ from hangwatch import catalogue, config, wire
 from hangwatch import records as r
 from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Batch, Kind, Slot
+from hangwatch.ring import Batch, Kind, PackedSlots, Slot
 from hangwatch.signatures import MAX_CYCLE, MAX_SIGNATURES, Columns
 
 _native_gather: Callable[..., tuple[list[Any], bool]] | None
 _native_cycles: Callable[..., list[Any]] | None
+_native_gather_packed: Callable[..., tuple[list[Any], bool]] | None
 try:  # the gatherer in C, where the extension was built at install (``client/_fastpath.c``)
     from hangwatch.client._fastpath import cycles as _native_cycles
     from hangwatch.client._fastpath import gather as _native_gather
+    from hangwatch.client._fastpath import gather_packed as _native_gather_packed
 except ImportError:  # pragma: no cover - depends on the install
-    _native_gather = _native_cycles = None
+    _native_gather = _native_cycles = _native_gather_packed = None
 
 TAG_CALL = b"C"
 TAG_EVENT = b"V"
@@ -494,7 +496,7 @@ class RingEncoder:
     def held_restore(self, mark: list[Slot]) -> None:
         self._held = list(mark)
 
-    def _hold(self, slots: list[Slot]) -> list[Slot]:
+    def _hold(self, slots: Sequence[Slot]) -> Sequence[Slot]:
         """``slots``, the entry held back from the last batch first, and this batch's last slot
         held back when it is the entry of a call that may join a run and has not returned: a
         steady loop's call in flight as the ring was read, whose exit the next read brings. Sent
@@ -508,7 +510,7 @@ class RingEncoder:
             self._held = []
             if not slots:
                 return held  # nothing since: it is under way still
-            slots = held + slots
+            slots = slots.after(held) if type(slots) is PackedSlots else [*held, *slots]
         if self.hold and len(slots) > 1:
             last = slots[-1]
             if (
@@ -518,10 +520,10 @@ class RingEncoder:
                 and self._run_ok.get(last.ref)
             ):
                 self._held = [last]
-                return slots[:-1]
+                return slots.but_last() if type(slots) is PackedSlots else slots[:-1]
         return slots
 
-    def _gather(self, slots: list[Slot]) -> Sequence[Slot | _Run]:
+    def _gather(self, slots: Sequence[Slot]) -> Sequence[Slot | _Run]:
         """``slots`` with each stretch of calls alike (``_Run``: two or more, each an ENTER and its
         EXIT right after it, of a signature that may travel as runs and that a call handed over
         alone has shown already, ids and seqs one apart, one step, returned without error having
@@ -533,6 +535,14 @@ class RingEncoder:
             return slots
         cycles = self.send_cycles and len(slots) >= 4 * CYCLE_MIN
         shown = set(self._whole) if cycles else set()  # before the gatherer adds this batch's firsts
+        if _native_gather_packed is not None and self.native and type(slots) is PackedSlots:
+            # from the scan's bytes: a tuple only for a slot that goes alone or opens a run
+            items, self.steady = _native_gather_packed(
+                list(slots.head), slots.data, slots.n, self._whole, self._run_ok, self._known, RUN_MIN, Slot,
+                (shown, self._lanes, CYCLE_MIN, MAX_CYCLE) if cycles else None,
+            )  # fmt: skip
+            return [_Run.of(*x) if type(x) is tuple else x for x in items]  # a Slot is a tuple's subclass
+        slots = list(slots)
         if _native_gather is not None and _native_cycles is not None and self.native:
             items, self.steady = _native_gather(slots, self._whole, self._run_ok, self._known, RUN_MIN)
             if cycles:

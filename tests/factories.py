@@ -221,7 +221,7 @@ class SimJob:
         and this simulator's caches (as an engine would pass them)."""
         return Context(
             now=now,
-            stuck_after=stuck_after,
+            stuck_after_s=stuck_after,
             silence_after=silence_after,
             changes=self.job.take_changes(),
             cache=self.cache,

@@ -235,7 +235,7 @@ def test_the_scan_in_c_reads_what_the_python_loop_reads(
             w.pack_slot(w.mm, HEADER_SIZE + (h % capacity) * SLOT_SIZE, h + 1, Kind.ENTER, 0, 1, 7, written,
                         written * 2, written // 10, 0, float(written), 0)  # fmt: skip
         a, b = native.poll(limit), python.poll(limit)
-        assert (a.slots, a.lost, a.blobs) == (b.slots, b.lost, b.blobs)
+        assert (list(a.slots), a.lost, a.blobs) == (b.slots, b.lost, b.blobs)
         assert (native.position, native.lost, native.blob_position) == (
             python.position,
             python.lost,

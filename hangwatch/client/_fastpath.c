@@ -941,6 +941,517 @@ fail:
     return NULL;
 }
 
+/* ---- packed slots: a read's slots as one bytes object, gathered without a tuple per slot -----
+ *
+ * ``scan`` makes an 11-tuple (and five numbers) per slot, and most of them are gone again a
+ * moment later, folded into a run's list of times: at 1,000 calls a second a steady rank's read
+ * cost the embedded agent about 0.35 us a slot on this VM's cold caches, a third of its cost per
+ * read (``bench/ring_to_state.py``). ``scan_packed`` copies the published slots out as they lie
+ * (one bytes object, stamps checked as ``scan`` checks them); ``gather_packed`` gathers runs,
+ * and cycles where asked, straight from those bytes, and makes a slot's tuple only where the
+ * slot travels alone or opens a run. Items and steadiness are ``gather``'s then ``cycles``'
+ * (``tests/test_ringwire.py`` plays the three on the same batches). */
+
+/* scan_packed(mm, header, capacity, position, budget) -> (data, position, stopped): ``scan``
+ * with the slots as one bytes object (SLOT_SIZE bytes each, as the ring lays them out). */
+static PyObject *scan_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "scan_packed(mm, header, capacity, position, budget)");
+        return NULL;
+    }
+    Py_ssize_t header = PyLong_AsSsize_t(args[1]);
+    long long capacity = PyLong_AsLongLong(args[2]);
+    long long p = PyLong_AsLongLong(args[3]);
+    Py_ssize_t budget = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (capacity <= 0 || p < 0 || header < 0 || budget < 0) {
+        PyErr_SetString(PyExc_ValueError, "scan_packed: bad ring geometry");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (capacity > (PY_SSIZE_T_MAX - header) / (Py_ssize_t)sizeof(slot_t) ||
+        (Py_ssize_t)header + (Py_ssize_t)capacity * (Py_ssize_t)sizeof(slot_t) > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "scan_packed: the ring is larger than its mapping");
+        return NULL;
+    }
+    const char *base = (const char *)view.buf + header;
+    Py_ssize_t room = budget < 256 ? budget : 256, n = 0;
+    slot_t *buf = PyMem_Malloc(sizeof(slot_t) * (size_t)(room > 0 ? room : 1));
+    PyObject *stopped = NULL, *data = NULL;
+    if (buf == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    while (n < budget) {
+        if (n == room) {
+            Py_ssize_t more = room * 2 < budget ? room * 2 : budget;
+            slot_t *bigger = PyMem_Realloc(buf, sizeof(slot_t) * (size_t)more);
+            if (bigger == NULL) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            buf = bigger;
+            room = more;
+        }
+        slot_t *s = &buf[n];
+        memcpy(s, base + (Py_ssize_t)(p % capacity) * (Py_ssize_t)sizeof(slot_t), sizeof(slot_t));
+        if (s->stamp != (uint64_t)p + 1 || s->stamp_end != (uint64_t)p + 1) {
+            stopped = Py_BuildValue("(KK)", (unsigned long long)s->stamp, (unsigned long long)s->stamp_end);
+            if (stopped == NULL) goto fail;
+            break;
+        }
+        n++;
+        p++;
+    }
+    data = PyBytes_FromStringAndSize((const char *)buf, n * (Py_ssize_t)sizeof(slot_t));
+    if (data == NULL) goto fail;
+    PyMem_Free(buf);
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(NLN)", data, p, stopped != NULL ? stopped : Py_NewRef(Py_None));
+fail:
+    PyMem_Free(buf);
+    PyBuffer_Release(&view);
+    Py_XDECREF(stopped);
+    return NULL;
+}
+
+/* What ``gather_packed`` works on: the batch's slots as structs, each one's tuple where it has
+ * one (a slot held back from the last batch) or once one was made (``g_slot``). */
+typedef struct {
+    slot_t *s;
+    PyObject **obj; /* owned references, NULL until made */
+    Py_ssize_t n;
+    PyTypeObject *slot_type;
+    /* the refs' numbers met so far (a batch names few signatures): owned references */
+    unsigned long ref_key[16];
+    PyObject *ref_obj[16];
+    int refs;
+} gsrc_t;
+
+#define G_SLOT 0
+#define G_RUN 1
+#define G_CYCLE 2
+
+typedef struct {
+    int type;
+    Py_ssize_t i; /* the slot (G_SLOT), or the first call's ENTER slot (runs, cycles) */
+    Py_ssize_t k; /* calls (runs, cycles) */
+    Py_ssize_t p; /* a cycle's period */
+} gitem_t;
+
+typedef struct {
+    gitem_t *items;
+    Py_ssize_t n, room;
+} gitems_t;
+
+static int gitems_add(gitems_t *out, int type, Py_ssize_t i, Py_ssize_t k, Py_ssize_t p) {
+    if (out->n == out->room) {
+        Py_ssize_t more = out->room ? out->room * 2 : 64;
+        gitem_t *bigger = PyMem_Realloc(out->items, sizeof(gitem_t) * (size_t)more);
+        if (bigger == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        out->items = bigger;
+        out->room = more;
+    }
+    out->items[out->n++] = (gitem_t){type, i, k, p};
+    return 0;
+}
+
+/* A ref's number as a Python int (a new reference); NULL with an exception on failure. */
+static PyObject *g_ref(gsrc_t *src, unsigned long ref) {
+    for (int j = 0; j < src->refs; j++)
+        if (src->ref_key[j] == ref) return Py_NewRef(src->ref_obj[j]);
+    PyObject *o = PyLong_FromUnsignedLong(ref);
+    if (o != NULL && src->refs < 16) {
+        src->ref_key[src->refs] = ref;
+        src->ref_obj[src->refs++] = Py_NewRef(o);
+    }
+    return o;
+}
+
+/* Slot ``i``'s tuple (borrowed: ``src`` holds it); NULL with an exception on failure. */
+static PyObject *g_slot(gsrc_t *src, Py_ssize_t i) {
+    if (src->obj[i] != NULL) return src->obj[i];
+    const slot_t *s = &src->s[i];
+    PyObject *o = src->slot_type->tp_alloc(src->slot_type, 11);
+    if (o == NULL) return NULL;
+    PyObject *v[11] = {
+        PyLong_FromUnsignedLongLong(s->stamp), PyLong_FromUnsignedLong(s->kind),
+        PyLong_FromUnsignedLong(s->flags),     PyLong_FromUnsignedLong(s->aux),
+        g_ref(src, s->ref),                    PyLong_FromUnsignedLong(s->call_id),
+        PyLong_FromUnsignedLong(s->seq),       PyLong_FromUnsignedLong(s->step),
+        PyLong_FromUnsignedLong(s->arg),       PyFloat_FromDouble(s->time),
+        PyLong_FromUnsignedLongLong(s->stamp_end),
+    };
+    int bad = 0;
+    for (int j = 0; j < 11; j++) {
+        if (v[j] == NULL) bad = 1;
+        PyTuple_SET_ITEM(o, j, v[j]);
+    }
+    if (bad) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    PyObject_GC_UnTrack(o); /* numbers only, as ``scan``'s */
+    src->obj[i] = o;
+    return o;
+}
+
+/* A Slot tuple (held back from the last batch) as a struct; -1 with an exception on failure. */
+static int g_from_tuple(PyObject *t, slot_t *s) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 11) {
+        PyErr_SetString(PyExc_TypeError, "gather_packed: a held slot is not an 11-tuple");
+        return -1;
+    }
+    unsigned long long v[11];
+    for (int j = 0; j < 11; j++) {
+        if (j == F_TIME) continue;
+        v[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, j));
+        if (v[j] == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    }
+    double time = PyFloat_AsDouble(PyTuple_GET_ITEM(t, F_TIME));
+    if (time == -1.0 && PyErr_Occurred()) return -1;
+    s->stamp = v[0];
+    s->kind = (uint8_t)v[F_KIND];
+    s->flags = (uint8_t)v[F_FLAGS];
+    s->aux = (uint16_t)v[F_AUX];
+    s->ref = (uint32_t)v[F_REF];
+    s->call_id = (uint32_t)v[F_CALL];
+    s->seq = (uint32_t)v[F_SEQ];
+    s->step = (uint32_t)v[F_STEP];
+    s->arg = (uint32_t)v[8];
+    s->time = time;
+    s->stamp_end = v[10];
+    return 0;
+}
+
+/* ``ok[ref]`` is true: 1, 0, -1 on failure. */
+static int g_ok(gsrc_t *src, PyObject *ok, unsigned long ref) {
+    PyObject *key = g_ref(src, ref);
+    if (key == NULL) return -1;
+    PyObject *may = PyDict_GetItemWithError(ok, key);
+    Py_DECREF(key);
+    if (may == NULL) return PyErr_Occurred() ? -1 : 0;
+    return PyObject_IsTrue(may);
+}
+
+static int g_in(gsrc_t *src, PyObject *set, unsigned long ref) {
+    PyObject *key = g_ref(src, ref);
+    if (key == NULL) return -1;
+    int in = PySet_Contains(set, key);
+    Py_DECREF(key);
+    return in;
+}
+
+/* ``settled`` on structs. */
+static int g_settled(const slot_t *s, const slot_t *after) {
+    if (s->kind == KIND_ENTER)
+        return after != NULL && !(s->flags & 1) && after->kind == KIND_EXIT && after->call_id == s->call_id &&
+               after->ref == 0;
+    if (s->kind == KIND_EXIT) return s->ref == 0;
+    return s->kind == 3;
+}
+
+/* ``gather``'s loop on structs: runs and lone slots into ``out``; the batch's steadiness. */
+static int g_gather(gsrc_t *src, PyObject *whole, PyObject *ok, PyObject *known, Py_ssize_t run_min, gitems_t *out,
+                    int *steady_out) {
+    const slot_t *S = src->s;
+    Py_ssize_t n = src->n, i = 0, run_i = -1, run_k = 0;
+    int steady = n > 0;
+#define FLUSH()                                                                       \
+    do {                                                                              \
+        if (run_i >= 0) {                                                             \
+            if (run_k >= run_min) {                                                   \
+                if (gitems_add(out, G_RUN, run_i, run_k, 0) < 0) return -1;           \
+            } else {                                                                  \
+                for (Py_ssize_t q = 0; q < 2 * run_k; q++)                            \
+                    if (gitems_add(out, G_SLOT, run_i + q, 0, 0) < 0) return -1;      \
+            }                                                                         \
+            run_i = -1;                                                               \
+            run_k = 0;                                                                \
+        }                                                                             \
+    } while (0)
+    while (i < n) {
+        const slot_t *s = &S[i];
+        if (s->kind == KIND_ENTER && i + 1 < n && !(s->flags & 1)) {
+            int in_whole = g_in(src, whole, s->ref);
+            if (in_whole < 0) return -1;
+            if (!in_whole) { /* a signature not shown before: it travels alone */
+                steady = 0;
+                PyObject *key = g_ref(src, s->ref);
+                if (key == NULL) return -1;
+                PyObject *r = PyObject_CallOneArg(known, key);
+                if (r == NULL) {
+                    Py_DECREF(key);
+                    return -1;
+                }
+                Py_DECREF(r);
+                int t = g_ok(src, ok, s->ref);
+                if (t < 0 || (t && PySet_Add(whole, key) < 0)) {
+                    Py_DECREF(key);
+                    return -1;
+                }
+                Py_DECREF(key);
+                FLUSH();
+                if (gitems_add(out, G_SLOT, i, 0, 0) < 0) return -1;
+                i += 1;
+                continue;
+            }
+            int t = g_ok(src, ok, s->ref);
+            if (t < 0) return -1;
+            const slot_t *x = &S[i + 1];
+            if (t && x->kind == KIND_EXIT && x->call_id == s->call_id && x->ref == 0 && x->aux <= 1) {
+                const slot_t *r0 = run_i >= 0 ? &S[run_i] : NULL;
+                int follows = r0 != NULL && s->ref == r0->ref &&
+                              s->call_id == (uint32_t)(r0->call_id + (uint32_t)run_k) &&
+                              s->seq == (uint32_t)(r0->seq + (uint32_t)run_k) && s->step == r0->step;
+                if (!follows) {
+                    FLUSH();
+                    run_i = i;
+                }
+                run_k++;
+                i += 2;
+                continue;
+            }
+        }
+        FLUSH();
+        if (steady && !g_settled(s, i + 1 < n ? &S[i + 1] : NULL)) steady = 0;
+        if (gitems_add(out, G_SLOT, i, 0, 0) < 0) return -1;
+        i += 1;
+    }
+    FLUSH();
+#undef FLUSH
+    *steady_out = steady;
+    return 0;
+}
+
+/* ``cycle_fit`` on structs: the lone slots ``s`` and ``x`` make a call fit for a cycle. */
+static int g_cycle_fit(gsrc_t *src, const gitem_t *a, const gitem_t *b, PyObject *shown, PyObject *ok) {
+    if (a->type != G_SLOT || b->type != G_SLOT) return 0;
+    const slot_t *s = &src->s[a->i], *x = &src->s[b->i];
+    if (s->kind != KIND_ENTER || (s->flags & 1)) return 0;
+    int in = g_in(src, shown, s->ref);
+    if (in <= 0) return in;
+    int t = g_ok(src, ok, s->ref);
+    if (t <= 0) return t;
+    return x->kind == KIND_EXIT && x->call_id == s->call_id && x->ref == 0 && x->aux <= 1;
+}
+
+static int g_cycle_follows(gsrc_t *src, const slot_t *s, const slot_t *before, PyObject *lanes) {
+    if (s->call_id != (uint32_t)(before->call_id + 1) || s->seq != (uint32_t)(before->seq + 1) ||
+        s->step != before->step)
+        return 0;
+    PyObject *ka = g_ref(src, s->ref), *kb = ka == NULL ? NULL : g_ref(src, before->ref);
+    if (kb == NULL) {
+        Py_XDECREF(ka);
+        return -1;
+    }
+    PyObject *a = PyDict_GetItemWithError(lanes, ka);
+    PyObject *b = a == NULL && PyErr_Occurred() ? NULL : PyDict_GetItemWithError(lanes, kb);
+    Py_DECREF(ka);
+    Py_DECREF(kb);
+    if (PyErr_Occurred()) return -1;
+    if (a == NULL || b == NULL) return a == b;
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* ``cycles_in`` on structs: the ``m`` calls from slot ``first`` (two slots each) into ``out``. */
+static int g_cycles_in(gsrc_t *src, Py_ssize_t first, Py_ssize_t m, gitems_t *out, Py_ssize_t cycle_min,
+                       Py_ssize_t max_cycle) {
+    const slot_t *S = src->s;
+#define REF(q) (S[first + 2 * (q)].ref)
+    Py_ssize_t i = 0;
+    while (i < m) {
+        Py_ssize_t best_p = 0, best_len = 0;
+        for (Py_ssize_t p = 2; p <= max_cycle; p++) {
+            if (i + cycle_min * p > m) break;
+            Py_ssize_t length = p;
+            while (i + length < m && REF(i + length) == REF(i + length - p)) length++;
+            int varied = 0;
+            for (Py_ssize_t q = i + 1; q < i + p; q++)
+                if (REF(q) != REF(i)) varied = 1;
+            if (length >= cycle_min * p && length > best_len && varied) {
+                best_p = p;
+                best_len = length;
+            }
+        }
+        if (!best_p) {
+            if (gitems_add(out, G_SLOT, first + 2 * i, 0, 0) < 0 || gitems_add(out, G_SLOT, first + 2 * i + 1, 0, 0) < 0)
+                return -1;
+            i++;
+            continue;
+        }
+        if (gitems_add(out, G_CYCLE, first + 2 * i, best_len, best_p) < 0) return -1;
+        i += best_len;
+    }
+#undef REF
+    return 0;
+}
+
+/* ``cycles``' loop on the gathered items. */
+static int g_cycles(gsrc_t *src, const gitems_t *in, PyObject *shown, PyObject *ok, PyObject *lanes,
+                    Py_ssize_t cycle_min, Py_ssize_t max_cycle, gitems_t *out) {
+    const gitem_t *items = in->items;
+    Py_ssize_t n = in->n, i = 0;
+    while (i < n) {
+        Py_ssize_t j = i;
+        while (j + 1 < n) {
+            int fit = g_cycle_fit(src, &items[j], &items[j + 1], shown, ok);
+            if (fit < 0) return -1;
+            if (!fit) break;
+            if (j > i) {
+                int f = g_cycle_follows(src, &src->s[items[j].i], &src->s[items[j - 2].i], lanes);
+                if (f < 0) return -1;
+                if (!f) break;
+            }
+            j += 2;
+        }
+        if (j - i < 4 * cycle_min) {
+            const gitem_t *item = &items[i];
+            if (item->type == G_SLOT && src->s[item->i].kind == KIND_ENTER) {
+                PyObject *key = g_ref(src, src->s[item->i].ref);
+                if (key == NULL) return -1;
+                int rc = PySet_Add(shown, key);
+                Py_DECREF(key);
+                if (rc < 0) return -1;
+            }
+            if (gitems_add(out, item->type, item->i, item->k, item->p) < 0) return -1;
+            i++;
+            continue;
+        }
+        if (g_cycles_in(src, items[i].i, (j - i) / 2, out, cycle_min, max_cycle) < 0) return -1;
+        i = j;
+    }
+    return 0;
+}
+
+/* The items as ``gather`` and ``cycles`` hand them out; NULL with an exception on failure. */
+static PyObject *g_items(gsrc_t *src, const gitems_t *items) {
+    PyObject *out = PyList_New(items->n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t j = 0; j < items->n; j++) {
+        const gitem_t *it = &items->items[j];
+        PyObject *o = NULL;
+        if (it->type == G_SLOT) {
+            o = g_slot(src, it->i);
+            Py_XINCREF(o);
+        } else {
+            PyObject *enter = g_slot(src, it->i), *exit_ = enter == NULL ? NULL : g_slot(src, it->i + 1);
+            PyObject *enters = PyList_New(it->k), *exits = PyList_New(it->k), *refs = NULL;
+            if (exit_ == NULL || enters == NULL || exits == NULL) goto item_fail;
+            for (Py_ssize_t q = 0; q < it->k; q++) {
+                PyObject *a = PyFloat_FromDouble(src->s[it->i + 2 * q].time);
+                PyObject *b = PyFloat_FromDouble(src->s[it->i + 2 * q + 1].time);
+                PyList_SET_ITEM(enters, q, a); /* a NULL item is cleared with the list */
+                PyList_SET_ITEM(exits, q, b);
+                if (a == NULL || b == NULL) goto item_fail;
+            }
+            if (it->type == G_RUN) {
+                o = PyTuple_Pack(4, enter, exit_, enters, exits);
+            } else {
+                refs = PyTuple_New(it->p);
+                if (refs == NULL) goto item_fail;
+                for (Py_ssize_t q = 0; q < it->p; q++) {
+                    PyObject *r = g_ref(src, src->s[it->i + 2 * q].ref);
+                    if (r == NULL) goto item_fail;
+                    PyTuple_SET_ITEM(refs, q, r);
+                }
+                o = PyTuple_Pack(5, enter, exit_, enters, exits, refs);
+            }
+        item_fail:
+            Py_XDECREF(enters);
+            Py_XDECREF(exits);
+            Py_XDECREF(refs);
+        }
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j, o);
+    }
+    return out;
+}
+
+/* gather_packed(head, data, n, whole, ok, known, run_min, slot_type, cycles) -> (items, steady):
+ * ``gather`` on the slots of ``head`` (a list of slot tuples: the entry held back from the last
+ * batch) then the first ``n`` of ``data`` (``scan_packed``'s bytes), and with ``cycles`` (None,
+ * or (shown, lanes, cycle_min, max_cycle)) ``cycles`` on its items: the same items, with a tuple
+ * made only for a slot that travels alone or opens a run or cycle. */
+static PyObject *gather_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "gather_packed(head, data, n, whole, ok, known, run_min, slot_type, cycles)");
+        return NULL;
+    }
+    PyObject *head = args[0], *whole = args[3], *ok = args[4], *known = args[5], *cyc = args[8];
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]), run_min = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *shown = NULL, *lanes = NULL;
+    Py_ssize_t cycle_min = 0, max_cycle = 0;
+    if (cyc != Py_None) {
+        if (!PyArg_ParseTuple(cyc, "O!O!nn", &PySet_Type, &shown, &PyDict_Type, &lanes, &cycle_min, &max_cycle))
+            return NULL;
+        if (cycle_min < 1) {
+            PyErr_SetString(PyExc_ValueError, "gather_packed: cycle_min < 1");
+            return NULL;
+        }
+    }
+    if (!PyList_Check(head) || !PySet_Check(whole) || !PyDict_Check(ok) || !PyType_Check(args[7]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[7], &PyTuple_Type) || run_min < 1) {
+        PyErr_SetString(PyExc_TypeError, "gather_packed: head must be a list, whole a set, ok a dict");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (n < 0 || n > view.len / (Py_ssize_t)sizeof(slot_t)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "gather_packed: n is past the data's end");
+        return NULL;
+    }
+    Py_ssize_t h = PyList_GET_SIZE(head), m = h + n;
+    gsrc_t src = {0};
+    gitems_t gathered = {0}, cycled = {0};
+    PyObject *items = NULL;
+    int steady = 0;
+    src.n = m;
+    src.slot_type = (PyTypeObject *)args[7];
+    src.s = PyMem_Malloc(sizeof(slot_t) * (size_t)(m > 0 ? m : 1));
+    src.obj = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(PyObject *));
+    if (src.s == NULL || src.obj == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < h; j++) { /* the list may change under ``known``: taken now */
+        PyObject *t = PyList_GET_ITEM(head, j);
+        if (g_from_tuple(t, &src.s[j]) < 0) goto done;
+        src.obj[j] = Py_NewRef(t);
+    }
+    if (n > 0) memcpy(src.s + h, view.buf, sizeof(slot_t) * (size_t)n);
+    PyBuffer_Release(&view);
+    view.obj = NULL;
+    if (g_gather(&src, whole, ok, known, run_min, &gathered, &steady) < 0) goto done;
+    if (shown != NULL) {
+        if (g_cycles(&src, &gathered, shown, ok, lanes, cycle_min, max_cycle, &cycled) < 0) goto done;
+        items = g_items(&src, &cycled);
+    } else {
+        items = g_items(&src, &gathered);
+    }
+done:
+    if (view.obj != NULL) PyBuffer_Release(&view);
+    if (src.obj != NULL)
+        for (Py_ssize_t j = 0; j < m; j++) Py_XDECREF(src.obj[j]);
+    for (int j = 0; j < src.refs; j++) Py_DECREF(src.ref_obj[j]);
+    PyMem_Free(src.obj);
+    PyMem_Free(src.s);
+    PyMem_Free(gathered.items);
+    PyMem_Free(cycled.items);
+    if (items == NULL) return NULL;
+    return Py_BuildValue("(NO)", items, steady ? Py_True : Py_False);
+}
+
 static PyObject *general_entered(PyObject *module, PyObject *unused) {
     general_inside++;
     Py_RETURN_NONE;
@@ -965,6 +1476,10 @@ static PyMethodDef module_methods[] = {
      "gather(slots, whole, ok, known, run_min) -> (items, steady): RingEncoder._gather in C."},
     {"cycles", (PyCFunction)(void (*)(void))cycles, METH_FASTCALL,
      "cycles(items, shown, ok, lanes, cycle_min, max_cycle) -> items: RingEncoder._cycled in C."},
+    {"scan_packed", (PyCFunction)(void (*)(void))scan_packed, METH_FASTCALL,
+     "scan_packed(mm, header, capacity, position, budget) -> (data, position, stopped)."},
+    {"gather_packed", (PyCFunction)(void (*)(void))gather_packed, METH_FASTCALL,
+     "gather_packed(head, data, n, whole, ok, known, run_min, slot_type, cycles) -> (items, steady)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,6 +27,26 @@ def scan(
     """``RingReader.poll``'s loop over slots in C: the slots, the next position, and the stamps
     of the slot that stopped the scan (None: the budget did)."""
 
+def scan_packed(
+    mm: Any, header: int, capacity: int, position: int, budget: int, /
+) -> tuple[bytes, int, tuple[int, int] | None]:
+    """``scan`` with the slots as they lie in the ring, one bytes object (``SLOT_SIZE`` each)."""
+
+def gather_packed(
+    head: list[Any],
+    data: bytes,
+    n: int,
+    whole: set[int],
+    ok: dict[int, bool],
+    known: Callable[[int], None],
+    run_min: int,
+    slot_type: type[Any],
+    cycles: tuple[set[int], dict[int, Any], int, int] | None,
+    /,
+) -> tuple[list[Any], bool]:
+    """``gather`` (then ``cycles``, where asked) on ``head``'s slots and the first ``n`` of
+    ``data`` (``scan_packed``'s): the same items, a slot's tuple made only where it is one."""
+
 def general_inside() -> int:
     """Threads inside a call the Python wrapper records, now."""
 

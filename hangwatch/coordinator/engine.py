@@ -154,7 +154,7 @@ class Engine:
             cache = self.caches[job.run] = new_cache()
         ctx = Context(
             now=now,
-            stuck_after=self.stuck_threshold(job),
+            stuck_after_s=lambda: self.stuck_threshold(job),
             silence_after=self.silence_after,
             claimed=claimed,
             mismatched=mismatched,

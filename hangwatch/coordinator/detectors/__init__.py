@@ -54,7 +54,10 @@ def new_cache() -> DetectorCache:
 @dataclass
 class Context:
     now: float
-    stuck_after: float  # seconds a collective may wait before it is a hang
+    #: seconds a collective may wait before it is a hang, or how to work them out: a job's
+    #: adaptive threshold sorts its recent waits (70 us a tick, cold), and most ticks have no
+    #: collective open long enough to ask (``stuck_after``)
+    stuck_after_s: float | Callable[[], float]
     silence_after: float  # seconds without a heartbeat before a live rank is frozen
     claimed: set[SlotId] = field(default_factory=set)  # slots already explained by an incident
     mismatched: set[SlotId] = field(default_factory=set)  # slots where ranks called different things
@@ -63,6 +66,14 @@ class Context:
     hangs: dict[int, str] = field(default_factory=dict)
     changes: Changes = field(default_factory=Changes)  # what changed since the last tick
     cache: DetectorCache = field(default_factory=new_cache)  # the engine's; fresh: recompute all
+
+    @property
+    def stuck_after(self) -> float:
+        """Seconds a collective may wait before it is a hang (worked out on first use)."""
+        value = self.stuck_after_s
+        if callable(value):
+            value = self.stuck_after_s = value()
+        return value
 
 
 Detector = Callable[[JobState, Context], list[Finding]]
