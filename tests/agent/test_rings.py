@@ -157,3 +157,36 @@ def test_a_live_agents_socket_is_not_taken_over_and_a_stale_one_is(agent: Agent,
     second = RingServer(str(stale))
     second.start()
     second.stop()
+
+
+def _wakeups(tid: int) -> int:
+    """Times thread ``tid`` of this process went to sleep of its own accord so far."""
+    for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches")
+
+
+def test_the_selector_sleeps_until_a_link_or_stop_wakes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no rank, the selector thread does not wake to look for a stop (it woke 5 times a
+    second); ``stop`` wakes it at once however long its wait, and a rank linking still does."""
+    from hangwatch.agent import rings
+
+    monkeypatch.setattr(rings, "SELECT_S", 3600.0)
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    assert server._thread is not None and server._thread.native_id is not None
+    tid = server._thread.native_id
+    time.sleep(0.2)
+    before = _wakeups(tid)
+    time.sleep(1.0)
+    assert _wakeups(tid) - before <= 1
+    w = RingWriter(capacity=64, blob_bytes=256, rank=0)
+    sock = link.connect(server.path, {"rank": 0}, [w.fd])
+    assert sock is not None  # accepted, and acknowledged, by the sleeping selector
+    assert server.changed.wait(5.0) and len(server.links()) == 1
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 1.5 and not server._thread.is_alive()
+    sock.close()
+    w.close()
