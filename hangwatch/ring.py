@@ -424,6 +424,34 @@ class RingReader:
         blobs = self._new_blobs()  # after the slots, as ``poll`` says
         return Batch(slots=PackedSlots(data), blobs=blobs, lost=lost)
 
+    def _published(self, p: int) -> bool:
+        at = HEADER_SIZE + (p % self.capacity) * SLOT_SIZE
+        stamp: int = _U64.unpack_from(self.mm, at)[0]
+        end: int = _U64.unpack_from(self.mm, at + SLOT_SIZE - 8)[0]
+        return stamp == end == p + 1
+
+    def peek(self, since: int = 0) -> int:
+        """Where the published slots end now (the position after the newest), looked up from
+        ``since`` (or this reader's position, if later) by a binary search of the stamps: a
+        few slots' stamps read, nothing copied and nothing consumed. -1 where the writer has
+        lapped the position it starts from. A guess while the writer writes (two threads'
+        slots may be published out of order): for when to read, not for what was written."""
+        lo = max(since, self.position)
+        if not self._published(lo):
+            return -1 if self._u64(HEADER_SIZE + (lo % self.capacity) * SLOT_SIZE) > lo + 1 else lo
+        hi = lo + self.capacity  # the same slot as ``lo``'s: not published at ``hi``
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._published(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1
+
+    def slot_at(self, position: int) -> Slot:
+        """The slot at ``position`` as it lies now, whatever its stamps say (see ``peek``)."""
+        return self._read(position)
+
     def counts(self) -> tuple[int, int]:
         """(unread, lost): slots published and not read yet (at most the capacity), and slots
         lost so far, those overwritten before this reader got to them included. A scan."""

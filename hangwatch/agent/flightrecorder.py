@@ -428,6 +428,12 @@ class RingFetcher:
             fetched, watched.latest = watched.latest, None
             return fetched
 
+    def has_new(self, key: int) -> bool:
+        """Whether a read of ``key`` waits to be taken."""
+        with self._lock:
+            watched = self._watched.get(key)
+            return watched is not None and watched.latest is not None
+
     def fetch_now(self, key: int, timeout_s: float = 0.5) -> Fetched | None:
         """Read ``key``'s rings now, on the caller's thread (a rank that is ending waits for it)."""
         with self._lock:

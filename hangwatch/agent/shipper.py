@@ -46,7 +46,7 @@ from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
 from hangwatch.flight_entries import EntryTracker, PythonAccounts
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Batch
+from hangwatch.ring import Batch, Kind
 from hangwatch.ringwire import RingEncoder
 
 log = logging.getLogger("hangwatch.agent")
@@ -55,17 +55,25 @@ log = logging.getLogger("hangwatch.agent")
 MAX_SLOTS = 8000
 #: How often the shipper looks at its ranks' rings.
 TICK_S = 0.05
-#: How often it reads the ring of a rank in a steady state: whose last batch held only calls of
-#: signatures shown before, each returned without error (``RingEncoder.steady``), and no call
+#: How often it looks at the ring of a rank in a steady state: whose last batch held only calls
+#: of signatures shown before, each returned without error (``RingEncoder.steady``), and no call
 #: under way held back. Anything else (a new signature, a call under way, an error, a rank
-#: ending) is read every tick. Steady ranks are read on the same tick, once a period of the
+#: ending) is read every tick. Steady ranks are looked at on the same tick, once a period of the
 #: agent's monotonic clock, so that their records of one collective arrive together (read a
-#: period apart, a mismatch's first story would name one side of three). Fewer, larger
-#: batches cost the coordinator less per call where calls are few a tick (every batch's fixed
-#: cost, and a run's calls kept whole for the rank's last 64: BENCHMARKS.md "The whole bill"),
-#: paid in up to 0.15 s more before a steady rank's records reach the coordinator, whose
-#: detectors tick every 0.25 s.
+#: period apart, a mismatch's first story would name one side of three), and read once every
+#: ``READ_S``; between those reads a look is a few of the ring's stamps (``RingReader.peek``),
+#: and the rank is read at once where it shows what a detector waits for: no slot written since
+#: the last look while some are unread (the rank went quiet: inside a call that does not return,
+#: or at work outside any), or a call entered and still under way a tick later. Fewer, larger
+#: batches cost the coordinator less per call (every batch's fixed cost, ~0.3 ms with the caches
+#: cold: BENCHMARKS.md "The whole bill"), paid in up to ``READ_S`` before a steady rank's calls
+#: that returned reach the coordinator; the detectors tick every 0.25 s.
 STEADY_S = 0.2
+#: How often a steady rank that keeps writing is read. At most half the Flight Recorder poll
+#: interval (``config.FR_POLL_INTERVAL_S``): a CPU ring is left unread only where Python calls
+#: decoded since its last poll account for what it gained (``PythonAccounts``), so every poll
+#: must follow a read of the rank's ring.
+READ_S = 0.5
 #: With no rank linked, the loop sleeps this long at most: a new link wakes it
 #: (``RingServer.changed``), so this only bounds how long a missed wake could last.
 IDLE_S = 1.0
@@ -114,8 +122,16 @@ class _Rank:
     farewell: bool = False
     unsent: list[r.RankEvent] = field(default_factory=list)
     #: the STEADY_S period (of the monotonic clock) in which a steady rank's ring was last read
-    #: (None: not steady, read every tick)
+    #: or looked at (None: not steady, read every tick)
     steady_period: int | None = None
+    #: the READ_S period in which a steady rank was last read; where its ring's published slots
+    #: ended at the last look; whether a call it was entering then is to be looked at again on
+    #: the next tick; whether its next read comes of a look that found it had written nothing
+    #: since (what it holds under way has been so for a tick at least: sent, not held back)
+    read_period: int | None = None
+    peek_head: int = 0
+    recheck: bool = False
+    quiet: bool = False
     #: when the latest Flight Recorder read whose records have all gone was asked (the
     #: header's ``flight_read_time``), and that of a read whose records wait in ``unsent``
     flight_told: float = 0.0
@@ -195,14 +211,19 @@ class Shipper:
 
     def tick(self) -> None:
         now = self.mono()
+        period = int(now // STEADY_S)  # one clock for all ranks: steady ones are looked at together
+        reading = int(now // READ_S)  # and read together
         for link in self.server.links():
             state = self._ranks.get(id(link))
             if state is None:
                 state = self._ranks[id(link)] = self._new_rank(link)
-            period = int(now // STEADY_S)  # one clock for all ranks: steady ones are read together
             waiting = link.ending_at is not None and not state.farewell  # an ending rank: its farewell
-            if state.steady_period == period and link.closed_at is None and not waiting:
-                continue  # steady: read in the next period
+            if state.steady_period is not None and link.closed_at is None and not waiting:
+                if state.steady_period == period and not state.recheck:
+                    continue  # steady: looked at in the next period
+                if state.read_period == reading and not self._due(state):
+                    state.steady_period = period
+                    continue  # read in this READ_S already, and nothing a detector waits for
             try:
                 # steady as of its last read, or let go after its end (a process that lives on)
                 was_steady = state.steady_period is not None or state.farewell
@@ -222,6 +243,9 @@ class Shipper:
                     and not state.unsent
                 )
                 state.steady_period = period if steady else None
+                state.read_period = reading if steady else None
+                state.peek_head = link.reader.position
+                state.recheck = state.quiet = False
                 if self._failing:
                     log.info("coordinator reachable again: shipping resumed")
                     self._failing = False
@@ -231,6 +255,37 @@ class Shipper:
                 if not self._failing:
                     log.warning("cannot ship rank %d's records (%s); will retry", state.identity.rank, e)
                     self._failing = True
+
+    def _due(self, state: _Rank) -> bool:
+        """Whether a steady rank, read in this ``READ_S`` already, is to be read now: a look at
+        its ring's stamps (``RingReader.peek``, a few µs), and at its Flight Recorder reads.
+
+        Read now: a Flight Recorder read waits to be shipped; the writer lapped the last look or
+        a full batch waits; nothing was written since the last look while some slots are unread
+        (the rank went quiet: inside a call that does not return, or at work outside any: its
+        last records are what a detector needs). A call the rank was entering at the last look
+        is looked at again on the next tick (``recheck``): still the newest slot then, it is read
+        and sent, not held back (a mismatch's ranks are read a tick after they froze, as when
+        they were read every period). A rank that wrote since and is not inside a call is read
+        at the next ``READ_S``."""
+        link = state.link
+        if state.flight is not None and self.fetcher.has_new(id(link)):
+            return True
+        state.recheck = False
+        reader = link.reader
+        head = reader.peek(state.peek_head)
+        if head < 0 or head - reader.position >= MAX_SLOTS:
+            return True
+        if head == state.peek_head:
+            if head > reader.position:
+                state.quiet = True
+                return True
+            return False
+        state.peek_head = head
+        newest = reader.slot_at(head - 1)
+        if newest.kind == Kind.ENTER and not newest.flags & 1:
+            state.recheck = True
+        return False
 
     def close(self) -> None:
         self.fetcher.stop()
@@ -246,7 +301,7 @@ class Shipper:
         second with no rank at all (``/proc/<pid>/task/<tid>/schedstat``, 2026-11-24)."""
         if not self._ranks:
             return IDLE_S
-        if any(state.steady_period is None for state in self._ranks.values()):
+        if any(state.steady_period is None or state.recheck for state in self._ranks.values()):
             return TICK_S
         now = self.mono()
         return max(0.001, (int(now // STEADY_S) + 1) * STEADY_S - now + 0.001)
@@ -330,7 +385,9 @@ class Shipper:
             # ring's end (the call is in flight) and the link is open (not its last read); a call
             # held back goes with the next read, empty or not (a frozen rank writes no more)
             runs = self.direct.takes_runs if self.direct is not None else state.encoder.send_runs
-            state.encoder.hold = runs and not closed and pending is not None and len(pending.slots) < MAX_SLOTS
+            state.encoder.hold = (
+                runs and not closed and pending is not None and len(pending.slots) < MAX_SLOTS and not state.quiet
+            )
             if not _has_records(pending) and not self._heartbeat_due(state) and not state.encoder.holding:
                 break
             held = state.encoder.held_mark()

@@ -1,5 +1,6 @@
-"""A rank in a steady state has its ring read every ``STEADY_S``, not every tick; anything a
-detector waits for is read on the next tick.
+"""A rank in a steady state has its ring looked at every ``STEADY_S`` and read every ``READ_S``,
+not every tick; a rank that goes quiet, or stays inside a call for a tick, is read at once, and
+anything else a detector waits for by the next ``READ_S``, then every tick.
 
 Real ring, real link, real shipper and the coordinator's real decoder (``test_shipper.Intake``,
 with runs on); the shipper's monotonic clock is driven, so "a tick" is ``TICK_S`` of it.
@@ -20,10 +21,10 @@ from hangwatch import records as r
 from hangwatch.agent import shipper as shipper_module
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
-from hangwatch.agent.shipper import STEADY_S, TICK_S, Shipper
+from hangwatch.agent.shipper import READ_S, STEADY_S, TICK_S, Shipper
 from hangwatch.client.ringsink import RingSink
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Kind, RingReader, RingWriter
+from hangwatch.ring import HEADER_SIZE, SLOT_SIZE, Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob
 from hangwatch.testing import wait_for
 from tests.agent.test_shipper_hold import RunsIntake, _ids
@@ -101,17 +102,19 @@ def _steady_and_five_more(shipper: Shipper, sink: RingSink, clock: Clock) -> Ite
     return ids
 
 
-def test_a_steady_rank_is_read_every_steady_s(read_less: bool, rig: Any) -> None:
+def test_a_steady_rank_that_keeps_writing_is_read_every_read_s(read_less: bool, rig: Any) -> None:
     shipper, intake, sink, clock = rig
     ids = iter(range(1, 10_000))
     _steady(shipper, sink, clock, ids)
+    clock.now = (clock.now // READ_S + 1) * READ_S + 0.01  # at the start of a READ_S period
+    _ticks(shipper, clock, 0)
     before = intake.reports
-    ticks = round(2 * STEADY_S / TICK_S)
+    ticks = round(2 * READ_S / TICK_S)
     for _ in range(ticks):
         for _ in range(5):
             sink.put(_call(next(ids)))
         _ticks(shipper, clock, 1)
-    # one read a STEADY_S, not one a tick; every tick where turned off
+    # one read a READ_S (looked at every STEADY_S between), not one a tick; every tick where turned off
     assert intake.reports - before == (2 if read_less else ticks)
     _ticks(shipper, clock, ticks)  # nothing written: every call sent, none twice
     sent = _ids(intake.events[0])
@@ -122,7 +125,9 @@ def test_a_steady_rank_is_read_every_steady_s(read_less: bool, rig: Any) -> None
     "what",
     ["a new signature", "a call that raised", "a call under way of a kind that never runs", "an event"],
 )
-def test_what_a_detector_waits_for_is_read_on_the_next_tick(rig: Any, what: str) -> None:
+def test_what_a_detector_waits_for_is_read_by_the_next_read_s_then_every_tick(rig: Any, what: str) -> None:
+    """Written by a rank that goes on writing (it is not stuck: a detector has no hurry), it is
+    read by the next ``READ_S``; the rank is then read every tick."""
     shipper, intake, sink, clock = rig
     ids = _steady_and_five_more(shipper, sink, clock)
     n = next(ids)
@@ -135,14 +140,71 @@ def test_what_a_detector_waits_for_is_read_on_the_next_tick(rig: Any, what: str)
         sink.put(p2p)
     else:
         sink.put(r.MarkerEvent(0, "checkpoint", float(n)))
-    _ticks(shipper, clock, 1)  # the steady read, on its tick: it had been steady
-    clock.now += STEADY_S
+    for _ in range(round(READ_S / TICK_S) + 1):
+        for _ in range(5):
+            sink.put(_call(next(ids)))
+        _ticks(shipper, clock, 1)
+        if n in _ids(intake.events[0]) or (
+            what == "an event" and any(isinstance(e, r.MarkerEvent) for e in intake.events[0])
+        ):
+            break
+    else:
+        raise AssertionError(f"{what} not read within READ_S")
+    assert shipper._ranks and not any(s.encoder.steady for s in shipper._ranks.values())
     before = intake.reports
     for _ in range(5):
         sink.put(_call(next(ids)))
     _ticks(shipper, clock, 1)
     assert intake.reports == before + 1  # read on the tick after: not steady
-    assert shipper._ranks and not any(s.encoder.steady for s in shipper._ranks.values())
+
+
+def test_a_steady_rank_that_goes_quiet_is_read_at_the_next_look(rig: Any) -> None:
+    """A steady rank that stops writing (inside a call that never returns, at work outside any:
+    a checkpoint) has what it wrote last read at the first look that finds nothing new since
+    the one before, not a ``READ_S`` later."""
+    shipper, intake, sink, clock = rig
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    clock.now = (clock.now // READ_S + 1) * READ_S + 0.01  # at the start of a READ_S period
+    _ticks(shipper, clock, 0)
+    shipper.tick()  # read at the period's start
+    period = clock.now // READ_S
+    last = 0
+    for _ in range(5):
+        last = next(ids)
+        sink.put(_call(last))
+    clock.now += STEADY_S
+    shipper.tick()  # a look: it wrote since the last one
+    assert last not in _ids(intake.events[0])
+    clock.now += STEADY_S
+    shipper.tick()  # a look: nothing since, some unread: read
+    assert last in _ids(intake.events[0])
+    assert clock.now // READ_S == period, "read before the next READ_S"
+
+
+def test_a_look_finds_where_the_published_slots_end() -> None:
+    """``RingReader.peek``: the position after the newest published slot, from any position
+    read or not yet, through the ring's turns; -1 once the writer lapped it; a slot being written
+    ends the published ones."""
+    w = RingWriter(capacity=64, blob_bytes=256, rank=0)
+    reader = RingReader(w.fd)
+    assert reader.peek() == 0
+    for i in range(1, 41):
+        w.write(Kind.ENTER, 0, 0, 1, i, i, 0, 0, float(i))
+    assert reader.peek() == 40 and reader.peek(17) == 40 and reader.slot_at(39).call_id == 40
+    reader.poll(30)
+    assert reader.peek() == 40 and reader.peek(40) == 40
+    for i in range(41, 100):
+        w.write(Kind.ENTER, 0, 0, 1, i, i, 0, 0, float(i))
+    assert reader.peek(40) == 99  # around the ring's end
+    h = next(w.positions)  # a slot half written: its first stamp only
+    w.pack_slot(w.mm, HEADER_SIZE + (h % 64) * SLOT_SIZE, h + 1, Kind.ENTER, 0, 0, 1, 0, 0, 0, 0, 0.0, 0)
+    assert reader.peek(40) == 99
+    for i in range(100, 200):
+        w.write(Kind.ENTER, 0, 0, 1, i, i, 0, 0, float(i))
+    assert reader.peek(99) == -1  # lapped: read it (the reader counts what was lost)
+    reader.close()
+    w.close()
 
 
 def test_steady_is_said_of_runs_and_steps_only() -> None:
