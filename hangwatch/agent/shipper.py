@@ -46,7 +46,7 @@ from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
 from hangwatch.flight_entries import EntryTracker, PythonAccounts
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Batch, Kind
+from hangwatch.ring import Batch, Kind, RingReader
 from hangwatch.ringwire import RingEncoder
 
 log = logging.getLogger("hangwatch.agent")
@@ -69,11 +69,14 @@ TICK_S = 0.05
 #: cold: BENCHMARKS.md "The whole bill"), paid in up to ``READ_S`` before a steady rank's calls
 #: that returned reach the coordinator; the detectors tick every 0.25 s.
 STEADY_S = 0.2
-#: How often a steady rank that keeps writing is read. At most half the Flight Recorder poll
-#: interval (``config.FR_POLL_INTERVAL_S``): a CPU ring is left unread only where Python calls
-#: decoded since its last poll account for what it gained (``PythonAccounts``), so every poll
-#: must follow a read of the rank's ring.
-READ_S = 0.5
+#: How often a steady rank that keeps writing is read: every other look. At most half the Flight
+#: Recorder poll interval (``config.FR_POLL_INTERVAL_S``): a CPU ring is left unread only where
+#: Python calls decoded since its last poll account for what it gained (``PythonAccounts``), so
+#: every poll must follow a read of the rank's ring.
+READ_S = 2 * STEADY_S
+#: The slots a call entered at a look may be followed by, before the look a tick later stops
+#: searching them for its exit and reads the rank (another thread's calls, written meanwhile).
+RECHECK_SLOTS = 256
 #: With no rank linked, the loop sleeps this long at most: a new link wakes it
 #: (``RingServer.changed``), so this only bounds how long a missed wake could last.
 IDLE_S = 1.0
@@ -130,7 +133,7 @@ class _Rank:
     #: since (what it holds under way has been so for a tick at least: sent, not held back)
     read_period: int | None = None
     peek_head: int = 0
-    recheck: bool = False
+    recheck: tuple[int, int] | None = None  # (position, call id) of a call entered at the last look
     quiet: bool = False
     #: when the latest Flight Recorder read whose records have all gone was asked (the
     #: header's ``flight_read_time``), and that of a read whose records wait in ``unsent``
@@ -143,6 +146,17 @@ class _Rank:
 def _has_records(batch: Batch | None) -> bool:
     """A read that found something to send (slots, or blobs alone)."""
     return batch is not None and bool(batch.slots or batch.blobs)
+
+
+def _returned(reader: RingReader, entered: tuple[int, int], head: int) -> bool:
+    """Whether the call entered at ``entered``'s position (with its call id) has its exit among
+    the slots after it, up to ``head`` (``RECHECK_SLOTS`` of them at most: beyond, no)."""
+    at, call_id = entered
+    for p in range(at + 1, min(head, at + 1 + RECHECK_SLOTS)):
+        slot = reader.slot_at(p)
+        if slot.kind == Kind.EXIT and slot.call_id == call_id:
+            return True
+    return False
 
 
 def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
@@ -219,9 +233,11 @@ class Shipper:
                 state = self._ranks[id(link)] = self._new_rank(link)
             waiting = link.ending_at is not None and not state.farewell  # an ending rank: its farewell
             if state.steady_period is not None and link.closed_at is None and not waiting:
-                if state.steady_period == period and not state.recheck:
+                if state.steady_period == period and state.recheck is None:
                     continue  # steady: looked at in the next period
-                if state.read_period == reading and not self._due(state):
+                # looked at on a READ_S's tick too: a read it makes then sends what it found under
+                # way for a tick (``quiet``), as any other
+                if not self._due(state) and state.read_period == reading:
                     state.steady_period = period
                     continue  # read in this READ_S already, and nothing a detector waits for
             try:
@@ -245,36 +261,42 @@ class Shipper:
                 state.steady_period = period if steady else None
                 state.read_period = reading if steady else None
                 state.peek_head = link.reader.position
-                state.recheck = state.quiet = False
+                state.recheck, state.quiet = None, False
                 if self._failing:
                     log.info("coordinator reachable again: shipping resumed")
                     self._failing = False
             except Exception as e:  # the coordinator is unreachable (remote agents): retry next tick
                 self.failures += 1
                 state.registered = False  # a restarted coordinator must hear of the rank again
+                state.steady_period = None  # its batch waits: tried again every tick, as it was
                 if not self._failing:
                     log.warning("cannot ship rank %d's records (%s); will retry", state.identity.rank, e)
                     self._failing = True
 
     def _due(self, state: _Rank) -> bool:
         """Whether a steady rank, read in this ``READ_S`` already, is to be read now: a look at
-        its ring's stamps (``RingReader.peek``, a few µs), and at its Flight Recorder reads.
+        its ring's stamps (``RingReader.peek``, a few µs), its newest slot, and its Flight
+        Recorder reads.
 
-        Read now: a Flight Recorder read waits to be shipped; the writer lapped the last look or
-        a full batch waits; nothing was written since the last look while some slots are unread
-        (the rank went quiet: inside a call that does not return, or at work outside any: its
-        last records are what a detector needs). A call the rank was entering at the last look
-        is looked at again on the next tick (``recheck``): still the newest slot then, it is read
-        and sent, not held back (a mismatch's ranks are read a tick after they froze, as when
-        they were read every period). A rank that wrote since and is not inside a call is read
-        at the next ``READ_S``."""
+        Read now: a Flight Recorder read waits to be shipped; the writer lapped the last look, or
+        a quarter of the ring (a full batch at most) waits; the rank wrote nothing for a tick at
+        least (its newest slot's time, or no slot since the last look) while some slots are
+        unread: it went quiet, inside a call that does not return or at work outside any, and
+        its last records are what a detector needs. A call the rank had just entered at the last
+        look is looked at again on the next tick (``recheck``): without its exit then (whatever
+        another thread wrote meanwhile), it is read and sent, not held back (a mismatch's ranks
+        are read a tick after they froze, as when they were read every period). A rank that
+        keeps writing, not inside a call, is read at the next ``READ_S``."""
         link = state.link
         if state.flight is not None and self.fetcher.has_new(id(link)):
             return True
-        state.recheck = False
         reader = link.reader
         head = reader.peek(state.peek_head)
-        if head < 0 or head - reader.position >= MAX_SLOTS:
+        if head < 0 or head - reader.position >= min(MAX_SLOTS, reader.capacity // 4):
+            return True
+        entered, state.recheck = state.recheck, None
+        if entered is not None and not _returned(reader, entered, head):
+            state.quiet = True
             return True
         if head == state.peek_head:
             if head > reader.position:
@@ -283,8 +305,11 @@ class Shipper:
             return False
         state.peek_head = head
         newest = reader.slot_at(head - 1)
+        if self.clock() - newest.time >= TICK_S:
+            state.quiet = True
+            return True
         if newest.kind == Kind.ENTER and not newest.flags & 1:
-            state.recheck = True
+            state.recheck = (head - 1, newest.call_id)
         return False
 
     def close(self) -> None:
@@ -301,7 +326,7 @@ class Shipper:
         second with no rank at all (``/proc/<pid>/task/<tid>/schedstat``, 2026-11-24)."""
         if not self._ranks:
             return IDLE_S
-        if any(state.steady_period is None or state.recheck for state in self._ranks.values()):
+        if any(state.steady_period is None or state.recheck is not None for state in self._ranks.values()):
             return TICK_S
         now = self.mono()
         return max(0.001, (int(now // STEADY_S) + 1) * STEADY_S - now + 0.001)
