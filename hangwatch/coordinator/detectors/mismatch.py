@@ -130,8 +130,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         summary, hint, kind = mismatch.summary, mismatch.hint, mismatch.kind
         if size and len(slot.calls) < size and len(agreeing) * 2 <= size:
             # Not every rank has arrived and the side taken for right is no majority of the group
-            # yet. The others' batches may be on their way (a node agent reads a steady rank's
-            # ring every 0.2 s; remote agents and relays add their transit): wait for them a
+            # yet. The others' batches may be on their way (a node agent reads a steady rank that
+            # keeps writing every 0.4 s; remote agents and relays add their transit): wait for them a
             # moment, then say who disagrees, not who is wrong (told again as they come).
             missing = [rk for rk in job.members(group) if rk not in slot.calls]
             on_their_way = any(
