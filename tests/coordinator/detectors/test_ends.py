@@ -377,6 +377,16 @@ def test_a_job_stopped_as_a_whole_is_no_death_though_one_rank_raised_on_a_closed
             assert [(i.kind, i.culprit_ranks) for i in told] == [("rank_died", [0])]
 
 
+def test_a_one_rank_job_that_vanishes_is_no_death() -> None:
+    """A job of one rank whose process vanished with nothing known of how (reaped before the agent
+    looked): nobody waits for it, and it cannot be told from a stop."""
+    sim = SimJob(1)
+    sim.collective(1, T0 + 1)
+    _gone(sim, 0, T0 + 10)
+    engine = sim.engine()
+    assert [inc for now in (T0 + 10.6, T0 + 12.5, T0 + 30) for inc in engine.tick(now)] == []
+
+
 def test_job_killed_as_a_whole_is_not_a_death() -> None:
     """Every process gone within a few milliseconds (kill -9 of the job, SIGTERM to every rank):
     the job was stopped, whatever the signal."""
