@@ -15,9 +15,10 @@
  * ``general``; a failure after it is reported to the session (``on_exit_error``), and the
  * user's result or exception passes through untouched.
  *
- * The node agent's side lives here too (one extension, one build): ``scan``, the loop over a
- * ring's slots of ``RingReader.poll``, and ``gather``, ``RingEncoder._gather``'s gathering of
- * runs; each has its Python original as the reference and the fallback.
+ * The node agent's side lives here too (one extension, one build): ``scan_packed``, the loop over
+ * a ring's slots of ``RingReader.poll``, and ``gather_packed`` (``gather`` and ``cycles`` for
+ * slots already made tuples), ``RingEncoder._gather``'s gathering of runs and cycles; each has
+ * its Python original as the reference and the fallback.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -745,6 +746,27 @@ static int cycle_follows(PyObject *s, PyObject *before, PyObject *lanes) {
     return PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
+/* The period (0: none) of the longest cycle of 2 to ``max_cycle`` refs, repeated ``cycle_min``
+ * times or more, that ``refs[i:m]`` starts with, and its length in calls (``*len``). */
+static Py_ssize_t best_cycle(const unsigned long *refs, Py_ssize_t i, Py_ssize_t m, Py_ssize_t cycle_min,
+                             Py_ssize_t max_cycle, Py_ssize_t *len) {
+    Py_ssize_t best_p = 0, best_len = 0;
+    for (Py_ssize_t p = 2; p <= max_cycle; p++) {
+        if (i + cycle_min * p > m) break;
+        Py_ssize_t length = p;
+        while (i + length < m && refs[i + length] == refs[i + length - p]) length++;
+        int varied = 0;
+        for (Py_ssize_t q = i + 1; q < i + p; q++)
+            if (refs[q] != refs[i]) varied = 1;
+        if (length >= cycle_min * p && length > best_len && varied) {
+            best_p = p;
+            best_len = length;
+        }
+    }
+    *len = best_len;
+    return best_p;
+}
+
 /* ``_cycles_in``: the ``m`` calls of ``pairs`` (two slots each) into ``out``, cycles gathered. */
 static int cycles_in(PyObject *const *pairs, Py_ssize_t m, PyObject *out, Py_ssize_t cycle_min, Py_ssize_t max_cycle) {
     unsigned long *refs = PyMem_Malloc(sizeof(unsigned long) * (size_t)(m > 0 ? m : 1));
@@ -756,19 +778,7 @@ static int cycles_in(PyObject *const *pairs, Py_ssize_t m, PyObject *out, Py_ssi
         if (field_ul(pairs[2 * k], F_REF, &refs[k]) < 0) goto fail;
     Py_ssize_t i = 0;
     while (i < m) {
-        Py_ssize_t best_p = 0, best_len = 0;
-        for (Py_ssize_t p = 2; p <= max_cycle; p++) {
-            if (i + cycle_min * p > m) break;
-            Py_ssize_t length = p;
-            while (i + length < m && refs[i + length] == refs[i + length - p]) length++;
-            int varied = 0;
-            for (Py_ssize_t q = i + 1; q < i + p; q++)
-                if (refs[q] != refs[i]) varied = 1;
-            if (length >= cycle_min * p && length > best_len && varied) {
-                best_p = p;
-                best_len = length;
-            }
-        }
+        Py_ssize_t best_len = 0, best_p = best_cycle(refs, i, m, cycle_min, max_cycle, &best_len);
         if (!best_p) {
             if (PyList_Append(out, pairs[2 * i]) < 0 || PyList_Append(out, pairs[2 * i + 1]) < 0) goto fail;
             i++;
@@ -860,100 +870,23 @@ fail:
     return NULL;
 }
 
-/* scan(mm, header, capacity, position, budget, slot_type) -> (slots, position, stopped): the
- * slots published from ``position`` on, oldest first, at most ``budget``, as ``slot_type``
- * (``hangwatch.ring.Slot``) tuples: ``RingReader.poll``'s inner loop (about 0.8 us a slot in
- * Python, the embedded agent's largest cost per call). A slot is taken when both its stamps say
- * ``position + 1`` (published whole); ``stopped`` is None where the budget ended the scan, else
- * the (stamp, stamp_end) of the slot that did: not written yet, being written, or lapped (the
- * caller skips ahead). Each slot is copied out of the shared region before its stamps are
- * compared, as the Python reader copies its chunk. */
-static PyObject *scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "scan(mm, header, capacity, position, budget, slot_type)");
-        return NULL;
-    }
-    Py_ssize_t header = PyLong_AsSsize_t(args[1]);
-    long long capacity = PyLong_AsLongLong(args[2]);
-    long long p = PyLong_AsLongLong(args[3]);
-    Py_ssize_t budget = PyLong_AsSsize_t(args[4]);
-    PyTypeObject *slot_type = (PyTypeObject *)args[5];
-    if (PyErr_Occurred()) return NULL;
-    if (!PyType_Check(args[5]) || !PyType_IsSubtype(slot_type, &PyTuple_Type) || capacity <= 0 || p < 0 ||
-        header < 0) {
-        PyErr_SetString(PyExc_ValueError, "scan: bad ring geometry or slot type");
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    if (capacity > (PY_SSIZE_T_MAX - header) / (Py_ssize_t)sizeof(slot_t) ||
-        (Py_ssize_t)header + (Py_ssize_t)capacity * (Py_ssize_t)sizeof(slot_t) > view.len) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "scan: the ring is larger than its mapping");
-        return NULL;
-    }
-    PyObject *out = PyList_New(0), *stopped = NULL;
-    if (out == NULL) goto fail;
-    const char *base = (const char *)view.buf + header;
-    for (Py_ssize_t taken = 0; taken < budget; taken++) {
-        slot_t s;
-        memcpy(&s, base + (Py_ssize_t)(p % capacity) * (Py_ssize_t)sizeof(slot_t), sizeof(slot_t));
-        if (s.stamp != (uint64_t)p + 1 || s.stamp_end != (uint64_t)p + 1) {
-            stopped = Py_BuildValue("(KK)", (unsigned long long)s.stamp, (unsigned long long)s.stamp_end);
-            if (stopped == NULL) goto fail;
-            break;
-        }
-        PyObject *o = slot_type->tp_alloc(slot_type, 11);
-        if (o == NULL) goto fail;
-        PyObject *v[11] = {
-            PyLong_FromUnsignedLongLong(s.stamp), PyLong_FromUnsignedLong(s.kind),
-            PyLong_FromUnsignedLong(s.flags),     PyLong_FromUnsignedLong(s.aux),
-            PyLong_FromUnsignedLong(s.ref),       PyLong_FromUnsignedLong(s.call_id),
-            PyLong_FromUnsignedLong(s.seq),       PyLong_FromUnsignedLong(s.step),
-            PyLong_FromUnsignedLong(s.arg),       PyFloat_FromDouble(s.time),
-            PyLong_FromUnsignedLongLong(s.stamp_end),
-        };
-        int bad = 0;
-        for (int i = 0; i < 11; i++) {
-            if (v[i] == NULL) bad = 1;
-            PyTuple_SET_ITEM(o, i, v[i]); /* a NULL item is cleared with the tuple */
-        }
-        if (bad) {
-            Py_DECREF(o);
-            goto fail;
-        }
-        /* numbers only: it can be in no cycle, and the collector need not visit it (tens of
-         * thousands a second of them made it run often, half of this scan's cost) */
-        PyObject_GC_UnTrack(o);
-        if (PyList_Append(out, o) < 0) {
-            Py_DECREF(o);
-            goto fail;
-        }
-        Py_DECREF(o);
-        p++;
-    }
-    PyBuffer_Release(&view);
-    return Py_BuildValue("(NLN)", out, p, stopped != NULL ? stopped : Py_NewRef(Py_None));
-fail:
-    PyBuffer_Release(&view);
-    Py_XDECREF(out);
-    Py_XDECREF(stopped);
-    return NULL;
-}
-
 /* ---- packed slots: a read's slots as one bytes object, gathered without a tuple per slot -----
  *
- * ``scan`` makes an 11-tuple (and five numbers) per slot, and most of them are gone again a
- * moment later, folded into a run's list of times: at 1,000 calls a second a steady rank's read
- * cost the embedded agent about 0.35 us a slot on this VM's cold caches, a third of its cost per
- * read (``bench/ring_to_state.py``). ``scan_packed`` copies the published slots out as they lie
- * (one bytes object, stamps checked as ``scan`` checks them); ``gather_packed`` gathers runs,
- * and cycles where asked, straight from those bytes, and makes a slot's tuple only where the
- * slot travels alone or opens a run. Items and steadiness are ``gather``'s then ``cycles``'
+ * A scan that made an 11-tuple (and five numbers) per slot had most of them gone again a moment
+ * later, folded into a run's list of times: at 1,000 calls a second it cost the embedded agent
+ * about 0.35 us a slot on this VM's cold caches, a third of its cost per read (measured in the
+ * coordinator, 2026-11-24: BENCHMARKS.md, issue 16's fifth step). ``scan_packed`` copies the
+ * published slots out as they lie, one bytes object; ``gather_packed`` gathers runs, and cycles
+ * where asked, straight from those bytes, and makes a slot's tuple only where the slot travels
+ * alone or opens a run. Items and steadiness are ``gather``'s then ``cycles``'
  * (``tests/test_ringwire.py`` plays the three on the same batches). */
 
-/* scan_packed(mm, header, capacity, position, budget) -> (data, position, stopped): ``scan``
- * with the slots as one bytes object (SLOT_SIZE bytes each, as the ring lays them out). */
+/* scan_packed(mm, header, capacity, position, budget) -> (data, position, stopped): the slots
+ * published from ``position`` on, oldest first, at most ``budget``, as one bytes object
+ * (SLOT_SIZE bytes each, as the ring lays them out); ``stopped`` is None where the budget ended
+ * the scan, else the (stamp, stamp_end) of the slot that did: not written yet, being written,
+ * or lapped (the caller skips ahead). A slot is taken when both its stamps say ``position + 1``
+ * (published whole); each is copied out of the shared region before its stamps are compared. */
 static PyObject *scan_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "scan_packed(mm, header, capacity, position, budget)");
@@ -1096,7 +1029,7 @@ static PyObject *g_slot(gsrc_t *src, Py_ssize_t i) {
         Py_DECREF(o);
         return NULL;
     }
-    PyObject_GC_UnTrack(o); /* numbers only, as ``scan``'s */
+    PyObject_GC_UnTrack(o); /* numbers only: in no cycle, and the collector need not visit it */
     src->obj[i] = o;
     return o;
 }
@@ -1262,34 +1195,28 @@ static int g_cycle_follows(gsrc_t *src, const slot_t *s, const slot_t *before, P
 /* ``cycles_in`` on structs: the ``m`` calls from slot ``first`` (two slots each) into ``out``. */
 static int g_cycles_in(gsrc_t *src, Py_ssize_t first, Py_ssize_t m, gitems_t *out, Py_ssize_t cycle_min,
                        Py_ssize_t max_cycle) {
-    const slot_t *S = src->s;
-#define REF(q) (S[first + 2 * (q)].ref)
+    unsigned long *refs = PyMem_Malloc(sizeof(unsigned long) * (size_t)(m > 0 ? m : 1));
+    if (refs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < m; k++) refs[k] = src->s[first + 2 * k].ref;
+    int rc = 0;
     Py_ssize_t i = 0;
-    while (i < m) {
-        Py_ssize_t best_p = 0, best_len = 0;
-        for (Py_ssize_t p = 2; p <= max_cycle; p++) {
-            if (i + cycle_min * p > m) break;
-            Py_ssize_t length = p;
-            while (i + length < m && REF(i + length) == REF(i + length - p)) length++;
-            int varied = 0;
-            for (Py_ssize_t q = i + 1; q < i + p; q++)
-                if (REF(q) != REF(i)) varied = 1;
-            if (length >= cycle_min * p && length > best_len && varied) {
-                best_p = p;
-                best_len = length;
-            }
-        }
+    while (i < m && rc == 0) {
+        Py_ssize_t best_len = 0, best_p = best_cycle(refs, i, m, cycle_min, max_cycle, &best_len);
         if (!best_p) {
-            if (gitems_add(out, G_SLOT, first + 2 * i, 0, 0) < 0 || gitems_add(out, G_SLOT, first + 2 * i + 1, 0, 0) < 0)
-                return -1;
+            rc = gitems_add(out, G_SLOT, first + 2 * i, 0, 0) < 0 || gitems_add(out, G_SLOT, first + 2 * i + 1, 0, 0) < 0
+                     ? -1
+                     : 0;
             i++;
             continue;
         }
-        if (gitems_add(out, G_CYCLE, first + 2 * i, best_len, best_p) < 0) return -1;
+        rc = gitems_add(out, G_CYCLE, first + 2 * i, best_len, best_p);
         i += best_len;
     }
-#undef REF
-    return 0;
+    PyMem_Free(refs);
+    return rc;
 }
 
 /* ``cycles``' loop on the gathered items. */
@@ -1470,8 +1397,6 @@ static PyMethodDef module_methods[] = {
     {"general_entered", general_entered, METH_NOARGS, "A thread entered a call the Python wrapper records."},
     {"general_left", general_left, METH_NOARGS, "A thread left a call the Python wrapper records."},
     {"general_inside", general_count, METH_NOARGS, "Threads inside a call the Python wrapper records."},
-    {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
-     "scan(mm, header, capacity, position, budget, slot_type) -> (slots, position, stopped)."},
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL,
      "gather(slots, whole, ok, known, run_min) -> (items, steady): RingEncoder._gather in C."},
     {"cycles", (PyCFunction)(void (*)(void))cycles, METH_FASTCALL,

@@ -21,16 +21,12 @@ def cycles(
     """``RingEncoder._cycled`` in C, on ``gather``'s items: cycles as (enter, exit, enters,
     exits, refs)."""
 
-def scan(
-    mm: Any, header: int, capacity: int, position: int, budget: int, slot_type: type[Any], /
-) -> tuple[list[Any], int, tuple[int, int] | None]:
-    """``RingReader.poll``'s loop over slots in C: the slots, the next position, and the stamps
-    of the slot that stopped the scan (None: the budget did)."""
-
 def scan_packed(
     mm: Any, header: int, capacity: int, position: int, budget: int, /
 ) -> tuple[bytes, int, tuple[int, int] | None]:
-    """``scan`` with the slots as they lie in the ring, one bytes object (``SLOT_SIZE`` each)."""
+    """``RingReader.poll``'s loop over slots in C: the slots as they lie in the ring, one bytes
+    object (``SLOT_SIZE`` each), the next position, and the stamps of the slot that stopped the
+    scan (None: the budget did)."""
 
 def gather_packed(
     head: list[Any],

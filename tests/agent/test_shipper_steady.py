@@ -96,6 +96,19 @@ def _steady(shipper: Shipper, sink: RingSink, clock: Clock, ids: Iterator[int]) 
     assert shipper._ranks and all(s.encoder.steady for s in shipper._ranks.values())
 
 
+def _steady_read_no_more(
+    shipper: Shipper, sink: RingSink, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[int]:
+    """A steady rank, read, whose next ``READ_S`` is an hour off: read again only where a look
+    says so. The ids to go on."""
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    monkeypatch.setattr(shipper_module, "READ_S", 3600.0)
+    clock.now += STEADY_S
+    shipper.tick()  # read in this READ_S
+    return ids
+
+
 def _steady_and_five_more(shipper: Shipper, sink: RingSink, clock: Clock) -> Iterator[int]:
     """A steady rank with five more of its calls written since its last read; the ids to go on."""
     ids = iter(range(1, 10_000))
@@ -166,11 +179,7 @@ def test_a_steady_rank_that_goes_quiet_is_read_at_the_next_look(rig: Any, monkey
     a checkpoint) has what it wrote last read at the first look that finds nothing new since
     the one before, whenever the next ``READ_S`` (an hour long here, once the rank is steady)."""
     shipper, intake, sink, clock = rig
-    ids = iter(range(1, 10_000))
-    _steady(shipper, sink, clock, ids)
-    monkeypatch.setattr(shipper_module, "READ_S", 3600.0)
-    clock.now += STEADY_S
-    shipper.tick()  # read in this READ_S
+    ids = _steady_read_no_more(shipper, sink, clock, monkeypatch)
     last = 0
     for _ in range(5):
         last = next(ids)
@@ -233,11 +242,7 @@ def test_a_steady_rank_with_a_quarter_of_its_ring_unread_is_read_at_the_look(
     far off the next ``READ_S`` (an hour here): found in review, a 1,024-slot ring at 1,000 calls a
     second lost a third of its slots between reads."""
     shipper, intake, sink, clock = rig
-    ids = iter(range(1, 10_000))
-    _steady(shipper, sink, clock, ids)
-    monkeypatch.setattr(shipper_module, "READ_S", 3600.0)
-    clock.now += STEADY_S
-    shipper.tick()  # read in this READ_S
+    ids = _steady_read_no_more(shipper, sink, clock, monkeypatch)
     (state,) = shipper._ranks.values()
     capacity = state.link.reader.capacity
     last = 0
