@@ -31,14 +31,10 @@ from hangwatch.ring import Batch, Kind, PackedSlots, Slot
 from hangwatch.signatures import MAX_CYCLE, MAX_SIGNATURES, Columns
 
 _native_gather: Callable[..., tuple[list[Any], bool]] | None
-_native_cycles: Callable[..., list[Any]] | None
-_native_gather_packed: Callable[..., tuple[list[Any], bool]] | None
 try:  # the gatherer in C, where the extension was built at install (``client/_fastpath.c``)
-    from hangwatch.client._fastpath import cycles as _native_cycles
-    from hangwatch.client._fastpath import gather as _native_gather
-    from hangwatch.client._fastpath import gather_packed as _native_gather_packed
+    from hangwatch.client._fastpath import gather_packed as _native_gather
 except ImportError:  # pragma: no cover - depends on the install
-    _native_gather = _native_cycles = _native_gather_packed = None
+    _native_gather = None
 
 TAG_CALL = b"C"
 TAG_EVENT = b"V"
@@ -535,19 +531,18 @@ class RingEncoder:
             return slots
         cycles = self.send_cycles and len(slots) >= 4 * CYCLE_MIN
         shown = set(self._whole) if cycles else set()  # before the gatherer adds this batch's firsts
-        if _native_gather_packed is not None and self.native and type(slots) is PackedSlots:
+        if _native_gather is not None and self.native:
             # from the scan's bytes: a tuple only for a slot that goes alone or opens a run
-            items, self.steady = _native_gather_packed(
-                list(slots.head), slots.data, slots.n, self._whole, self._run_ok, self._known, RUN_MIN, Slot,
+            # (slots already tuples go in as the head, with no bytes)
+            head, data, n = (
+                (list(slots.head), slots.data, slots.n) if type(slots) is PackedSlots else (list(slots), b"", 0)
+            )
+            items, self.steady = _native_gather(
+                head, data, n, self._whole, self._run_ok, self._known, RUN_MIN, Slot,
                 (shown, self._lanes, CYCLE_MIN, MAX_CYCLE) if cycles else None,
             )  # fmt: skip
             return [_Run.of(*x) if type(x) is tuple else x for x in items]  # a Slot is a tuple's subclass
         slots = list(slots)
-        if _native_gather is not None and _native_cycles is not None and self.native:
-            items, self.steady = _native_gather(slots, self._whole, self._run_ok, self._known, RUN_MIN)
-            if cycles:
-                items = _native_cycles(items, shown, self._run_ok, self._lanes, CYCLE_MIN, MAX_CYCLE)
-            return [_Run.of(*x) if type(x) is tuple else x for x in items]  # a Slot is a tuple's subclass
         gathered = self._gather_python(slots)
         return self._cycled(gathered, shown) if cycles else gathered
 

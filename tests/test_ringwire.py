@@ -459,9 +459,10 @@ def _fields(event: object) -> object:
     hold=st.booleans(),
 )
 def test_the_gatherer_in_c_is_the_python_one(batches: list[list[tuple[int, ...]]], start: int, hold: bool) -> None:
-    """Batch after batch through three encoders, one gathering in C from slot tuples, one in C
-    from the scan's packed bytes (``gather_packed``) and one in Python: the same events, the same
-    steadiness, the same signatures learnt, the same entry held back, whatever the slots."""
+    """Batch after batch through three encoders, one gathering in C from slot tuples (handed to
+    ``gather_packed`` as its head), one in C from the scan's packed bytes and one in Python: the
+    same events, the same steadiness, the same signatures learnt, the same entry held back,
+    whatever the slots."""
     native, packed, python = RingEncoder(), RingEncoder(), RingEncoder()
     python.native = False
     for enc in (native, packed, python):
@@ -499,7 +500,7 @@ def test_packed_slots_read_as_the_list_of_their_slots() -> None:
         packed[len(slots)]
 
 
-@pytest.mark.skipif(ringwire._native_cycles is None, reason="the C extension is not built here")
+@pytest.mark.skipif(ringwire._native_gather is None, reason="the C extension is not built here")
 def test_cycles_gathered_in_c_are_the_python_ones() -> None:
     """A loop of two lines (refs 1 and 5 on one group), with a break in its ids, one in its seqs,
     a step, an async call and an error among them: both find the same cycles, and some."""
@@ -535,13 +536,13 @@ def test_the_c_gatherer_works_on_the_batch_as_it_was_whatever_known_does_to_it()
     list under the C gatherer made it read freed slots. It gathers the batch as it was passed."""
     assert ringwire._native_gather is not None
     slots = _slots([(Kind.ENTER, 0, 1, 1, 1, 1, 0)] * 6, 1)
-    want, _ = ringwire._native_gather(list(slots), set(), {1: True}, lambda ref: None, 2)
+    want, _ = ringwire._native_gather(list(slots), b"", 0, set(), {1: True}, lambda ref: None, 2, Slot, None)
 
     def vandal(ref: int) -> None:
         batch[:] = [Slot(0, Kind.STEP, 0, 0, 0, 0, 0, 0, 0, 0.0, 0)] * 3
 
     batch = list(slots)
-    got, _ = ringwire._native_gather(batch, set(), {1: True}, vandal, 2)
+    got, _ = ringwire._native_gather(batch, b"", 0, set(), {1: True}, vandal, 2, Slot, None)
     assert [x if isinstance(x, Slot) else (x[0], x[1], x[2], x[3]) for x in got] == [
         x if isinstance(x, Slot) else (x[0], x[1], x[2], x[3]) for x in want
     ]

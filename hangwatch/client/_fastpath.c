@@ -16,9 +16,8 @@
  * user's result or exception passes through untouched.
  *
  * The node agent's side lives here too (one extension, one build): ``scan_packed``, the loop over
- * a ring's slots of ``RingReader.poll``, and ``gather_packed`` (``gather`` and ``cycles`` for
- * slots already made tuples), ``RingEncoder._gather``'s gathering of runs and cycles; each has
- * its Python original as the reference and the fallback.
+ * a ring's slots of ``RingReader.poll``, and ``gather_packed``, ``RingEncoder._gather``'s
+ * gathering of runs and cycles; each has its Python original as the reference and the fallback.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -522,13 +521,12 @@ static PyTypeObject FastOpType = {
     .tp_getset = fastop_getset,
 };
 
-/* ---- the node agent's side: a batch of ring slots gathered into runs ------------------------
+/* ---- the node agent's side: a read's slots gathered into runs and cycles -------------------
  *
- * ``hangwatch.ringwire.RingEncoder._gather`` step for step (the Python one stays the reference
- * and the fallback; ``tests/test_ringwire.py`` plays both on the same batches): the agent's
- * per-call cost, about 1 us a call in Python at 1,000 calls a read. Slots are
- * ``hangwatch.ring.Slot`` tuples: (stamp, kind, flags, aux, ref, call_id, seq, step, arg, time,
- * stamp_end). */
+ * ``hangwatch.ringwire.RingEncoder._gather`` then ``_cycled`` step for step (the Python ones
+ * stay the reference and the fallback; ``tests/test_ringwire.py`` plays them on the same
+ * batches). Slots are ``hangwatch.ring.Slot`` tuples where the caller has them: (stamp, kind,
+ * flags, aux, ref, call_id, seq, step, arg, time, stamp_end). */
 
 #define F_KIND 1
 #define F_FLAGS 2
@@ -538,213 +536,6 @@ static PyTypeObject FastOpType = {
 #define F_SEQ 6
 #define F_STEP 7
 #define F_TIME 9
-
-static int field_ul(PyObject *slot, Py_ssize_t i, unsigned long *out) {
-    PyObject *v = PyTuple_GET_ITEM(slot, i);
-    *out = PyLong_AsUnsignedLong(v);
-    return (*out == (unsigned long)-1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-typedef struct {
-    PyObject *enter, *exit; /* the run's first call's slots (borrowed from the batch) */
-    PyObject *enters, *exits; /* lists of the calls' times */
-    unsigned long ref, call_id, seq, step;
-} run_t;
-
-/* Append the run to ``out``: as (enter, exit, enters, exits) where it has ``run_min`` calls or
- * more, else as its calls' slots. The run is emptied; -1 on failure. */
-static int flush_run(run_t *run, PyObject *out, Py_ssize_t run_min) {
-    if (run->enters == NULL) return 0;
-    int rc = 0;
-    Py_ssize_t k = PyList_GET_SIZE(run->enters);
-    if (k >= run_min) {
-        PyObject *t = PyTuple_Pack(4, run->enter, run->exit, run->enters, run->exits);
-        rc = (t == NULL || PyList_Append(out, t) < 0) ? -1 : 0;
-        Py_XDECREF(t);
-    } else { /* fewer than run_min (one): its two slots as they were */
-        rc = (PyList_Append(out, run->enter) < 0 || PyList_Append(out, run->exit) < 0) ? -1 : 0;
-    }
-    Py_CLEAR(run->enters);
-    Py_CLEAR(run->exits);
-    run->enter = run->exit = NULL;
-    return rc;
-}
-
-/* Whether slot ``s`` (with ``after``, the next one or NULL) tells a detector nothing it waits for
- * (``ringwire._settled``): 1, 0, or -1 on failure. */
-static int settled(PyObject *s, PyObject *after) {
-    unsigned long kind, flags, ref;
-    if (field_ul(s, F_KIND, &kind) < 0) return -1;
-    if (kind == KIND_ENTER) {
-        unsigned long akind, acall, aref, call;
-        if (after == NULL) return 0;
-        if (field_ul(s, F_FLAGS, &flags) < 0 || field_ul(s, F_CALL, &call) < 0) return -1;
-        if (field_ul(after, F_KIND, &akind) < 0 || field_ul(after, F_CALL, &acall) < 0 ||
-            field_ul(after, F_REF, &aref) < 0)
-            return -1;
-        return !(flags & 1) && akind == KIND_EXIT && acall == call && aref == 0;
-    }
-    if (kind == KIND_EXIT) {
-        if (field_ul(s, F_REF, &ref) < 0) return -1;
-        return ref == 0;
-    }
-    return kind == 3; /* a step */
-}
-
-static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "gather(slots, whole, ok, known, run_min)");
-        return NULL;
-    }
-    PyObject *slots = args[0], *whole = args[1], *ok = args[2], *known = args[3];
-    Py_ssize_t run_min = PyLong_AsSsize_t(args[4]);
-    if (run_min == -1 && PyErr_Occurred()) return NULL;
-    if (!PyList_Check(slots) || !PySet_Check(whole) || !PyDict_Check(ok)) {
-        PyErr_SetString(PyExc_TypeError, "gather: slots must be a list, whole a set, ok a dict");
-        return NULL;
-    }
-    /* the batch's slots, held here: ``known`` runs Python code, which may change the list */
-    PyObject *held = PyList_AsTuple(slots);
-    if (held == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(held);
-    PyObject *const *items = &PyTuple_GET_ITEM(held, 0);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        if (!PyTuple_Check(items[j]) || PyTuple_GET_SIZE(items[j]) != 11) {
-            PyErr_SetString(PyExc_TypeError, "gather: a slot is not an 11-tuple");
-            Py_DECREF(held);
-            return NULL;
-        }
-    }
-    PyObject *out = PyList_New(0);
-    if (out == NULL) {
-        Py_DECREF(held);
-        return NULL;
-    }
-    run_t run = {0};
-    int steady = n > 0;
-    Py_ssize_t i = 0;
-    while (i < n) {
-        PyObject *s = items[i];
-        unsigned long kind, flags;
-        if (field_ul(s, F_KIND, &kind) < 0 || field_ul(s, F_FLAGS, &flags) < 0) goto fail;
-        PyObject *refobj = PyTuple_GET_ITEM(s, F_REF);
-        if (kind == KIND_ENTER && i + 1 < n && !(flags & 1)) {
-            int in_whole = PySet_Contains(whole, refobj);
-            if (in_whole < 0) goto fail;
-            if (!in_whole) { /* a signature not shown before: it travels alone */
-                steady = 0;
-                PyObject *r = PyObject_CallOneArg(known, refobj);
-                if (r == NULL) goto fail;
-                Py_DECREF(r);
-                PyObject *may = PyDict_GetItemWithError(ok, refobj);
-                if (may == NULL && PyErr_Occurred()) goto fail;
-                int t = may == NULL ? 0 : PyObject_IsTrue(may);
-                if (t < 0 || (t && PySet_Add(whole, refobj) < 0)) goto fail;
-                if (flush_run(&run, out, run_min) < 0 || PyList_Append(out, s) < 0) goto fail;
-                i += 1;
-                continue;
-            }
-            PyObject *may = PyDict_GetItemWithError(ok, refobj);
-            if (may == NULL && PyErr_Occurred()) goto fail;
-            int t = may == NULL ? 0 : PyObject_IsTrue(may);
-            if (t < 0) goto fail;
-            if (t) {
-                PyObject *x = items[i + 1];
-                unsigned long xkind, xcall, xref, xaux, call, ref, seq, step;
-                if (field_ul(x, F_KIND, &xkind) < 0 || field_ul(x, F_CALL, &xcall) < 0 ||
-                    field_ul(x, F_REF, &xref) < 0 || field_ul(x, F_AUX, &xaux) < 0 ||
-                    field_ul(s, F_CALL, &call) < 0 || field_ul(s, F_REF, &ref) < 0 ||
-                    field_ul(s, F_SEQ, &seq) < 0 || field_ul(s, F_STEP, &step) < 0)
-                    goto fail;
-                if (xkind == KIND_EXIT && xcall == call && xref == 0 && xaux <= 1) {
-                    unsigned long k = run.enters != NULL ? (unsigned long)PyList_GET_SIZE(run.enters) : 0;
-                    int follows = run.enters != NULL && ref == run.ref &&
-                                  call == ((run.call_id + k) & 0xFFFFFFFFul) &&
-                                  seq == ((run.seq + k) & 0xFFFFFFFFul) && step == run.step;
-                    if (!follows) {
-                        if (flush_run(&run, out, run_min) < 0) goto fail;
-                        run.enters = PyList_New(0);
-                        run.exits = PyList_New(0);
-                        if (run.enters == NULL || run.exits == NULL) goto fail;
-                        run.enter = s;
-                        run.exit = x;
-                        run.ref = ref;
-                        run.call_id = call;
-                        run.seq = seq;
-                        run.step = step;
-                    }
-                    if (PyList_Append(run.enters, PyTuple_GET_ITEM(s, F_TIME)) < 0 ||
-                        PyList_Append(run.exits, PyTuple_GET_ITEM(x, F_TIME)) < 0)
-                        goto fail;
-                    i += 2;
-                    continue;
-                }
-            }
-        }
-        if (flush_run(&run, out, run_min) < 0) goto fail;
-        if (steady) {
-            int st = settled(s, i + 1 < n ? items[i + 1] : NULL);
-            if (st < 0) goto fail;
-            if (!st) steady = 0;
-        }
-        if (PyList_Append(out, s) < 0) goto fail;
-        i += 1;
-    }
-    if (flush_run(&run, out, run_min) < 0) goto fail;
-    Py_DECREF(held);
-    return Py_BuildValue("(NO)", out, steady ? Py_True : Py_False);
-fail:
-    Py_XDECREF(run.enters);
-    Py_XDECREF(run.exits);
-    Py_DECREF(held);
-    Py_DECREF(out);
-    return NULL;
-}
-
-/* ---- cycles of signatures: ``RingEncoder._cycled`` (and ``_cycles_in``) in C ----------------
- *
- * The gatherer's output (slots, and runs as 4-tuples) with each stretch of calls that repeat a
- * cycle of 2 to ``max_cycle`` signatures of one group ``cycle_min`` times or more put in place of
- * their slots as a 5-tuple (enter, exit, enters, exits, refs). Step for step the Python one, which
- * stays the reference (the tests play both on the same batches). */
-
-static int is_slot(PyObject *o) { return PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 11; }
-
-/* Whether ``s`` (an ENTER) and ``x`` make a call fit for a cycle: 1, 0, -1 on failure. */
-static int cycle_fit(PyObject *s, PyObject *x, PyObject *shown, PyObject *ok) {
-    unsigned long kind, flags, xkind, xcall, call, xref, xaux;
-    if (!is_slot(s) || !is_slot(x)) return 0;
-    if (field_ul(s, F_KIND, &kind) < 0 || field_ul(s, F_FLAGS, &flags) < 0) return -1;
-    if (kind != KIND_ENTER || (flags & 1)) return 0;
-    PyObject *refobj = PyTuple_GET_ITEM(s, F_REF);
-    int in = PySet_Contains(shown, refobj);
-    if (in <= 0) return in;
-    PyObject *may = PyDict_GetItemWithError(ok, refobj);
-    if (may == NULL) return PyErr_Occurred() ? -1 : 0;
-    int t = PyObject_IsTrue(may);
-    if (t <= 0) return t;
-    if (field_ul(x, F_KIND, &xkind) < 0 || field_ul(x, F_CALL, &xcall) < 0 || field_ul(x, F_REF, &xref) < 0 ||
-        field_ul(x, F_AUX, &xaux) < 0 || field_ul(s, F_CALL, &call) < 0)
-        return -1;
-    return xkind == KIND_EXIT && xcall == call && xref == 0 && xaux <= 1;
-}
-
-/* Whether the call at ``s`` follows the one at ``before`` (ids and seqs one apart, one step,
- * one lane): 1, 0, -1 on failure. */
-static int cycle_follows(PyObject *s, PyObject *before, PyObject *lanes) {
-    unsigned long call, seq, step, bcall, bseq, bstep;
-    if (field_ul(s, F_CALL, &call) < 0 || field_ul(s, F_SEQ, &seq) < 0 || field_ul(s, F_STEP, &step) < 0 ||
-        field_ul(before, F_CALL, &bcall) < 0 || field_ul(before, F_SEQ, &bseq) < 0 ||
-        field_ul(before, F_STEP, &bstep) < 0)
-        return -1;
-    if (call != ((bcall + 1) & 0xFFFFFFFFul) || seq != ((bseq + 1) & 0xFFFFFFFFul) || step != bstep) return 0;
-    PyObject *a = PyDict_GetItemWithError(lanes, PyTuple_GET_ITEM(s, F_REF));
-    if (a == NULL && PyErr_Occurred()) return -1;
-    PyObject *b = PyDict_GetItemWithError(lanes, PyTuple_GET_ITEM(before, F_REF));
-    if (b == NULL && PyErr_Occurred()) return -1;
-    if (a == NULL || b == NULL) return a == b;
-    return PyObject_RichCompareBool(a, b, Py_EQ);
-}
 
 /* The period (0: none) of the longest cycle of 2 to ``max_cycle`` refs, repeated ``cycle_min``
  * times or more, that ``refs[i:m]`` starts with, and its length in calls (``*len``). */
@@ -767,109 +558,6 @@ static Py_ssize_t best_cycle(const unsigned long *refs, Py_ssize_t i, Py_ssize_t
     return best_p;
 }
 
-/* ``_cycles_in``: the ``m`` calls of ``pairs`` (two slots each) into ``out``, cycles gathered. */
-static int cycles_in(PyObject *const *pairs, Py_ssize_t m, PyObject *out, Py_ssize_t cycle_min, Py_ssize_t max_cycle) {
-    unsigned long *refs = PyMem_Malloc(sizeof(unsigned long) * (size_t)(m > 0 ? m : 1));
-    if (refs == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t k = 0; k < m; k++)
-        if (field_ul(pairs[2 * k], F_REF, &refs[k]) < 0) goto fail;
-    Py_ssize_t i = 0;
-    while (i < m) {
-        Py_ssize_t best_len = 0, best_p = best_cycle(refs, i, m, cycle_min, max_cycle, &best_len);
-        if (!best_p) {
-            if (PyList_Append(out, pairs[2 * i]) < 0 || PyList_Append(out, pairs[2 * i + 1]) < 0) goto fail;
-            i++;
-            continue;
-        }
-        PyObject *enters = PyList_New(best_len), *exits = PyList_New(best_len), *cyc = PyTuple_New(best_p);
-        if (enters == NULL || exits == NULL || cyc == NULL) {
-            Py_XDECREF(enters);
-            Py_XDECREF(exits);
-            Py_XDECREF(cyc);
-            goto fail;
-        }
-        for (Py_ssize_t k = 0; k < best_len; k++) {
-            PyList_SET_ITEM(enters, k, Py_NewRef(PyTuple_GET_ITEM(pairs[2 * (i + k)], F_TIME)));
-            PyList_SET_ITEM(exits, k, Py_NewRef(PyTuple_GET_ITEM(pairs[2 * (i + k) + 1], F_TIME)));
-        }
-        for (Py_ssize_t k = 0; k < best_p; k++) PyTuple_SET_ITEM(cyc, k, Py_NewRef(PyTuple_GET_ITEM(pairs[2 * (i + k)], F_REF)));
-        PyObject *t = PyTuple_Pack(5, pairs[2 * i], pairs[2 * i + 1], enters, exits, cyc);
-        Py_DECREF(enters);
-        Py_DECREF(exits);
-        Py_DECREF(cyc);
-        if (t == NULL) goto fail;
-        int rc = PyList_Append(out, t);
-        Py_DECREF(t);
-        if (rc < 0) goto fail;
-        i += best_len;
-    }
-    PyMem_Free(refs);
-    return 0;
-fail:
-    PyMem_Free(refs);
-    return -1;
-}
-
-static PyObject *cycles(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "cycles(items, shown, ok, lanes, cycle_min, max_cycle)");
-        return NULL;
-    }
-    PyObject *shown = args[1], *ok = args[2], *lanes = args[3];
-    Py_ssize_t cycle_min = PyLong_AsSsize_t(args[4]), max_cycle = PyLong_AsSsize_t(args[5]);
-    if ((cycle_min == -1 || max_cycle == -1) && PyErr_Occurred()) return NULL;
-    if (!PyList_Check(args[0]) || !PySet_Check(shown) || !PyDict_Check(ok) || !PyDict_Check(lanes) || cycle_min < 1) {
-        PyErr_SetString(PyExc_TypeError, "cycles: items must be a list, shown a set, ok and lanes dicts");
-        return NULL;
-    }
-    PyObject *held = PyList_AsTuple(args[0]); /* a snapshot: nothing here runs Python code, but as gather */
-    if (held == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(held);
-    PyObject *const *items = &PyTuple_GET_ITEM(held, 0);
-    PyObject *out = PyList_New(0);
-    if (out == NULL) {
-        Py_DECREF(held);
-        return NULL;
-    }
-    Py_ssize_t i = 0;
-    while (i < n) {
-        Py_ssize_t j = i;
-        while (j + 1 < n) {
-            int fit = cycle_fit(items[j], items[j + 1], shown, ok);
-            if (fit < 0) goto fail;
-            if (!fit) break;
-            if (j > i) {
-                int f = cycle_follows(items[j], items[j - 2], lanes);
-                if (f < 0) goto fail;
-                if (!f) break;
-            }
-            j += 2;
-        }
-        if (j - i < 4 * cycle_min) {
-            PyObject *item = items[i];
-            if (is_slot(item)) {
-                unsigned long kind;
-                if (field_ul(item, F_KIND, &kind) < 0) goto fail;
-                if (kind == KIND_ENTER && PySet_Add(shown, PyTuple_GET_ITEM(item, F_REF)) < 0) goto fail;
-            }
-            if (PyList_Append(out, item) < 0) goto fail;
-            i++;
-            continue;
-        }
-        if (cycles_in(items + i, (j - i) / 2, out, cycle_min, max_cycle) < 0) goto fail;
-        i = j;
-    }
-    Py_DECREF(held);
-    return out;
-fail:
-    Py_DECREF(held);
-    Py_DECREF(out);
-    return NULL;
-}
-
 /* ---- packed slots: a read's slots as one bytes object, gathered without a tuple per slot -----
  *
  * A scan that made an 11-tuple (and five numbers) per slot had most of them gone again a moment
@@ -878,8 +566,8 @@ fail:
  * coordinator, 2026-11-24: BENCHMARKS.md, issue 16's fifth step). ``scan_packed`` copies the
  * published slots out as they lie, one bytes object; ``gather_packed`` gathers runs, and cycles
  * where asked, straight from those bytes, and makes a slot's tuple only where the slot travels
- * alone or opens a run. Items and steadiness are ``gather``'s then ``cycles``'
- * (``tests/test_ringwire.py`` plays the three on the same batches). */
+ * alone or opens a run. Slots already made tuples (a list: the entry held back, a test's batch)
+ * go in as its ``head``, with no bytes. */
 
 /* scan_packed(mm, header, capacity, position, budget) -> (data, position, stopped): the slots
  * published from ``position`` on, oldest first, at most ``budget``, as one bytes object
@@ -1080,7 +768,8 @@ static int g_in(gsrc_t *src, PyObject *set, unsigned long ref) {
     return in;
 }
 
-/* ``settled`` on structs. */
+/* Whether slot ``s`` (with ``after``, the next one or NULL) tells a detector nothing it waits
+ * for (``ringwire._settled``). */
 static int g_settled(const slot_t *s, const slot_t *after) {
     if (s->kind == KIND_ENTER)
         return after != NULL && !(s->flags & 1) && after->kind == KIND_EXIT && after->call_id == s->call_id &&
@@ -1089,7 +778,7 @@ static int g_settled(const slot_t *s, const slot_t *after) {
     return s->kind == 3;
 }
 
-/* ``gather``'s loop on structs: runs and lone slots into ``out``; the batch's steadiness. */
+/* ``RingEncoder._gather_python``'s loop: runs and lone slots into ``out``; the batch's steadiness. */
 static int g_gather(gsrc_t *src, PyObject *whole, PyObject *ok, PyObject *known, Py_ssize_t run_min, gitems_t *out,
                     int *steady_out) {
     const slot_t *S = src->s;
@@ -1162,7 +851,7 @@ static int g_gather(gsrc_t *src, PyObject *whole, PyObject *ok, PyObject *known,
     return 0;
 }
 
-/* ``cycle_fit`` on structs: the lone slots ``s`` and ``x`` make a call fit for a cycle. */
+/* The lone slots ``a`` and ``b`` make a call fit for a cycle (``RingEncoder._cycled``). */
 static int g_cycle_fit(gsrc_t *src, const gitem_t *a, const gitem_t *b, PyObject *shown, PyObject *ok) {
     if (a->type != G_SLOT || b->type != G_SLOT) return 0;
     const slot_t *s = &src->s[a->i], *x = &src->s[b->i];
@@ -1192,7 +881,7 @@ static int g_cycle_follows(gsrc_t *src, const slot_t *s, const slot_t *before, P
     return PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
-/* ``cycles_in`` on structs: the ``m`` calls from slot ``first`` (two slots each) into ``out``. */
+/* ``RingEncoder._cycles_in``: the ``m`` calls from slot ``first`` (two slots each) into ``out``. */
 static int g_cycles_in(gsrc_t *src, Py_ssize_t first, Py_ssize_t m, gitems_t *out, Py_ssize_t cycle_min,
                        Py_ssize_t max_cycle) {
     unsigned long *refs = PyMem_Malloc(sizeof(unsigned long) * (size_t)(m > 0 ? m : 1));
@@ -1219,7 +908,7 @@ static int g_cycles_in(gsrc_t *src, Py_ssize_t first, Py_ssize_t m, gitems_t *ou
     return rc;
 }
 
-/* ``cycles``' loop on the gathered items. */
+/* ``RingEncoder._cycled``'s loop on the gathered items. */
 static int g_cycles(gsrc_t *src, const gitems_t *in, PyObject *shown, PyObject *ok, PyObject *lanes,
                     Py_ssize_t cycle_min, Py_ssize_t max_cycle, gitems_t *out) {
     const gitem_t *items = in->items;
@@ -1256,7 +945,8 @@ static int g_cycles(gsrc_t *src, const gitems_t *in, PyObject *shown, PyObject *
     return 0;
 }
 
-/* The items as ``gather`` and ``cycles`` hand them out; NULL with an exception on failure. */
+/* The items as Python objects: slots, runs as (enter, exit, enters, exits), cycles with their refs
+ * after; NULL with an exception on failure. */
 static PyObject *g_items(gsrc_t *src, const gitems_t *items) {
     PyObject *out = PyList_New(items->n);
     if (out == NULL) return NULL;
@@ -1304,10 +994,11 @@ static PyObject *g_items(gsrc_t *src, const gitems_t *items) {
 }
 
 /* gather_packed(head, data, n, whole, ok, known, run_min, slot_type, cycles) -> (items, steady):
- * ``gather`` on the slots of ``head`` (a list of slot tuples: the entry held back from the last
- * batch) then the first ``n`` of ``data`` (``scan_packed``'s bytes), and with ``cycles`` (None,
- * or (shown, lanes, cycle_min, max_cycle)) ``cycles`` on its items: the same items, with a tuple
- * made only for a slot that travels alone or opens a run or cycle. */
+ * ``RingEncoder._gather`` on the slots of ``head`` (a list of slot tuples: the entry held back
+ * from the last batch, or a whole batch read as tuples) then the first ``n`` of ``data``
+ * (``scan_packed``'s bytes), and with ``cycles`` (None, or (shown, lanes, cycle_min, max_cycle))
+ * ``_cycled`` on its items; a tuple is made only for a slot that travels alone or opens a run
+ * or cycle (``head``'s are handed back as they are). */
 static PyObject *gather_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) {
         PyErr_SetString(PyExc_TypeError, "gather_packed(head, data, n, whole, ok, known, run_min, slot_type, cycles)");
@@ -1397,10 +1088,6 @@ static PyMethodDef module_methods[] = {
     {"general_entered", general_entered, METH_NOARGS, "A thread entered a call the Python wrapper records."},
     {"general_left", general_left, METH_NOARGS, "A thread left a call the Python wrapper records."},
     {"general_inside", general_count, METH_NOARGS, "Threads inside a call the Python wrapper records."},
-    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL,
-     "gather(slots, whole, ok, known, run_min) -> (items, steady): RingEncoder._gather in C."},
-    {"cycles", (PyCFunction)(void (*)(void))cycles, METH_FASTCALL,
-     "cycles(items, shown, ok, lanes, cycle_min, max_cycle) -> items: RingEncoder._cycled in C."},
     {"scan_packed", (PyCFunction)(void (*)(void))scan_packed, METH_FASTCALL,
      "scan_packed(mm, header, capacity, position, budget) -> (data, position, stopped)."},
     {"gather_packed", (PyCFunction)(void (*)(void))gather_packed, METH_FASTCALL,

@@ -9,18 +9,6 @@ def general_entered() -> None:
     """A thread entered a call the Python wrapper records (its fast paths skip ``depth`` otherwise)."""
 
 def general_left() -> None: ...
-def gather(
-    slots: list[Any], whole: set[int], ok: dict[int, bool], known: Callable[[int], None], run_min: int, /
-) -> tuple[list[Any], bool]:
-    """``RingEncoder._gather`` in C: the items (slots, and runs as (enter, exit, enters, exits))
-    and whether the batch was steady."""
-
-def cycles(
-    items: list[Any], shown: set[int], ok: dict[int, bool], lanes: dict[int, Any], cycle_min: int, max_cycle: int, /
-) -> list[Any]:
-    """``RingEncoder._cycled`` in C, on ``gather``'s items: cycles as (enter, exit, enters,
-    exits, refs)."""
-
 def scan_packed(
     mm: Any, header: int, capacity: int, position: int, budget: int, /
 ) -> tuple[bytes, int, tuple[int, int] | None]:
@@ -40,8 +28,10 @@ def gather_packed(
     cycles: tuple[set[int], dict[int, Any], int, int] | None,
     /,
 ) -> tuple[list[Any], bool]:
-    """``gather`` (then ``cycles``, where asked) on ``head``'s slots and the first ``n`` of
-    ``data`` (``scan_packed``'s): the same items, a slot's tuple made only where it is one."""
+    """``RingEncoder._gather`` in C (then ``_cycled``, where asked) on ``head``'s slots and the
+    first ``n`` of ``data`` (``scan_packed``'s): the items (slots, runs as (enter, exit, enters,
+    exits), cycles with their refs after) and whether the batch was steady; a slot's tuple is
+    made only where it is one."""
 
 def general_inside() -> int:
     """Threads inside a call the Python wrapper records, now."""

@@ -278,6 +278,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         and not running
         and reaction is None
         and all((st.end is None or _raced(st, first_time)) and abs(t - first_time) <= TOGETHER_S for t, st in ended)
+        # a peer that raised counts as vanished only beside another that vanished without a word
         and (all(st.end is None for _, st in ended) or any(st.end is None for _, st in ended[1:]))
     ):
         return []  # every process vanished at once: the job was stopped (killed) as a whole
