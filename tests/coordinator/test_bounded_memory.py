@@ -216,7 +216,7 @@ def test_flood_of_32_ranks_plateaus_in_size_and_traced_memory() -> None:
     assert flood.opened == [] and flood.engine.incidents == {}, [i.summary for i in flood.opened]
     # the windows really are full: the flood exercises the caps it claims to
     assert at_end["rank.history[max]"] == state_mod.HISTORY_PER_GROUP
-    assert at_end["job.arrivals[max]"] == state_mod.ARRIVALS_KEPT
+    assert at_end["job._arrivals[max]"] == state_mod.ARRIVALS_KEPT
     assert len(job.wait_durations) == state_mod.DURATIONS_KEPT
     assert at_end["rank.markers"] == 16 and at_end["rank.step_times"] == 64
     assert flood.sessions_made >= 32 + 640 // flood.reregister_every - 1  # ranks did re-register

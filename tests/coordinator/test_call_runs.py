@@ -299,6 +299,45 @@ def test_a_rank_that_stops_inside_a_steady_loop_is_told_as_before() -> None:
     assert runs.incidents and all(1 in inc[3] for inc in runs.incidents), runs.incidents
 
 
+def test_a_call_cut_off_its_run_by_a_batchs_edge_goes_on_the_run() -> None:
+    """A completed call that comes alone after its rank's run (the edge of a read one call from
+    the end of a run) is taken as a run of one, not a call that makes a slot, which every other
+    rank's run through its seq would then enter whole: at 1,024 ranks some rank sends such a
+    call at nearly every step (``bench/ingest.py ceiling``). Rank 0 sends call 1 alone (its
+    group's first call, made whole), calls 2-9, call 10 alone, calls 11-20; rank 1 call 1, then
+    2-20: every call after the first travels in runs, and nothing changes but that."""
+    p = Program(2, [Sig()] * 20, "none", 0, 2, [[3, 16, 2, 20], [3, 38]], 0)  # (a group event first)
+    runs = _play(p, runs=True)
+    assert runs.runs == 4  # rank 0: 2-9, 10, 11-20; rank 1: 2-20
+    alone = _play(p, runs=False)
+    assert runs.incidents == alone.incidents == []
+    assert runs.ranks == alone.ranks and runs.received == alone.received == 40
+    assert [seq for seq, _, _ in runs.ranks[0][4]["0"]] == list(range(1, 21))
+
+
+def test_a_run_through_slots_enters_their_calls_whole_and_keeps_the_rest_as_the_run() -> None:
+    """Rank 0 sends calls 1-10 alone, each making a slot; rank 1 then sends call 1, and 2-20 in a
+    run. The run's calls at 2-10 are entered whole into those slots; 11-20 stay the run's in
+    rank 1's history (before, every call of a run through any slot was made whole)."""
+    p = Program(2, [Sig()] * 20, "none", 0, 2, [[3] + [2] * 9, [3, 38]], 0)
+    job = SimJob(2, registered=T0)
+    now = T0 + 1.0
+    for rank in (0, 1):
+        ring, _ = _ring(p, rank)
+        reader, encoder = RingReader(ring.fd), RingEncoder()
+        for size in p.batches[rank]:
+            now += 0.01
+            job.deliver(rank, encoder.decode(reader.poll(size), rank, budget.call_bytes), now, sent_time=now)
+        reader.close()
+        ring.close()
+    hist = job.states[1].history["0"]
+    assert len(hist) == 20 and [c.seq for c in hist.alone()] == list(range(1, 11))
+    assert job.job.runs_taken == 1 and job.job.records_received == 30
+    assert [c.seq for c in hist] == list(range(1, 21))  # made whole when read in order
+    job.tick(now + 1)
+    assert job.tick_engine.incidents == {}
+
+
 def test_runs_are_let_go_once_every_member_passed_them() -> None:
     """Memory: the runs a job state holds stay near the members' slack, not the job's length."""
     p = _steady(world=3, n=3000, batch=100)
@@ -335,6 +374,33 @@ def test_arrivals_from_runs_name_the_same_last_rank_as_slots() -> None:
         outcomes.append([(last, round(lag, 6), seq) for last, lag, seq, _ in job.job.arrivals["0"]])
     assert outcomes[1] == outcomes[0]
     assert {last for last, _, _ in outcomes[1]} == {3}  # the ring builder makes rank 3 the latest
+
+
+def test_arrivals_read_every_tick_are_the_same_from_runs_as_from_slots() -> None:
+    """The seqs runs complete are counted when ``arrivals`` is read (the straggler detector, once
+    a tick), not as each slowest rank's run comes: a reader every third round of batches sees
+    what it sees where every call makes a slot, counted as each completes. Ranks read 10 to 40
+    calls a round: the slowest one's runs through the seqs counted are a few rounds old."""
+    p = _steady(world=4, n=600, batch=50)
+    seen: list[list[list[tuple[int, float, int]]]] = []
+    for runs in (False, True):
+        job = SimJob(4, registered=T0)
+        readers = [(RingReader(ring.fd), RingEncoder()) for ring in (_ring(p, rank)[0] for rank in range(4))]
+        reads: list[list[tuple[int, float, int]]] = []
+        now = T0 + 1
+        for round_ in range(30):
+            now += 0.05
+            for rank, (reader, encoder) in enumerate(readers):
+                job.deliver(rank, encoder.decode(reader.poll(10 * (rank + 1)), rank, budget.call_bytes, runs=runs),
+                            now, sent_time=now)  # fmt: skip
+            if round_ % 3 != 2:
+                continue
+            reads.append(sorted((last, round(lag, 6), seq) for last, lag, seq, _ in job.job.arrivals.get("0", ())))
+        seen.append(reads)
+        if runs:
+            assert job.job.runs_taken > 20
+    assert seen[1] == seen[0]
+    assert len(seen[1][-1]) == 32 and {last for last, _, _ in seen[1][-1]} == {3}
 
 
 def test_runs_stay_within_a_ranks_memory_budget() -> None:

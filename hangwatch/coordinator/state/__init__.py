@@ -82,6 +82,7 @@ class ClaimRefused(ValueError):
 
 
 ARRIVALS_KEPT = 32
+PRUNE_RUNS_EVERY = 16  # passed seqs between two walks of every member's runs (``_prune_runs``)
 
 
 class JobState:
@@ -116,8 +117,11 @@ class JobState:
         self.p2p_changed = False
         self.aborted_at: float | None = None
         self.dropped_calls = 0  # calls and group announcements refused because they would exceed MAX_GROUPS
-        # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time)
-        self.arrivals: dict[str, collections.deque[tuple[int, float, int, float]]] = {}
+        # per group, for complete slots: (last rank to arrive, its lag behind the median, seq, time),
+        # read through ``arrivals``; and the seqs that runs completed, counted when it is read
+        self._arrivals: dict[str, collections.deque[tuple[int, float, int, float]]] = {}
+        self._arrivals_due: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        self._pruned_to: dict[str, int] = {}  # per group, the lowest passed seq runs were let go below
         self.group_owner: dict[str, int] = {}  # group -> the rank whose announcement made it
         self._world: tuple[int, ...] = ()
         #: claims refused or overridden (a second process for a held rank, another world size, an
@@ -333,7 +337,13 @@ class JobState:
         if state.end is not None and state.end.kind is r.EndKind.DESTROYED and _active(event, state.end.time):
             state.end = None  # destroy_process_group(), then init_process_group() again: it goes on
         if isinstance(event, r.CallRecord):
-            self._enter(state, event, now)
+            if event.exit_time is not None and self._alone_in_run(state, event):
+                # a run cut short by the edge of a batch: taken as a run of one (else its slot
+                # would make every other rank's run through its seq enter that call whole)
+                self._run(state, r.CallRun(state.rank, event, event.call_id, event.seq, event.step,
+                                           [event.enter_time], [event.exit_time]), now)  # fmt: skip
+            else:
+                self._enter(state, event, now)
         elif isinstance(event, r.CallRun):
             self._run(state, event, now)
         elif isinstance(event, r.CallExit):
@@ -365,6 +375,25 @@ class JobState:
             state.last_progress = now
         elif isinstance(event, r.GroupProgress):
             self._progress(state, event, now)
+
+    def _alone_in_run(self, state: RankState, call: r.CallRecord) -> bool:
+        """Whether a completed call sent alone goes on a run of its rank: a collective that
+        returned without error having issued one collective, the rank's previous call on its
+        group taken in a run. Where a batch's edge cuts a run
+        one call from its end or a step's, the call comes alone; at 1,024 ranks some rank
+        does so at nearly every step, and a slot made there has every other rank's run
+        enter its call there whole (``_run_by_slots``). Calls that come alone as a rule (no
+        two alike in a row) go on as calls."""
+        hist = state.history.get(call.group)
+        return (
+            hist is not None
+            and hist.ends_in_run()
+            and call.error is None
+            and call.seq_count == 1
+            and call.returned_time is None
+            and call.call_id < ENTRY_CALL_IDS
+            and call.kind is r.OpKind.COLLECTIVE
+        )  # where a slot waits at its seq, ``_run`` enters it there whole, as before
 
     def _group_event(self, state: RankState, event: r.GroupEvent) -> None:
         self.groups_changed = True
@@ -416,7 +445,9 @@ class JobState:
         self.passed_to.pop(name, None)
         self.passed_low.pop(name, None)
         self.run_refs.pop(name, None)
-        self.arrivals.pop(name, None)
+        self._arrivals.pop(name, None)
+        self._arrivals_due.pop(name, None)
+        self._pruned_to.pop(name, None)
         self.changed_slots = {key for key in self.changed_slots if key[0] != name}
         for st in self.ranks.values():
             hist = st.history.pop(name, None)
@@ -666,9 +697,9 @@ class JobState:
             if len(slot.calls) == len(members) > 1:
                 arrivals = sorted([(c.enter_time, rk) for rk, c in slot.calls.items()])
                 median = arrivals[(len(arrivals) - 1) // 2][0]  # of the others: the last rank's lag behind it
-                lasts = self.arrivals.get(group)
+                lasts = self._arrivals.get(group)
                 if lasts is None:
-                    lasts = self.arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
+                    lasts = self._arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
                 lasts.append((arrivals[-1][1], arrivals[-1][0] - median, seq, slot.first_enter))
             if done and call.error is None:  # reported already complete
                 self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
@@ -870,7 +901,7 @@ class JobState:
             costs = (t.cost or b.call_bytes(t),)
             odd = t.kind is not r.OpKind.COLLECTIVE or self._faulty(t, group)
         if (
-            n < 2
+            not n
             or len(run.exits) != n
             or odd
             or group not in state.history
@@ -890,31 +921,12 @@ class JobState:
             for other in [c for c in open_here.values() if c.seq < first and c.returned_time is None]:
                 self._close(state, other, run.enters[0] + offset, None)
         hist = state.history[group]
-        durations = self.wait_durations
-        enters, exits = run.enters, run.exits
-        last: r.CallRecord | None = None
         if not slots or not _any_in(slots, first, first + n - 1):
             # no slot waits for any of its calls (the steady state): taken whole, the history
             # keeping the run's last calls as the run (``state.history``)
-            passed = True
-            state.last_call_id = run.first_call_id + n - 1
-            self.records_received += n
-            kept = min(n, DURATIONS_KEPT)
-            durations.extend(map(max, itertools.repeat(0.0), map(operator.sub, exits[n - kept :], enters[n - kept :])))
-            k = min(n, HISTORY_PER_GROUP)
-            if len(hist) + k > HISTORY_PER_GROUP:
-                self._evict(state, hist, len(hist) + k - HISTORY_PER_GROUP)
-            last = run.call(n - 1, offset)
-            piece = RunSlice.tail(run, n - k, last, costs)  # its own copy: not the whole run's times
-            last.cost = piece.cost_of(k - 1)
-            last.holds = 1
-            charged = piece.bytes(0, k)
-            state.calls += charged
-            self.held += charged
-            self.ledger.held += charged
-            hist.append_run(piece)
+            passed, last = True, self._pass(state, run, hist, 0, n, costs)
         else:
-            passed, last = self._run_by_slots(state, run, hist, now)
+            passed, last = self._run_by_slots(state, run, hist, costs, now)
         if last is not None:
             before = state.last_call
             if before is None or last.enter_time >= before.enter_time:
@@ -937,47 +949,68 @@ class JobState:
         if slots:
             self._prune(group, run.last_seq)
 
-    def _run_by_slots(
-        self, state: RankState, run: r.CallRun, hist: History, now: float
-    ) -> tuple[bool, r.CallRecord | None]:
-        """``_run``'s calls one by one, where slots wait for some of them: those are made whole
-        and entered; the last ``HISTORY_PER_GROUP`` of the others are made for the history.
-        Whether any call stayed the run's, and the last call made for the history."""
-        group, first, offset = run.template.group, run.first_seq, run.offset
+    def _pass(
+        self, state: RankState, run: r.CallRun, hist: History, lo: int, hi: int, costs: tuple[int, ...]
+    ) -> r.CallRecord | None:
+        """Take calls ``lo`` to ``hi - 1`` of ``run`` as passed (no slot waits for them): counted,
+        their waits kept (those of the run's last ``DURATIONS_KEPT``), and those among the run's
+        last ``HISTORY_PER_GROUP`` kept in the rank's history as a slice of the run (no record
+        each: ``history.RunSlice``). The last call made whole for the history, if any."""
         n = len(run.enters)
-        slots = self.slots.get(group)
-        whole_from = n - min(n, HISTORY_PER_GROUP)  # from here on, calls are made for the history
-        passed = False
-        durations = self.wait_durations
-        ledger = self.ledger
+        state.last_call_id = run.first_call_id + hi - 1
+        self.records_received += hi - lo
         enters, exits = run.enters, run.exits
+        d = max(lo, n - DURATIONS_KEPT)
+        if d < hi:
+            self.wait_durations.extend(map(max, itertools.repeat(0.0), map(operator.sub, exits[d:hi], enters[d:hi])))
+        lo = max(lo, n - HISTORY_PER_GROUP)
+        k = hi - lo
+        if k <= 0:
+            return None
+        if len(hist) + k > HISTORY_PER_GROUP:
+            self._evict(state, hist, len(hist) + k - HISTORY_PER_GROUP)
+        last = run.call(hi - 1, run.offset)
+        piece = RunSlice.part(run, lo, hi, last, costs)  # its own copy: not the whole run's times
+        last.cost = piece.cost_of(k - 1)
+        last.holds = 1
+        charged = piece.bytes(0, k)
+        state.calls += charged
+        self.held += charged
+        self.ledger.held += charged
+        hist.append_run(piece)
+        return last
+
+    def _run_by_slots(
+        self, state: RankState, run: r.CallRun, hist: History, costs: tuple[int, ...], now: float
+    ) -> tuple[bool, r.CallRecord | None]:
+        """``_run``'s calls where slots wait for some of them: those are made whole and entered;
+        the stretches between them are taken as passed (``_pass``), so a run through a few
+        slots costs a few calls, not one per call. (A rank that sent a call alone at a seq,
+        at the edge of a batch, makes a slot there that every other rank's run goes through.)
+        Whether any call stayed the run's, and the last call made for the history."""
+        group, first = run.template.group, run.first_seq
+        n = len(run.enters)
+        slots = self.slots[group]
+        if len(slots) <= n:
+            waiting = sorted(seq - first for seq in slots if first <= seq < first + n)
+        else:
+            waiting = [i for i in range(n) if first + i in slots]
+        passed = False
         last: r.CallRecord | None = None
+        start = 0  # the first call of the stretch not yet taken
         self._in_run = True
         try:
-            for i in range(n):
-                if slots is not None and first + i in slots:
-                    self._enter(state, run.call(i), now)  # a slot waits for it: the call, whole
+            for i in waiting:
+                if first + i not in slots:  # let go of since, by a call entered before it
                     continue
+                if i > start:
+                    passed = True
+                    last = self._pass(state, run, hist, start, i, costs) or last
+                self._enter(state, run.call(i), now)  # a slot waits for it: the call, whole
+                start = i + 1
+            if start < n:
                 passed = True
-                state.last_call_id = run.first_call_id + i
-                self.records_received += 1
-                durations.append(max(0.0, exits[i] - enters[i]))
-                if i < whole_from:
-                    continue
-                # kept in the rank's history (what ``_enter`` does for a completed call, but a slot)
-                call = last = run.call(i, offset)
-                cost = call.cost = call.cost or b.call_bytes(call)
-                call.holds = 1
-                state.calls += cost
-                self.held += cost
-                ledger.held += cost
-                oldest = hist.push(call, HISTORY_PER_GROUP)  # the oldest leaves (inlined ``_unhold``)
-                if oldest is not None:
-                    oldest.holds -= 1
-                    if not oldest.holds:
-                        self._unhold_last(state, oldest)
-                elif len(hist) > HISTORY_PER_GROUP:  # its oldest stood in a run
-                    self._evict(state, hist, len(hist) - HISTORY_PER_GROUP)
+                last = self._pass(state, run, hist, start, n, costs) or last
         finally:
             self._in_run = False
         return passed, last
@@ -1012,6 +1045,7 @@ class JobState:
             while runs:
                 self._drop_run(runs.popleft())
             self.run_refs.pop(group, None)
+            self._arrivals_due.pop(group, None)
         runs.append(run)
         while len(runs) > 1 and runs[-1].last_seq - runs[0].first_seq >= MAX_SLOTS_PER_GROUP:
             self._drop_run(runs.popleft())  # a member that never comes: bounded as slots are
@@ -1143,47 +1177,102 @@ class JobState:
             return
         at_low -= 1
         if at_low <= 0 and members:
-            new_low = min(passed_to.get(m, 0) for m in members)
-            at_low = sum(1 for m in members if passed_to.get(m, 0) == new_low)
+            where = list(map(passed_to.get, members, itertools.repeat(0)))
+            new_low = min(where)
+            at_low = where.count(new_low)
             if new_low > low:
-                self._runs_complete(group, low, new_low, members)
-                self._prune_runs(group, new_low)
+                due = self._arrivals_due.get(group)
+                self._arrivals_due[group] = (due[0] if due else low, new_low, members)
+                if new_low >= self._pruned_to.get(group, 0) + PRUNE_RUNS_EVERY:
+                    self._prune_runs(group, new_low)
             low = new_low
         self.passed_low[group] = (low, at_low)
+
+    @property
+    def arrivals(self) -> dict[str, collections.deque[tuple[int, float, int, float]]]:
+        """Per group, the last rank to arrive at each of its latest complete collectives (at most
+        ``ARRIVALS_KEPT``, in seq order of those that runs completed): (rank, its lag behind the
+        median arrival, seq, first arrival). The seqs runs completed are counted here, when
+        read (the straggler detector, once a tick), not each time the slowest rank's run comes:
+        at 1,024 ranks that was half the job state's work (``bench/ingest.py``)."""
+        while self._arrivals_due:
+            group, (low, new_low, members) = self._arrivals_due.popitem()
+            self._runs_complete(group, low, new_low, members)
+        return self._arrivals
 
     def _runs_complete(self, group: str, low: int, new_low: int, members: tuple[int, ...]) -> None:
         """Every member passed the seqs above ``low`` up to ``new_low``: the arrivals of those
         the runs hold (their newest ``ARRIVALS_KEPT``: the detectors read no more) are counted
-        as a complete slot's are."""
+        as a complete slot's are, and the newest ``ARRIVALS_KEPT`` by seq kept."""
         if len(members) < 2:
             return
         byrank = self.passed.get(group, {})
         slots: dict[int, Slot] = self.slots.get(group) or {}
-        lasts = self.arrivals.get(group)
+        lasts = self._arrivals.get(group)
         counted = {seq for _, _, seq, _ in lasts} if lasts else set()
-        for seq in range(max(low + 1, new_low - ARRIVALS_KEPT + 1), new_low + 1):
-            if seq in slots or seq in counted:
-                continue  # counted where its slot completed (the slot may be pruned since)
-            times = []
-            for m in members:
-                run = _run_at(byrank.get(m, ()), seq)
-                if run is None:
+        want = [
+            seq
+            for seq in range(max(low + 1, new_low - ARRIVALS_KEPT + 1), new_low + 1)
+            if seq not in slots and seq not in counted  # counted where its slot completed (it may be pruned since)
+        ]
+        if not want:
+            return
+        lo = want[0]
+        span = new_low - lo + 1
+        # a row per member of its arrival times at lo..new_low (None where no run of its holds
+        # the seq), made of its runs' slices, then read a column per seq: the work per call is
+        # in C but for adding the rank's clock offset (1,024 ranks: every call is counted here)
+        rows: list[list[float | None]] = []
+        for m in members:
+            runs = byrank.get(m)
+            if not runs:
+                return  # no seq is complete in runs alone
+            pieces: list[list[float | None]] = []
+            top = new_low  # each seq is taken from the newest run that holds it
+            for run in reversed(runs):
+                first = run.first_seq
+                if first > top:
+                    continue
+                hi = min(top, first + len(run.enters) - 1)
+                if hi < lo:
                     break
-                times.append((run.enters[seq - run.first_seq] + run.offset, m))
-            else:
-                times.sort()
-                median = times[(len(times) - 1) // 2][0]
-                if lasts is None:
-                    lasts = self.arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
-                lasts.append((times[-1][1], times[-1][0] - median, seq, times[0][0]))
+                start = max(lo, first)
+                if hi < top:
+                    pieces.append([None] * (top - hi))
+                pieces.append(list(map(run.offset.__add__, run.enters[start - first : hi - first + 1])))
+                top = start - 1
+                if top < lo:
+                    break
+            if top >= lo:
+                pieces.append([None] * (top - lo + 1))
+            row = pieces[-1] if len(pieces) == 1 else list(itertools.chain.from_iterable(reversed(pieces)))
+            assert len(row) == span
+            rows.append(row)
+        columns = list(zip(*rows, strict=True))
+        n = len(members)
+        counts: list[tuple[int, float, int, float]] = []
+        for seq in want:
+            arrived = columns[seq - lo]
+            if None in arrived:
+                continue
+            ordered = sorted(arrived)  # no None left
+            last = ordered[-1]
+            counts.append((members[arrived.index(last)], last - ordered[(n - 1) // 2], seq, ordered[0]))
+        if counts:
+            kept = sorted([*(lasts or ()), *counts], key=operator.itemgetter(2))[-ARRIVALS_KEPT:]
+            self._arrivals[group] = collections.deque(kept, maxlen=ARRIVALS_KEPT)
 
     def _prune_runs(self, group: str, low: int) -> None:
-        """Let go of runs every member has passed (keeping a short tail, as slots are kept)."""
+        """Let go of runs every member has passed, but for the last ``ARRIVALS_KEPT`` seqs (whose
+        arrivals may not be counted yet; slots are kept so too). Done every ``PRUNE_RUNS_EVERY``
+        seqs, not at each: it walks every member's runs."""
+        self._pruned_to[group] = low
+        tail = low - ARRIVALS_KEPT
         for runs in self.passed.get(group, {}).values():
-            while runs and runs[0].last_seq < low - 8:
+            while runs and runs[0].first_seq + len(runs[0].enters) <= tail:
                 self._drop_run(runs.popleft())
         refs = self.run_refs.get(group)
-        while refs and refs[0].hi < low - 8:
+        while refs and refs[0].hi < tail:
             refs.popleft()
 
     def _pin(self, slot: Slot) -> None:

@@ -13,7 +13,7 @@ for good. The coordinator's cost at 1,000 calls/s fell from 6.1 to 3.6-4.0 µs a
 
 Memory is charged as before: the ``JobState`` charges a slice's calls one by one, each at its
 template's cost, so what a history holds costs the same whether it is read or not. A slice keeps
-a copy of its calls' times, not the run's (``RunSlice.tail``): a run of a million calls, once let
+a copy of its calls' times, not the run's (``RunSlice.part``): a run of a million calls, once let
 go, leaves no more behind than its last 64. A call that only stands in a slice has no record, so
 no hold; dropping it (``drop_oldest``) hands back its bytes, and dropping a record hands back the
 record for the job state to let go.
@@ -40,18 +40,19 @@ class RunSlice:
         self.costs = costs
 
     @classmethod
-    def tail(cls, run: r.CallRun, lo: int, last: r.CallRecord, costs: tuple[int, ...]) -> RunSlice:
-        """Calls ``lo`` to the end of ``run``, kept apart from the run: a copy of their times
+    def part(cls, run: r.CallRun, lo: int, hi: int, last: r.CallRecord, costs: tuple[int, ...]) -> RunSlice:
+        """Calls ``lo`` to ``hi - 1`` of ``run``, kept apart from the run: a copy of their times
         (and the cycle turned to start at ``lo``), so that the slice holds no more than it is
-        charged for once the run itself is let go (a run may stand for a million calls)."""
-        if lo:
+        charged for once the run itself is let go (a run may stand for a million calls).
+        ``last``: call ``hi - 1`` made whole."""
+        if lo or hi != len(run.enters):
             p = len(costs)
             turn = lo % p
             templates = run.templates
             templates = templates[turn:] + templates[:turn]
             costs = costs[turn:] + costs[:turn]
             kept = r.CallRun(run.rank, templates[0], run.first_call_id + lo, run.first_seq + lo, run.step,
-                             run.enters[lo:], run.exits[lo:], offset=run.offset, cycle=templates[1:])  # fmt: skip
+                             run.enters[lo:hi], run.exits[lo:hi], offset=run.offset, cycle=templates[1:])  # fmt: skip
             run = kept
         return cls(run, 0, last, costs)
 
@@ -114,6 +115,10 @@ class History:
 
     def __repr__(self) -> str:
         return f"History({len(self)} calls, {self._slices} runs not made whole)"
+
+    def ends_in_run(self) -> bool:
+        """Whether its latest call came in a run."""
+        return bool(self._items) and type(self._items[-1]) is RunSlice
 
     def alone(self) -> Iterator[r.CallRecord]:
         """The calls that came alone, not in a run, without making any run whole: every p2p
