@@ -49,12 +49,14 @@ EXPECTED = {
 
 def serve(data_dir: str, stuck_after: float) -> None:
     """Run a coordinator until stdin closes; prints its port on the first line."""
+    from hangwatch import gctune
     from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 
     coordinator = Coordinator(
         CoordinatorOptions(host="127.0.0.1", port=0, data_dir=data_dir, embedded_agent=False, stuck_after=stuck_after)
     )
     coordinator.start()
+    gctune.tune()  # as ``hangwatch coordinator`` does
     print(coordinator.port, flush=True)
     sys.stdin.read()
     coordinator.stop(0.2)

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from hangwatch import config
+from hangwatch import config, gctune
 from hangwatch.cli import render
 
 SCENARIOS = {
@@ -73,6 +73,7 @@ def run_torchrun(
     )
     coordinator = Coordinator(options)
     coordinator.start()
+    gctune.tune()  # this process is the coordinator's while the job runs (torchrun is a child)
     _printer(coordinator)
     env = dict(os.environ)
     for secret in (config.ENV_AGENT_TOKEN, config.ENV_AGENT_TOKEN_FILE):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hangwatch import __version__, config, tls
+from hangwatch import __version__, config, gctune, tls
 from hangwatch.cli import render
 from hangwatch.cli.client import CoordinatorUnreachable, query
 from hangwatch.coordinator import budget
@@ -465,6 +465,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator = Coordinator(_coordinator_options(args, args.host, args.port))
         coordinator.start()
+        gctune.tune()
     except (ConfigError, StoreError, TLSConfigError) as exc:
         sys.stderr.write(f"hangwatch: {exc}\n")
         return 2
@@ -513,6 +514,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if relay is not None:
         sys.stdout.write(f"relaying this node's ranks: export {config.ENV_ADDR}={relay.addr}\n")
     sys.stdout.flush()
+    gctune.tune()
     try:
         run_agent(
             addr,
