@@ -1218,7 +1218,6 @@ class JobState:
         if not want:
             return
         lo = want[0]
-        span = new_low - lo + 1
         # a row per member of its arrival times at lo..new_low (None where no run of its holds
         # the seq), made of its runs' slices, then read a column per seq: the work per call is
         # in C but for adding the rank's clock offset (1,024 ranks: every call is counted here)
@@ -1246,9 +1245,8 @@ class JobState:
             if top >= lo:
                 pieces.append([None] * (top - lo + 1))
             row = pieces[-1] if len(pieces) == 1 else list(itertools.chain.from_iterable(reversed(pieces)))
-            assert len(row) == span
             rows.append(row)
-        columns = list(zip(*rows, strict=True))
+        columns = list(zip(*rows, strict=True))  # every row spans lo..new_low
         n = len(members)
         counts: list[tuple[int, float, int, float]] = []
         for seq in want:
