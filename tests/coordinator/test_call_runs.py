@@ -26,7 +26,7 @@ from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob, event_blob
 from hangwatch.signatures import CallDecoder
-from tests.factories import T0, SimJob
+from tests.factories import T0, SimJob, call
 
 SITE_A = "train.py:10 in step"
 SITE_B = "train.py:12 in step"
@@ -336,6 +336,51 @@ def test_a_run_through_slots_enters_their_calls_whole_and_keeps_the_rest_as_the_
     assert [c.seq for c in hist] == list(range(1, 21))  # made whole when read in order
     job.tick(now + 1)
     assert job.tick_engine.incidents == {}
+
+
+def test_lone_calls_go_on_a_run_only_where_they_continue_it() -> None:
+    """After a run of two, a rank sends one completed call a batch (a slow rank's pace). Each call
+    that is the run's next, alike, goes on as a run of one on the run's own template (so the
+    fault check's cache knows it, and no record is kept per call); a call alike to none does
+    not, and makes its slot as before."""
+    job = SimJob(2, registered=T0)
+    t = T0
+    for rank in (0, 1):
+        job.apply(call(rank, 1, call_id=1, enter_time=t, exit_time=t + 0.001), t)
+        template = dataclasses.replace(call(rank, 0, call_id=0), exit_time=None)
+        job.apply(r.CallRun(rank, template, 2, 2, 0, [t + 0.01, t + 0.02], [t + 0.011, t + 0.021]), t)
+    for seq in range(4, 400):
+        t += 0.01
+        for rank in (0, 1):
+            job.apply(call(rank, seq, call_id=seq, enter_time=t, exit_time=t + 0.001), t)
+    assert job.job.runs_taken == 2 + 2 * 396 and len(job.job._faults) <= 2
+    assert job.job.slots.get("0", {}) == {} or all(s <= 1 for s in job.job.slots["0"])
+    t += 0.01
+    other = call(0, 400, call_id=400, enter_time=t, exit_time=t + 0.001, inputs=(r.TensorMeta((8,), "float32"),))
+    job.apply(other, t)  # not alike: a call, with its slot
+    assert job.job.runs_taken == 2 + 2 * 396 and 400 in job.job.slots["0"]
+    job.apply(call(1, 400, call_id=400, enter_time=t, exit_time=t + 0.001), t)  # the run's next, but a slot waits
+    assert job.job.slots["0"][400].differs
+    job.tick(t + 1)
+    assert [str(i.kind) for i in job.tick_engine.incidents.values()] == ["shape_mismatch"]
+
+
+def test_arrivals_name_the_highest_rank_of_a_tie_as_slots_do() -> None:
+    """Ranks 2 and 3 always arrive together, last: from runs as from slots, rank 3 is named."""
+    named = []
+    for runs in (False, True):
+        job = SimJob(4, registered=T0)
+        for rank in range(4):
+            lag = 1.0 if rank >= 2 else 0.0
+            first = call(rank, 1, call_id=1, enter_time=T0 + lag, exit_time=T0 + lag + 0.01)
+            job.apply(first, T0 + 1)
+            enters = [T0 + 2 + i + lag for i in range(40)]
+            template = dataclasses.replace(first, call_id=0, seq=0, enter_time=0.0, exit_time=None)
+            run = r.CallRun(rank, template, 2, 2, 0, enters, [e + 0.01 for e in enters])
+            for event in [run] if runs else run.calls():
+                job.apply(event, T0 + 50)
+        named.append(sorted({a[0] for a in job.job.arrivals["0"]}))
+    assert named == [[3], [3]]
 
 
 def test_runs_are_let_go_once_every_member_passed_them() -> None:

@@ -337,11 +337,13 @@ class JobState:
         if state.end is not None and state.end.kind is r.EndKind.DESTROYED and _active(event, state.end.time):
             state.end = None  # destroy_process_group(), then init_process_group() again: it goes on
         if isinstance(event, r.CallRecord):
-            if event.exit_time is not None and self._alone_in_run(state, event):
+            done = event.exit_time
+            template = self._continues_run(state, event) if done is not None else None
+            if template is not None and done is not None:
                 # a run cut short by the edge of a batch: taken as a run of one (else its slot
                 # would make every other rank's run through its seq enter that call whole)
-                self._run(state, r.CallRun(state.rank, event, event.call_id, event.seq, event.step,
-                                           [event.enter_time], [event.exit_time]), now)  # fmt: skip
+                self._run(state, r.CallRun(state.rank, template, event.call_id, event.seq, event.step,
+                                           [event.enter_time], [done]), now)  # fmt: skip
             else:
                 self._enter(state, event, now)
         elif isinstance(event, r.CallRun):
@@ -376,24 +378,32 @@ class JobState:
         elif isinstance(event, r.GroupProgress):
             self._progress(state, event, now)
 
-    def _alone_in_run(self, state: RankState, call: r.CallRecord) -> bool:
-        """Whether a completed call sent alone goes on a run of its rank: a collective that
-        returned without error having issued one collective, the rank's previous call on its
-        group taken in a run. Where a batch's edge cuts a run
-        one call from its end or a step's, the call comes alone; at 1,024 ranks some rank
-        does so at nearly every step, and a slot made there has every other rank's run
-        enter its call there whole (``_run_by_slots``). Calls that come alone as a rule (no
-        two alike in a row) go on as calls."""
+    def _continues_run(self, state: RankState, call: r.CallRecord) -> r.CallRecord | None:
+        """Where a completed call sent alone is the next call of the run its rank's previous call
+        on its group came in (the seq after it, alike to the call the run, or its cycle, would
+        have made there, call site included), that run's template for it; else None. A read's
+        edge that falls one call from the end of a run or a step cuts such a call off; at 1,024
+        ranks some rank does so at nearly every step, and a slot made there would have every
+        other rank's run enter its call there whole (``_run_by_slots``). The run of one is made
+        on the run's template, as its calls are (``_faulty`` knows it). Calls that come alone
+        as a rule (no two alike in a row) go on as calls."""
         hist = state.history.get(call.group)
-        return (
-            hist is not None
-            and hist.ends_in_run()
+        run = hist.last_run() if hist is not None else None
+        if run is None:
+            return None
+        n = len(run.enters)
+        t = run.template_at(n)
+        if (
+            call.seq == run.first_seq + n
+            and run.first_call_id + n <= call.call_id < ENTRY_CALL_IDS  # (calls on other groups between)
             and call.error is None
             and call.seq_count == 1
             and call.returned_time is None
-            and call.call_id < ENTRY_CALL_IDS
-            and call.kind is r.OpKind.COLLECTIVE
-        )  # where a slot waits at its seq, ``_run`` enters it there whole, as before
+            and _run_key(call) == _run_key(t)
+            and (call.call_site, call.peer, call.source) == (t.call_site, t.peer, t.source)
+        ):
+            return t
+        return None
 
     def _group_event(self, state: RankState, event: r.GroupEvent) -> None:
         self.groups_changed = True
@@ -1254,8 +1264,8 @@ class JobState:
             if None in arrived:
                 continue
             ordered = sorted(arrived)  # no None left
-            last = ordered[-1]
-            counts.append((members[arrived.index(last)], last - ordered[(n - 1) // 2], seq, ordered[0]))
+            last, rank = max(zip(arrived, members, strict=True))  # of a tie, the highest rank (as a slot's sort)
+            counts.append((rank, last - ordered[(n - 1) // 2], seq, ordered[0]))
         if counts:
             kept = sorted([*(lasts or ()), *counts], key=operator.itemgetter(2))[-ARRIVALS_KEPT:]
             self._arrivals[group] = collections.deque(kept, maxlen=ARRIVALS_KEPT)

@@ -116,9 +116,14 @@ class History:
     def __repr__(self) -> str:
         return f"History({len(self)} calls, {self._slices} runs not made whole)"
 
-    def ends_in_run(self) -> bool:
-        """Whether its latest call came in a run."""
-        return bool(self._items) and type(self._items[-1]) is RunSlice
+    def last_run(self) -> r.CallRun | None:
+        """The run its latest call came in (as kept: from the slice's first call), if it did."""
+        items = self._items
+        if items:
+            last = items[-1]
+            if type(last) is RunSlice:
+                return last.run
+        return None
 
     def alone(self) -> Iterator[r.CallRecord]:
         """The calls that came alone, not in a run, without making any run whole: every p2p
