@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hangwatch.coordinator.detectors import Context, straggler
-from tests.factories import T0, SimJob, only
+from tests.factories import T0, SimJob, call, only
 
 
 def _arrivals(last_of: Callable[[int], int], n: int = 4, slots: int = 20, lag: float = 1.0) -> SimJob:
@@ -79,3 +79,33 @@ def test_the_window_is_the_latest_seqs_whatever_order_they_completed_in() -> Non
     arrivals.extend(shuffled)
     (f,) = straggler.detect(sim.job, sim.ctx(T0 + 200))
     assert (f.onset_time, f.seq) == (in_order[0].onset_time, in_order[0].seq) == (T0 + 5 * 5, 24)
+
+
+def _delivered(late: int, lag: float, waited: float) -> SimJob:
+    """Four ranks' 24 collectives, each a batch of its own sent at once (``JobState.ingest``):
+    rank ``late`` enters ``lag`` s after the others, and each of its batches waits ``waited`` s
+    more than theirs before the coordinator takes it (its clock offset that much too late)."""
+    sim = SimJob(4, registered=T0)
+    for seq in range(1, 25):
+        t = T0 + seq * 5
+        for rk in range(4):
+            enter = t + (lag if rk == late else 0.01 * rk)
+            done = enter + 0.05 if rk == late else t + lag + 0.05
+            delay = 0.002 + (waited if rk == late else 0.0)
+            sim.deliver(rk, [call(rk, seq, call_id=seq, enter_time=enter, exit_time=done)], done + delay,
+                        sent_time=done)  # fmt: skip
+    return sim
+
+
+def test_a_rank_whose_batches_all_waited_is_no_straggler() -> None:
+    """Every batch of rank 2 waited 0.7 s in a saturated coordinator's queue: its times map 0.7 s
+    late and it arrives last everywhere, by that much. Not a straggler: the others' batches did
+    not wait. A rank that is truly 0.7 s late, its batches on time, still is one."""
+    waited = _delivered(2, 0.0, 0.7)
+    assert {a[0] for a in waited.job.arrivals["0"]} == {2}
+    assert straggler.detect(waited.job, waited.ctx(T0 + 200)) == []
+    late = _delivered(2, 0.7, 0.0)
+    f = only(straggler.detect(late.job, late.ctx(T0 + 200)), "straggler")
+    assert f.culprit_ranks == [2]
+    both = _delivered(2, 1.4, 0.7)  # late by 1.4 s, of which 0.7 s its batches' wait
+    assert only(straggler.detect(both.job, both.ctx(T0 + 200)), "straggler").culprit_ranks == [2]
