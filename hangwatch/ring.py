@@ -426,9 +426,7 @@ class RingReader:
 
     def _published(self, p: int) -> bool:
         at = HEADER_SIZE + (p % self.capacity) * SLOT_SIZE
-        stamp: int = _U64.unpack_from(self.mm, at)[0]
-        end: int = _U64.unpack_from(self.mm, at + SLOT_SIZE - 8)[0]
-        return stamp == end == p + 1
+        return self._u64(at) == self._u64(at + SLOT_SIZE - 8) == p + 1
 
     def peek(self, since: int = 0) -> int:
         """Where the published slots end now (the position after the newest), looked up from

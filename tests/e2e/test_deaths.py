@@ -262,7 +262,15 @@ def test_job_stopped_as_a_whole_raises_nothing(
     _quiet(coordinator)
     with coordinator.lock:
         gone = {rk: st.proc.time for rk, st in coordinator.job.ranks.items() if st.proc is not None}
+        told = {  # what each rank said of its end, and what its agent saw (for a failure's story)
+            rk: (
+                st.end and (st.end.kind.value, st.end.detail[:80]),
+                st.proc and (st.proc.state.value, st.proc.signal, st.proc.exit_code),
+            )
+            for rk, st in sorted(coordinator.job.ranks.items())
+        }
     print("\nlink closes after the stop:", {rk: round(t - min(gone.values()), 3) for rk, t in sorted(gone.items())})
+    print("ends:", told)
     assert coordinator.incidents_json() == [], _brief(coordinator.incidents_json())
 
 

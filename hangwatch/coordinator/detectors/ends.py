@@ -68,17 +68,18 @@ def _peer_gone(state: RankState) -> bool:
 
 def _raced(state: RankState, first_time: float) -> bool:
     """The rank raised on a peer's closed connection, and its process then vanished within
-    ``TOGETHER_S`` of the first with nothing known of how (reaped before the agent could look):
-    in a job stopped as a whole, a rank signalled a moment after a peer fails on that peer's
-    connection first (seen under CI load: every close stamped within 0.2 ms, no signal seen,
-    one rank's exception 31 ms before them); where the others vanished without a word too, it
+    ``TOGETHER_S`` of the first, by a stop signal or with nothing known of how (reaped before
+    the agent could look): in a job stopped as a whole, a rank signalled a moment after a peer
+    fails on that peer's connection first (seen under CI load: every close stamped within 0.2 ms,
+    no signal seen, one rank's exception 31 ms before them; and, another time, two ranks that
+    raised so and then died of their SIGTERM); where the others vanished without a word too, it
     tells nothing of a death of its own."""
     proc = state.proc
     return (
         _peer_gone(state)
         and proc is not None
         and proc.state in (r.ProcState.DEAD, r.ProcState.ZOMBIE)
-        and proc.signal is None
+        and (proc.signal is None or _signal_name(proc.signal) in STOP_SIGNALS)
         and not proc.exit_code
         and not proc.oom_killed
         and abs(proc.time - first_time) <= TOGETHER_S

@@ -337,13 +337,9 @@ class JobState:
         if state.end is not None and state.end.kind is r.EndKind.DESTROYED and _active(event, state.end.time):
             state.end = None  # destroy_process_group(), then init_process_group() again: it goes on
         if isinstance(event, r.CallRecord):
-            done = event.exit_time
-            template = self._continues_run(state, event) if done is not None else None
-            if template is not None and done is not None:
-                # a run cut short by the edge of a batch: taken as a run of one (else its slot
-                # would make every other rank's run through its seq enter that call whole)
-                self._run(state, r.CallRun(state.rank, template, event.call_id, event.seq, event.step,
-                                           [event.enter_time], [done]), now)  # fmt: skip
+            run = self._continues_run(state, event)
+            if run is not None:
+                self._run(state, run, now)  # a run cut short by the edge of a batch
             else:
                 self._enter(state, event, now)
         elif isinstance(event, r.CallRun):
@@ -378,18 +374,20 @@ class JobState:
         elif isinstance(event, r.GroupProgress):
             self._progress(state, event, now)
 
-    def _continues_run(self, state: RankState, call: r.CallRecord) -> r.CallRecord | None:
+    def _continues_run(self, state: RankState, call: r.CallRecord) -> r.CallRun | None:
         """Where a completed call sent alone is the next call of the run its rank's previous call
         on its group came in (the seq after it, alike to the call the run, or its cycle, would
-        have made there, call site included), that run's template for it; else None. A read's
-        edge that falls one call from the end of a run or a step cuts such a call off; at 1,024
-        ranks some rank does so at nearly every step, and a slot made there would have every
-        other rank's run enter its call there whole (``_run_by_slots``). The run of one is made
-        on the run's template, as its calls are (``_faulty`` knows it). Calls that come alone
-        as a rule (no two alike in a row) go on as calls."""
-        hist = state.history.get(call.group)
+        have made there, call site included), that call as a run of one on the run's template;
+        else None (it is entered as a call, with its slot). A read's edge that falls one call
+        from the end of a run or a step cuts such a call off; at 1,024 ranks some rank does so
+        at nearly every step, and a slot made there would have every other rank's run enter its
+        call there whole (``_run_by_slots``). Made on the run's template, as the run's calls
+        are, ``_faulty`` knows it. Calls that come alone as a rule (no two alike in a row) go on
+        as calls."""
+        done = call.exit_time
+        hist = state.history.get(call.group) if done is not None else None
         run = hist.last_run() if hist is not None else None
-        if run is None:
+        if run is None or done is None:
             return None
         n = len(run.enters)
         t = run.template_at(n)
@@ -402,7 +400,7 @@ class JobState:
             and _run_key(call) == _run_key(t)
             and (call.call_site, call.peer, call.source) == (t.call_site, t.peer, t.source)
         ):
-            return t
+            return r.CallRun(state.rank, t, call.call_id, call.seq, call.step, [call.enter_time], [done])
         return None
 
     def _group_event(self, state: RankState, event: r.GroupEvent) -> None:
@@ -1277,7 +1275,7 @@ class JobState:
         self._pruned_to[group] = low
         tail = low - ARRIVALS_KEPT
         for runs in self.passed.get(group, {}).values():
-            while runs and runs[0].first_seq + len(runs[0].enters) <= tail:
+            while runs and runs[0].last_seq < tail:
                 self._drop_run(runs.popleft())
         refs = self.run_refs.get(group)
         while refs and refs[0].hi < tail:

@@ -377,6 +377,31 @@ def test_a_job_stopped_as_a_whole_is_no_death_though_one_rank_raised_on_a_closed
             assert [(i.kind, i.culprit_ranks) for i in told] == [("rank_died", [0])]
 
 
+def test_a_job_stopped_as_a_whole_is_no_death_though_ranks_raised_then_died_of_their_sigterm() -> None:
+    """Failed ``make test`` once (``test_job_stopped_as_a_whole_raises_nothing[ranks]``, then 1 in
+    10 runs under load): every rank SIGTERMed; ranks 1 and 3 raised on a closed connection and
+    then died of their SIGTERM, rank 2 died of its SIGTERM, rank 0 was reaped with nothing
+    known, all within 22 ms: the job was stopped. The contrast, a real death: rank 0 vanishes,
+    ranks 1 and 3 raise at once, and the launcher SIGTERMs them and rank 2 a second later: rank
+    0's death is told."""
+    for later in (0.0, 1.0):
+        sim = SimJob(4)
+        sim.collective(1, T0 + 1)
+        for rk in (1, 2, 3):
+            sim.call(rk, T0 + 5, seq=2)
+        for rk in (1, 3):
+            sim.end(rk, EndKind.EXCEPTION, T0 + 10.01, detail=GLOO_PEER_GONE, site="stopped_ranks.py:14 in <module>")
+        _gone(sim, 0, T0 + 10)
+        for rk, dt in ((1, 0.016), (2, 0.022), (3, 0.0)):
+            _gone(sim, rk, T0 + 10 + later + dt, signal=SIGTERM)
+        engine = sim.engine()
+        told = [inc for now in (T0 + 10.6, T0 + 12.5, T0 + 30) for inc in engine.tick(now)]
+        if later:
+            assert [(i.kind, i.culprit_ranks) for i in told] == [("rank_died", [0])]
+        else:
+            assert told == [], told
+
+
 def test_a_one_rank_job_that_vanishes_is_no_death() -> None:
     """A job of one rank whose process vanished with nothing known of how (reaped before the agent
     looked): nobody waits for it, and it cannot be told from a stop."""
