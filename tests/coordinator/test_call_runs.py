@@ -14,6 +14,7 @@ random lengths per rank.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -524,3 +525,72 @@ def test_a_budget_note_reaches_status_with_the_rank_and_goes_when_its_batches_st
     assert views.rank_json(job.states[0], T0 + 1, 5.0)["budget"] is None
     job.deliver(1, [], T0 + 2, sent_time=T0 + 2)
     assert views.rank_json(job.states[1], T0 + 2, 5.0)["budget"] is None
+
+
+def _phase(
+    job: SimJob, rank: int, first_id: int, t: float, shapes: list[tuple[int, ...]], runs: bool, now: float
+) -> None:
+    """``rank``'s calls at seqs 1.. of ``shapes``, as an agent sends them: the first alone (a new
+    signature), then runs of the alike, but the 2nd and 5th alone (a read's edge)."""
+
+    def template(shape: tuple[int, ...]) -> r.CallRecord:
+        meta = (r.TensorMeta(shape, "float32"),)
+        return dataclasses.replace(call(rank, 0, call_id=0, inputs=meta, outputs=meta), exit_time=None, enter_time=0.0)
+
+    calls = [
+        dataclasses.replace(template(shape), call_id=first_id + i, seq=i + 1, enter_time=t + i * 0.01,
+                            exit_time=t + i * 0.01 + 0.001)
+        for i, shape in enumerate(shapes)
+    ]  # fmt: skip
+    events: list[r.RankEvent] = []
+    i = 0
+    while i < len(calls):
+        j = i + 1
+        while runs and i not in (0, 1, 4) and j < len(calls) and j not in (1, 4) and shapes[j] == shapes[i]:
+            j += 1
+        if j - i == 1:
+            events.append(calls[i])
+        else:
+            part = calls[i:j]
+            enters, exits = [c.enter_time for c in part], [c.exit_time or 0.0 for c in part]
+            events.append(r.CallRun(rank, template(shapes[i]), part[0].call_id, part[0].seq, 0, enters, exits))
+        i = j
+    for event in events:
+        job.apply(event, now)
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "calls"])
+@pytest.mark.parametrize("bad", [False, True], ids=["healthy", "mismatch"])
+def test_a_process_group_made_anew_is_a_numbering_of_its_own(runs: bool, bad: bool) -> None:
+    """Two ranks call 20 all_reduces of [4], destroy their process group, make it anew (its seqs
+    start from 1 again) and call 12 of [8]. In every order the two ranks' batches may come in
+    (each rank's own in order: first loop, destroy and init, second loop), with a tick after
+    each, a healthy job raises nothing: before, the runs kept from the first loop met the second
+    loop's calls at the same seqs, a false shape mismatch ([8] against [4]) in every order with
+    runs. With rank 1's 4th call of the second loop of another shape, that mismatch is told, on
+    rank 1 at seq 4, in every order."""
+    group = r.GroupInfo(name="0", ranks=(0, 1), backend="gloo", index=0)
+    told = set()
+    for order in sorted(set(itertools.permutations([0, 0, 0, 1, 1, 1]))):
+        job = SimJob(2, registered=T0)
+        done = {0: 0, 1: 0}
+        now = T0 + 1.0
+        for rank in order:
+            now += 0.3
+            stage = done[rank]
+            done[rank] += 1
+            if stage == 0:
+                _phase(job, rank, 1, T0 + 1, [(4,)] * 20, runs, now)
+            elif stage == 1:
+                job.apply(r.RankEnd(rank, r.EndKind.DESTROYED, T0 + 2), now)
+                job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, group, T0 + 2.1), now)
+            else:
+                shapes = [(8,)] * 12
+                if bad and rank == 1:
+                    shapes[3] = (9,)
+                _phase(job, rank, 100, T0 + 3, shapes, runs, now)
+            job.tick(now + 0.1)
+        job.tick(now + 30)
+        incidents = [(str(i.kind), tuple(i.culprit_ranks), i.seq) for i in job.tick_engine.incidents.values()]
+        told.add(tuple(incidents))
+    assert told == ({(("shape_mismatch", (1,), 4),)} if bad else {()}), told

@@ -101,3 +101,56 @@ def _sleep_line(stack: str) -> str:
     match = re.search(r"<module> \(restarted\.py:(\d+)\)", stack)
     assert match, stack
     return match.group(1)
+
+
+#: A process group made anew in the same processes (destroy, then init again): its seqs start
+#: from 1 again, and the loop after it calls other shapes, with a broadcast (a new signature: it
+#: travels alone, as a read's edge sends some calls) right at the start. Steady loops travel as
+#: runs. ``BAD`` makes rank 1's broadcast at the 100th step of the second loop another shape:
+#: gloo returns from it (silently wrong).
+INIT_AGAIN = (
+    TRAIN
+    + """
+bad = int(os.environ.get("BAD", "0"))
+for phase, (width, steps) in enumerate(((4, 30), (8, 200))):
+    if phase:  # (a store of its own: torchrun's, used again, makes init fail now and then)
+        dist.destroy_process_group()
+        store = "file://" + os.path.join(os.environ["STORE_DIR"], "again-" + os.environ["MASTER_PORT"])
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+    x = torch.ones(width)
+    for i in range(steps):
+        dist.all_reduce(x)
+        if phase and i in (1, 100):
+            z = torch.ones(1, 2, 5) if bad and rank == 1 and i == 100 else torch.ones(1, 5)
+            dist.broadcast(z, src=0)
+        if i % 40 == 0:
+            time.sleep(0.05)
+dist.destroy_process_group()
+"""
+)
+
+
+def test_a_process_group_made_anew_in_the_same_processes_raises_nothing(
+    coordinator: Coordinator, torchrun: Callable[..., Job], tmp_path: Path
+) -> None:
+    """The runs kept from the first numbering must not meet the second's calls at the same seqs
+    (a false shape mismatch, [8] against [4]: ``JobState._renumbered``)."""
+    env = {"STORE_DIR": str(tmp_path)}
+    job = torchrun(INIT_AGAIN, addr=f"127.0.0.1:{coordinator.port}", name="init_again", env=env)
+    assert job.wait(120) == 0, job.output()[-2000:]
+    status = testing.wait_for(
+        lambda: (s := coordinator.status())["job"]["states"] == {"exited": 2} and s, 30, 0.2, "both ranks' ends"
+    )
+    assert status["job"]["records_in_runs"] > 2 * 200, status["job"]  # the loops went as runs
+    assert coordinator.incidents_json() == [], _brief(coordinator.incidents_json())
+
+
+def test_a_mismatch_after_the_process_group_is_made_anew_is_told_on_its_rank(
+    coordinator: Coordinator, torchrun: Callable[..., Job], tmp_path: Path
+) -> None:
+    env = {"BAD": "1", "STORE_DIR": str(tmp_path)}
+    torchrun(INIT_AGAIN, addr=f"127.0.0.1:{coordinator.port}", name="init_again_bad", env=env)
+    inc = wait_incident(coordinator, "shape_mismatch")
+    assert inc["op"] == "broadcast" and inc["culprit_ranks"] == [1] and inc["seq"] == 103, _brief([inc])
+    assert "[1, 2, 5]" in inc["summary"] and "[1, 5]" in inc["summary"], inc["summary"]

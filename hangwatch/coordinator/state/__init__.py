@@ -136,6 +136,16 @@ class JobState:
         self.passed_to: dict[str, dict[int, int]] = {}
         self.passed_low: dict[str, tuple[int, int]] = {}
         self.run_refs: dict[str, collections.deque[_RunRef]] = {}
+        #: Numberings (``_renumbered``): per group, how many times each rank's numbering of it
+        #: started again from below (its process group made anew in the same process: destroy
+        #: then init again, an in-process restart), and the newest over its ranks. A rank behind
+        #: that is still sending the numbering before: its runs are not kept or compared, its
+        #: calls share no slot with the newer numbering's, until its own calls start again.
+        self.numbering: dict[str, dict[int, int]] = {}
+        self.epoch: dict[str, int] = {}
+        #: per group and rank, the call id its newest numbering started at (its calls below it
+        #: are the numbering before's, even where the history still ends with one)
+        self.renumbered_at: dict[str, dict[int, int]] = {}
         self.pinned: list[Slot] = []  # slots made from runs, kept until the engine's next tick
         self._faults: dict[int, tuple[r.CallRecord, int | None, bool]] = {}  # see ``_faulty``
         #: inside ``_run``'s loop: a call it applies whole does not move the rank's passed seq
@@ -453,6 +463,9 @@ class JobState:
         self.passed_to.pop(name, None)
         self.passed_low.pop(name, None)
         self.run_refs.pop(name, None)
+        self.numbering.pop(name, None)
+        self.epoch.pop(name, None)
+        self.renumbered_at.pop(name, None)
         self._arrivals.pop(name, None)
         self._arrivals_due.pop(name, None)
         self._pruned_to.pop(name, None)
@@ -634,6 +647,8 @@ class JobState:
                     return
                 hist = state.history[group] = History()
                 self._charge(state, b.RANK_GROUP_BYTES)
+            elif call_id < ENTRY_CALL_IDS and _from_below(hist, seq, call_id) and call.kind is r.OpKind.COLLECTIVE:
+                self._renumbered(state, group, call_id)
             oldest = hist.push(call, HISTORY_PER_GROUP)  # the oldest leaves (inlined ``_unhold``)
             if oldest is not None:
                 oldest.holds -= 1
@@ -684,6 +699,15 @@ class JobState:
             if slots is None:
                 slots = self.slots[group] = collections.OrderedDict()
             slot = slots.get(seq)
+            numbers = self.numbering.get(group)
+            if numbers is not None and slot is not None:
+                mine = numbers.get(state.rank, 0)
+                if slot.numbering > mine:
+                    return  # a numbering before the slot's (a rank behind a restart): no call of it
+                if slot.numbering < mine:
+                    del slots[seq]  # the numbering before's: this rank's is newer, and so is its slot
+                    self._free_slot(slot)
+                    slot = None
             if slot is None:
                 slot = self._new_slot(group, seq, slots, enter, state.rank)
             elif enter > slot.last_enter:
@@ -703,16 +727,21 @@ class JobState:
             self.changed_slots.add((group, seq))
             members = self.members(group)
             if len(slot.calls) == len(members) > 1:
-                arrivals = sorted([(c.enter_time, rk) for rk, c in slot.calls.items()])
-                median = arrivals[(len(arrivals) - 1) // 2][0]  # of the others: the last rank's lag behind it
+                here = slot.calls
+                times = [c.enter_time for c in here.values()]
+                arrived = max(times)
+                times.sort()  # floats: a third of the cost of sorting (time, rank) pairs
+                median = times[(len(times) - 1) // 2]  # of the others: the last rank's lag behind it
                 lasts = self._arrivals.get(group)
                 if lasts is None:
                     lasts = self._arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
-                lasts.append((arrivals[-1][1], arrivals[-1][0] - median, seq, slot.first_enter))
+                latest = max(rk for rk, c in here.items() if c.enter_time == arrived)  # a tie: the highest
+                lasts.append((latest, arrived - median, seq, slot.first_enter))
             if done and call.error is None:  # reported already complete
-                self.wait_durations.append(max(0.0, call.exit_time - enter))  # type: ignore[operator]
+                waited = call.exit_time - enter  # type: ignore[operator]
+                self.wait_durations.append(waited if waited > 0.0 else 0.0)
                 self._prune(group, seq, members)
-                if group in self.passed_to and not self._in_run:
+                if group in self.passed_to and not self._in_run and self._current(state.rank, group):
                     self._advance(group, state.rank, seq, members)
             if done and call.seq_count > UNEVEN_SEQS_ELSEWHERE and catalogue.uneven_seqs(call.op):
                 self._shift_after(state, call)
@@ -838,7 +867,7 @@ class JobState:
         if call.kind is r.OpKind.COLLECTIVE and error is None:
             self.wait_durations.append(max(0.0, when - call.enter_time))
             self._prune(call.group, call.seq)
-            if call.group in self.passed_to:
+            if call.group in self.passed_to and self._current(state.rank, call.group):
                 self._advance(call.group, state.rank, call.seq, self.members(call.group))
 
     def _drop_open(self, state: RankState, call: r.CallRecord) -> None:
@@ -921,14 +950,16 @@ class JobState:
             for i in range(n):
                 self._enter(state, run.call(i), now)
             return
-        offset = run.offset = state.clock_offset
+        hist = state.history[group]
         first = run.first_seq
+        if _from_below(hist, first, run.first_call_id):
+            self._renumbered(state, group, run.first_call_id)
+        offset = run.offset = state.clock_offset
         slots = self.slots.get(group)
         open_here = state.open_collectives.get(group)
         if open_here:  # collectives on one group complete in order (as ``_enter`` closes them)
             for other in [c for c in open_here.values() if c.seq < first and c.returned_time is None]:
                 self._close(state, other, run.enters[0] + offset, None)
-        hist = state.history[group]
         if not slots or not _any_in(slots, first, first + n - 1):
             # no slot waits for any of its calls (the steady state): taken whole, the history
             # keeping the run's last calls as the run (``state.history``)
@@ -950,7 +981,9 @@ class JobState:
         self.run_calls += n
         if run.cycle:
             self.cycle_calls += n
-        if passed:
+        if not self._current(state.rank, group):
+            pass  # a numbering a restart left behind: not kept, compared or counted
+        elif passed:
             self._keep_run(state, run)  # compared with the others', then the rank's passed seq moves
         elif group in self.passed_to:
             self._advance(group, state.rank, run.last_seq, self.members(group))
@@ -1104,6 +1137,9 @@ class JobState:
     ) -> Slot:
         """A slot at (group, seq), with the calls other ranks' runs hold at that seq."""
         slot = slots[seq] = Slot(group, seq, first_enter=enter, last_enter=enter)
+        numbers = self.numbering.get(group)
+        if numbers is not None:
+            slot.numbering = numbers.get(rank, 0) if rank >= 0 else self.epoch.get(group, 0)
         self.held += b.SLOT_BYTES
         self.ledger.held += b.SLOT_BYTES
         # Slots stand in seq order (``_prune`` reads them oldest first). One made below slots
@@ -1129,8 +1165,8 @@ class JobState:
         """Put into ``slot`` the calls that ranks' runs hold at its seq (each charged as the
         call it is), but ``skip``'s and those it has."""
         byrank = self.passed.get(group)
-        if not byrank:
-            return
+        if not byrank or slot.numbering != self.epoch.get(group, 0):
+            return  # (runs kept are the newest numbering's: ``_renumbered``)
         ledger = self.ledger
         for rank, runs in byrank.items():
             if rank == skip or rank in slot.calls:
@@ -1169,6 +1205,44 @@ class JobState:
         if not slot.pinned:
             self._pin(slot)
         self.changed_slots.add((group, seq))
+
+    def _current(self, rank: int, group: str) -> bool:
+        """Whether ``rank`` numbers ``group`` as its newest numbering does (``_renumbered``)."""
+        numbers = self.numbering.get(group)
+        return numbers is None or numbers.get(rank, 0) == self.epoch.get(group, 0)
+
+    def _renumbered(self, state: RankState, group: str, call_id: int) -> None:
+        """``state``'s rank numbers ``group`` from below again: a new call of its at or below the
+        seq of its last (``_from_below``), its process group made anew in the same process
+        (destroy then init again, an in-process restart). Its runs and what it passed are the
+        numbering before's, as are those of every rank not yet seen starting again: let go of
+        (a slot its new calls made would take their calls at the same seqs, a mismatch where the
+        shapes changed between the two: a false alarm). Until such a rank's own calls start
+        again, its runs are not kept, and its calls share no slot with the new numbering's."""
+        rank = state.rank
+        at = self.renumbered_at.setdefault(group, {})
+        hist = state.history.get(group)
+        if hist and hist[-1].call_id < at.get(rank, 0):
+            return  # its history ends in the numbering before still: the new one began at ``at``
+        at[rank] = call_id
+        numbers = self.numbering.setdefault(group, {})
+        mine = numbers[rank] = numbers.get(rank, 0) + 1
+        epoch = self.epoch.get(group, 0)
+        if mine > epoch:
+            epoch = self.epoch[group] = mine
+            self.run_refs.pop(group, None)  # all the numbering before's
+            self._arrivals.pop(group, None)
+        byrank = self.passed.get(group)
+        for rk in [rk for rk in byrank or () if rk == rank or numbers.get(rk, 0) != epoch]:
+            for run in byrank.pop(rk):  # type: ignore[union-attr]
+                self._drop_run(run)
+        passed_to = self.passed_to.get(group)
+        for rk in [rk for rk in passed_to or () if rk == rank or numbers.get(rk, 0) != epoch]:
+            del passed_to[rk]  # type: ignore[union-attr]
+        self.passed_low.pop(group, None)  # worked out again at the next rank's advance
+        self._arrivals_due.pop(group, None)
+        self._pruned_to.pop(group, None)
+        state.entry_seqs.pop(group, None)  # Flight Recorder's numbering starts again with it
 
     def _advance(self, group: str, rank: int, seq: int, members: tuple[int, ...]) -> None:
         """``rank`` passed every seq of ``group`` up to ``seq``. When the lowest rank moves up,
@@ -1382,6 +1456,18 @@ def _run_at(runs: Sequence[r.CallRun], seq: int) -> r.CallRun | None:
         if run.first_seq <= seq:
             return run if seq <= run.first_seq + len(run.enters) - 1 else None
     return None
+
+
+def _from_below(hist: History, seq: int, call_id: int) -> bool:
+    """Whether a collective of a rank's (``seq``, a new ``call_id``) is numbered at or below the
+    last call of its ``hist``ory on the group, a collective issued from Python as well: its
+    process group's numbering started again (``JobState._renumbered``). Seqs of one process
+    group only rise, call after call; a record made from a Flight Recorder entry may come
+    after later calls, and p2p calls count per pair: neither is a sign."""
+    if not hist:
+        return False
+    last = hist[-1]
+    return seq <= last.seq and last.call_id < call_id < ENTRY_CALL_IDS and last.kind is r.OpKind.COLLECTIVE
 
 
 def _active(event: r.RankEvent, since: float) -> bool:

@@ -181,10 +181,9 @@ class Slot:
     first_enter: float = 0.0  # coordinator time
     last_enter: float = 0.0
     open: int = 0  # calls in this slot not yet exited (kept in step by JobState)
-    #: What every call so far agrees on, while they are unrooted, extra-free and identical in op,
-    #: tensors, reduce op and async-ness: then a new call with the same key cannot create a
-    #: mismatch the last full check did not see (see detectors/mismatch.py).
-    key: tuple[object, ...] | None = None
+    #: Every call so far is unrooted, extra-free and of the first one's signature (``sig``): then
+    #: a new call of that signature cannot create a mismatch the last full check did not see
+    #: (see detectors/mismatch.py).
     uniform: bool = True
     #: not pruned before the engine's next tick (``JobState.take_changes`` lets it go): made
     #: from runs for the detectors to look at (``JobState._materialize``), or holding calls that
@@ -193,6 +192,9 @@ class Slot:
     #: the first call's signature, and whether a later call's differs from it
     sig: tuple[object, ...] | None = None
     differs: bool = False
+    #: the numbering of its group its calls are of (``JobState._renumbered``: 0 until a rank's
+    #: numbering starts again)
+    numbering: int = 0
 
     def add(self, call: r.CallRecord) -> None:
         prev = self.calls.get(call.rank)
@@ -202,19 +204,13 @@ class Slot:
         if call.exit_time is None:
             self.open += 1
         sig = (call.op, call.inputs, call.outputs, call.reduce_op, call.root, call.async_op, call.extra)
-        if self.sig is None:
-            self.sig = sig
-        elif not self.differs and sig != self.sig:
+        first = self.sig
+        if first is None:
+            self.sig = first = sig
+        elif not self.differs and sig != first:
             self.differs = True
-        if self.uniform:
-            if call.root is not None or call.extra:
-                self.uniform = False
-                return
-            key = (call.op, call.inputs, call.outputs, call.reduce_op, call.async_op)
-            if self.key is None:
-                self.key = key
-            elif key != self.key:
-                self.uniform = False
+        if self.uniform and (call.root is not None or call.extra or self.differs):
+            self.uniform = False
 
     def remove(self, rank: int) -> None:
         call = self.calls.pop(rank, None)
