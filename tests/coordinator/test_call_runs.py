@@ -594,3 +594,24 @@ def test_a_process_group_made_anew_is_a_numbering_of_its_own(runs: bool, bad: bo
         incidents = [(str(i.kind), tuple(i.culprit_ranks), i.seq) for i in job.tick_engine.incidents.values()]
         told.add(tuple(incidents))
     assert told == ({(("shape_mismatch", (1,), 4),)} if bad else {()}), told
+
+
+def test_calls_that_share_a_seq_or_come_late_from_flight_recorder_start_no_numbering() -> None:
+    """The healthy look-alikes of a numbering started again: two Python calls of one seq
+    (collectives coalesced into one), and a record made from a Flight Recorder entry below the
+    last Python call's seq. Neither starts a numbering (which would set the other ranks' runs
+    aside), and nothing is raised."""
+    job = SimJob(2, registered=T0)
+    now = T0 + 1.0
+    for rank in (0, 1):
+        _phase(job, rank, 1, T0 + 1, [(4,)] * 20, True, now)
+    t = T0 + 2
+    for rank in (0, 1):
+        job.apply(call(rank, 21, call_id=30, enter_time=t, exit_time=t + 0.001), now)
+        job.apply(call(rank, 21, call_id=31, enter_time=t + 0.01, exit_time=t + 0.011), now)  # coalesced
+        job.apply(call(rank, 5, call_id=2**62 + 5, enter_time=T0 + 1.04, exit_time=T0 + 1.05,
+                       source="flight_recorder"), now)  # fmt: skip
+        job.apply(call(rank, 22, call_id=32, enter_time=t + 0.02, exit_time=t + 0.021), now)
+    job.tick(now + 1)
+    assert job.job.numbering == {} and job.job.passed["0"]
+    assert job.tick_engine.incidents == {}

@@ -83,6 +83,11 @@ class ClaimRefused(ValueError):
 
 ARRIVALS_KEPT = 32
 PRUNE_RUNS_EVERY = 16  # passed seqs between two walks of every member's runs (``_prune_runs``)
+#: A rank's numbering of a group started again where a new Python collective of its is numbered
+#: below its last, at one of these first seqs (``_from_below``): a new process group's first
+#: Python call comes at seq 1, or after the few its C++ code issued first (DDP's broadcast of
+#: the module's state)
+NEW_NUMBERING_SEQS = 64
 
 
 class JobState:
@@ -1212,8 +1217,8 @@ class JobState:
         return numbers is None or numbers.get(rank, 0) == self.epoch.get(group, 0)
 
     def _renumbered(self, state: RankState, group: str, call_id: int) -> None:
-        """``state``'s rank numbers ``group`` from below again: a new call of its at or below the
-        seq of its last (``_from_below``), its process group made anew in the same process
+        """``state``'s rank numbers ``group`` from below again: a new call of its below the seq of
+        its last (``_from_below``), its process group made anew in the same process
         (destroy then init again, an in-process restart). Its runs and what it passed are the
         numbering before's, as are those of every rank not yet seen starting again: let go of
         (a slot its new calls made would take their calls at the same seqs, a mismatch where the
@@ -1459,15 +1464,17 @@ def _run_at(runs: Sequence[r.CallRun], seq: int) -> r.CallRun | None:
 
 
 def _from_below(hist: History, seq: int, call_id: int) -> bool:
-    """Whether a collective of a rank's (``seq``, a new ``call_id``) is numbered at or below the
-    last call of its ``hist``ory on the group, a collective issued from Python as well: its
-    process group's numbering started again (``JobState._renumbered``). Seqs of one process
-    group only rise, call after call; a record made from a Flight Recorder entry may come
-    after later calls, and p2p calls count per pair: neither is a sign."""
-    if not hist:
+    """Whether a collective of a rank's (``seq``, a new ``call_id``) is numbered below the last
+    call of its ``hist``ory on the group, a collective issued from Python as well, and among the
+    first ``NEW_NUMBERING_SEQS``: its process group's numbering started again
+    (``JobState._renumbered``). Seqs of one process group only rise, call after call; two
+    calls may share one (collectives coalesced into one, a backend that does not count), so an
+    equal seq is no sign; a record made from a Flight Recorder entry may come after later
+    calls, and p2p calls count per pair: neither is one either."""
+    if not hist or seq > NEW_NUMBERING_SEQS:
         return False
     last = hist[-1]
-    return seq <= last.seq and last.call_id < call_id < ENTRY_CALL_IDS and last.kind is r.OpKind.COLLECTIVE
+    return seq < last.seq and last.call_id < call_id < ENTRY_CALL_IDS and last.kind is r.OpKind.COLLECTIVE
 
 
 def _active(event: r.RankEvent, since: float) -> bool:
