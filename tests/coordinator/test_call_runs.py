@@ -597,10 +597,11 @@ def test_a_process_group_made_anew_is_a_numbering_of_its_own(runs: bool, bad: bo
 
 
 def test_calls_that_share_a_seq_or_come_late_from_flight_recorder_start_no_numbering() -> None:
-    """The healthy look-alikes of a numbering started again: two Python calls of one seq
-    (collectives coalesced into one), and a record made from a Flight Recorder entry below the
-    last Python call's seq. Neither starts a numbering (which would set the other ranks' runs
-    aside), and nothing is raised."""
+    """The look-alikes of a numbering started again: two Python calls of one seq (collectives
+    coalesced into one), a record made from a Flight Recorder entry below the last Python
+    call's seq, the group told again with its seqs rising on. None starts a numbering (which
+    would set the other ranks' runs aside): nothing is raised on the healthy calls, and a
+    mismatch after them is told on its rank."""
     job = SimJob(2, registered=T0)
     now = T0 + 1.0
     for rank in (0, 1):
@@ -615,3 +616,41 @@ def test_calls_that_share_a_seq_or_come_late_from_flight_recorder_start_no_numbe
     job.tick(now + 1)
     assert job.job.numbering == {} and job.job.passed["0"]
     assert job.tick_engine.incidents == {}
+    # the group told again (a link made anew tells the rank's groups again), the seqs rising on:
+    # no numbering either, and a mismatch after it is told
+    job.apply(r.GroupEvent(0, r.GroupEventKind.CREATED, r.GroupInfo("0", (0, 1), "gloo", 0), t), now)
+    for rank in (0, 1):
+        mine = call(rank, 23, call_id=33, enter_time=t + 0.03, exit_time=t + 0.031)
+        if rank:
+            mine.inputs = mine.outputs = (r.TensorMeta((5,), "float32"),)
+        job.apply(mine, now + 1)
+    job.tick(now + 2)
+    assert job.job.numbering == {} and job.job.made_anew == {}
+    assert [(str(i.kind), i.culprit_ranks) for i in job.tick_engine.incidents.values()] == [("shape_mismatch", [1])]
+
+
+def test_a_late_batch_of_the_numbering_before_prunes_nothing_of_the_new_one() -> None:
+    """What a real job did (``tests/e2e/test_runs.py``'s loop, its all_reduce mismatch making gloo
+    abort rank 0): rank 1's whole story came first, its first loop of 400 calls, the group made
+    anew, 100 calls, then its call 101 of [9] that raised; rank 0's came after, its first loop
+    too. Rank 0's calls at seqs 300-400 of the numbering before pruned the new one's slots as
+    left 256 seqs behind, rank 1's call 101 with them: rank 0's death was told, not the
+    mismatch that caused it (1 run in 5)."""
+    group = r.GroupInfo(name="0", ranks=(0, 1), backend="gloo", index=0)
+    job = SimJob(2, registered=T0)
+    now = T0 + 1.0
+    meta = (r.TensorMeta((8,), "float32"),)
+    for rank in (1, 0):
+        _phase(job, rank, 1, T0 + 1, [(4,)] * 400, True, now)
+        job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, group, T0 + 6), now)
+        _phase(job, rank, 401, T0 + 7, [(8,)] * 100, True, now)
+        last = call(
+            rank, 101, call_id=501, enter_time=T0 + 9, inputs=(r.TensorMeta((9,), "float32"),) if rank else meta
+        )
+        job.apply(last, now)
+        if rank:
+            job.apply(r.CallExit(rank, 501, T0 + 9.1, error="Connection reset by peer"), now)
+        job.tick(now + 0.1)
+    job.tick(now + 1)
+    told = [(str(i.kind), tuple(i.culprit_ranks), i.seq) for i in job.tick_engine.incidents.values()]
+    assert told == [("shape_mismatch", (1,), 101)], told

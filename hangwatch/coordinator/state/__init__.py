@@ -151,6 +151,9 @@ class JobState:
         #: per group and rank, the call id its newest numbering started at (its calls below it
         #: are the numbering before's, even where the history still ends with one)
         self.renumbered_at: dict[str, dict[int, int]] = {}
+        #: per group, the ranks that said it was created again while they had calls on it: their
+        #: next Python collective on it, numbered below their last, starts a new numbering
+        self.made_anew: dict[str, set[int]] = {}
         self.pinned: list[Slot] = []  # slots made from runs, kept until the engine's next tick
         self._faults: dict[int, tuple[r.CallRecord, int | None, bool]] = {}  # see ``_faulty``
         #: inside ``_run``'s loop: a call it applies whole does not move the rank's passed seq
@@ -428,6 +431,10 @@ class JobState:
             if name != "0" and not any(name in st.groups for st in self.ranks.values()):
                 self._forget_group(name)  # every member destroyed it
             return
+        if state.history.get(name):
+            # made anew (or told again, to a coordinator that has its calls): its next Python
+            # collective says which (``_made_anew``)
+            self.made_anew.setdefault(name, set()).add(state.rank)
         canonical = self.groups.get(name)
         if canonical is None:
             if len(self.groups) >= MAX_GROUPS and name != WORLD:
@@ -471,6 +478,7 @@ class JobState:
         self.numbering.pop(name, None)
         self.epoch.pop(name, None)
         self.renumbered_at.pop(name, None)
+        self.made_anew.pop(name, None)
         self._arrivals.pop(name, None)
         self._arrivals_due.pop(name, None)
         self._pruned_to.pop(name, None)
@@ -652,8 +660,8 @@ class JobState:
                     return
                 hist = state.history[group] = History()
                 self._charge(state, b.RANK_GROUP_BYTES)
-            elif call_id < ENTRY_CALL_IDS and _from_below(hist, seq, call_id) and call.kind is r.OpKind.COLLECTIVE:
-                self._renumbered(state, group, call_id)
+            elif self.made_anew and call_id < ENTRY_CALL_IDS and call.kind is r.OpKind.COLLECTIVE:
+                self._made_anew(state, group, hist, seq, call_id)
             oldest = hist.push(call, HISTORY_PER_GROUP)  # the oldest leaves (inlined ``_unhold``)
             if oldest is not None:
                 oldest.holds -= 1
@@ -745,9 +753,10 @@ class JobState:
             if done and call.error is None:  # reported already complete
                 waited = call.exit_time - enter  # type: ignore[operator]
                 self.wait_durations.append(waited if waited > 0.0 else 0.0)
-                self._prune(group, seq, members)
-                if group in self.passed_to and not self._in_run and self._current(state.rank, group):
-                    self._advance(group, state.rank, seq, members)
+                if self._current(state.rank, group):  # (another numbering's seqs prune nothing)
+                    self._prune(group, seq, members)
+                    if group in self.passed_to and not self._in_run:
+                        self._advance(group, state.rank, seq, members)
             if done and call.seq_count > UNEVEN_SEQS_ELSEWHERE and catalogue.uneven_seqs(call.op):
                 self._shift_after(state, call)
         finally:  # the hold it had while it was applied (inlined ``_unhold``: every call)
@@ -871,9 +880,10 @@ class JobState:
         self._drop_open(state, call)
         if call.kind is r.OpKind.COLLECTIVE and error is None:
             self.wait_durations.append(max(0.0, when - call.enter_time))
-            self._prune(call.group, call.seq)
-            if call.group in self.passed_to and self._current(state.rank, call.group):
-                self._advance(call.group, state.rank, call.seq, self.members(call.group))
+            if self._current(state.rank, call.group):
+                self._prune(call.group, call.seq)
+                if call.group in self.passed_to:
+                    self._advance(call.group, state.rank, call.seq, self.members(call.group))
 
     def _drop_open(self, state: RankState, call: r.CallRecord) -> None:
         self.p2p_open.pop((state.rank, call.call_id), None)
@@ -957,8 +967,8 @@ class JobState:
             return
         hist = state.history[group]
         first = run.first_seq
-        if _from_below(hist, first, run.first_call_id):
-            self._renumbered(state, group, run.first_call_id)
+        if self.made_anew:
+            self._made_anew(state, group, hist, first, run.first_call_id)
         offset = run.offset = state.clock_offset
         slots = self.slots.get(group)
         open_here = state.open_collectives.get(group)
@@ -986,13 +996,14 @@ class JobState:
         self.run_calls += n
         if run.cycle:
             self.cycle_calls += n
-        if not self._current(state.rank, group):
-            pass  # a numbering a restart left behind: not kept, compared or counted
+        current = self._current(state.rank, group)
+        if not current:
+            pass  # a numbering a restart left behind: not kept, compared, counted, or pruning
         elif passed:
             self._keep_run(state, run)  # compared with the others', then the rank's passed seq moves
         elif group in self.passed_to:
             self._advance(group, state.rank, run.last_seq, self.members(group))
-        if slots:
+        if slots and current:
             self._prune(group, run.last_seq)
 
     def _pass(
@@ -1216,10 +1227,24 @@ class JobState:
         numbers = self.numbering.get(group)
         return numbers is None or numbers.get(rank, 0) == self.epoch.get(group, 0)
 
+    def _made_anew(self, state: RankState, group: str, hist: History, seq: int, call_id: int) -> None:
+        """A Python collective of ``state``'s rank on ``group`` (its first, ``seq``, and a new
+        ``call_id``): where the rank said the group was created again since its last call on
+        it, the first such call tells whether its numbering started again (``_from_below``)."""
+        anew = self.made_anew.get(group)
+        if anew is None or state.rank not in anew:
+            return
+        anew.discard(state.rank)
+        if not anew:
+            del self.made_anew[group]
+        if _from_below(hist, seq, call_id):
+            self._renumbered(state, group, call_id)
+
     def _renumbered(self, state: RankState, group: str, call_id: int) -> None:
-        """``state``'s rank numbers ``group`` from below again: a new call of its below the seq of
-        its last (``_from_below``), its process group made anew in the same process
-        (destroy then init again, an in-process restart). Its runs and what it passed are the
+        """``state``'s rank numbers ``group`` from below again: it said the group was created
+        again, and its next Python collective came below the seq of its last (``_made_anew``):
+        its process group made anew in the same process (destroy then init again, an in-process
+        restart). Its runs and what it passed are the
         numbering before's, as are those of every rank not yet seen starting again: let go of
         (a slot its new calls made would take their calls at the same seqs, a mismatch where the
         shapes changed between the two: a false alarm). Until such a rank's own calls start
@@ -1464,17 +1489,21 @@ def _run_at(runs: Sequence[r.CallRun], seq: int) -> r.CallRun | None:
 
 
 def _from_below(hist: History, seq: int, call_id: int) -> bool:
-    """Whether a collective of a rank's (``seq``, a new ``call_id``) is numbered below the last
-    call of its ``hist``ory on the group, a collective issued from Python as well, and among the
-    first ``NEW_NUMBERING_SEQS``: its process group's numbering started again
+    """Whether a Python collective of a rank's (``seq``, a new ``call_id``) is numbered below the
+    last Python collective of its ``hist``ory on the group, and among the first
+    ``NEW_NUMBERING_SEQS``: its process group's numbering started again
     (``JobState._renumbered``). Seqs of one process group only rise, call after call; two
-    calls may share one (collectives coalesced into one, a backend that does not count), so an
-    equal seq is no sign; a record made from a Flight Recorder entry may come after later
-    calls, and p2p calls count per pair: neither is one either."""
+    calls may share one (collectives coalesced into one, one that raised before it was issued,
+    a backend that does not count), so an equal seq is no sign. Records made from Flight
+    Recorder entries may come after later calls, and p2p calls count per pair: neither is
+    looked at. (Read only after the rank said the group was created again: its history made
+    whole then is no cost a steady job pays.)"""
     if not hist or seq > NEW_NUMBERING_SEQS:
         return False
-    last = hist[-1]
-    return seq < last.seq and last.call_id < call_id < ENTRY_CALL_IDS and last.kind is r.OpKind.COLLECTIVE
+    for last in reversed(list(hist)):
+        if last.call_id < ENTRY_CALL_IDS and last.kind is r.OpKind.COLLECTIVE:
+            return seq < last.seq and last.call_id < call_id
+    return False
 
 
 def _active(event: r.RankEvent, since: float) -> bool:
