@@ -569,7 +569,7 @@ def test_a_process_group_made_anew_is_a_numbering_of_its_own(runs: bool, bad: bo
     loop's calls at the same seqs, a false shape mismatch ([8] against [4]) in every order with
     runs. With rank 1's 4th call of the second loop of another shape, that mismatch is told, on
     rank 1 at seq 4, in every order."""
-    group = r.GroupInfo(name="0", ranks=(0, 1), backend="gloo", index=0)
+    first, anew = (r.GroupInfo(name="0", ranks=(0, 1), backend="gloo", index=i) for i in (0, 1))
     told = set()
     for order in sorted(set(itertools.permutations([0, 0, 0, 1, 1, 1]))):
         job = SimJob(2, registered=T0)
@@ -580,10 +580,12 @@ def test_a_process_group_made_anew_is_a_numbering_of_its_own(runs: bool, bad: bo
             stage = done[rank]
             done[rank] += 1
             if stage == 0:
+                job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, first, T0), now)
                 _phase(job, rank, 1, T0 + 1, [(4,)] * 20, runs, now)
-            elif stage == 1:
+            elif stage == 1:  # (the hook numbers each group it learns: the new one is the 2nd)
+                job.apply(r.GroupEvent(rank, r.GroupEventKind.DESTROYED, first, T0 + 2), now)
                 job.apply(r.RankEnd(rank, r.EndKind.DESTROYED, T0 + 2), now)
-                job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, group, T0 + 2.1), now)
+                job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, anew, T0 + 2.1), now)
             else:
                 shapes = [(8,)] * 12
                 if bad and rank == 1:
@@ -597,14 +599,16 @@ def test_a_process_group_made_anew_is_a_numbering_of_its_own(runs: bool, bad: bo
 
 
 def test_calls_that_share_a_seq_or_come_late_from_flight_recorder_start_no_numbering() -> None:
-    """The look-alikes of a numbering started again: two Python calls of one seq (collectives
-    coalesced into one), a record made from a Flight Recorder entry below the last Python
-    call's seq, the group told again with its seqs rising on. None starts a numbering (which
-    would set the other ranks' runs aside): nothing is raised on the healthy calls, and a
-    mismatch after them is told on its rank."""
+    """The look-alikes of a group made anew: two Python calls of one seq (collectives coalesced
+    into one), a record made from a Flight Recorder entry below the last Python call's seq, the
+    group told again (a link made anew, an agent taking the ring over: the same creation
+    index). None starts a numbering (which would set the other ranks' runs aside): nothing is
+    raised on the healthy calls, and a mismatch after them is told on its rank."""
     job = SimJob(2, registered=T0)
     now = T0 + 1.0
+    group = r.GroupInfo("0", (0, 1), "gloo", 0)
     for rank in (0, 1):
+        job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, group, T0), now)
         _phase(job, rank, 1, T0 + 1, [(4,)] * 20, True, now)
     t = T0 + 2
     for rank in (0, 1):
@@ -618,14 +622,14 @@ def test_calls_that_share_a_seq_or_come_late_from_flight_recorder_start_no_numbe
     assert job.tick_engine.incidents == {}
     # the group told again (a link made anew tells the rank's groups again), the seqs rising on:
     # no numbering either, and a mismatch after it is told
-    job.apply(r.GroupEvent(0, r.GroupEventKind.CREATED, r.GroupInfo("0", (0, 1), "gloo", 0), t), now)
+    job.apply(r.GroupEvent(0, r.GroupEventKind.CREATED, group, t), now)
     for rank in (0, 1):
         mine = call(rank, 23, call_id=33, enter_time=t + 0.03, exit_time=t + 0.031)
         if rank:
             mine.inputs = mine.outputs = (r.TensorMeta((5,), "float32"),)
         job.apply(mine, now + 1)
     job.tick(now + 2)
-    assert job.job.numbering == {} and job.job.made_anew == {}
+    assert job.job.numbering == {}
     assert [(str(i.kind), i.culprit_ranks) for i in job.tick_engine.incidents.values()] == [("shape_mismatch", [1])]
 
 
@@ -636,13 +640,14 @@ def test_a_late_batch_of_the_numbering_before_prunes_nothing_of_the_new_one() ->
     too. Rank 0's calls at seqs 300-400 of the numbering before pruned the new one's slots as
     left 256 seqs behind, rank 1's call 101 with them: rank 0's death was told, not the
     mismatch that caused it (1 run in 5)."""
-    group = r.GroupInfo(name="0", ranks=(0, 1), backend="gloo", index=0)
+    first, anew = (r.GroupInfo(name="0", ranks=(0, 1), backend="gloo", index=i) for i in (0, 1))
     job = SimJob(2, registered=T0)
     now = T0 + 1.0
     meta = (r.TensorMeta((8,), "float32"),)
     for rank in (1, 0):
+        job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, first, T0), now)
         _phase(job, rank, 1, T0 + 1, [(4,)] * 400, True, now)
-        job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, group, T0 + 6), now)
+        job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, anew, T0 + 6), now)
         _phase(job, rank, 401, T0 + 7, [(8,)] * 100, True, now)
         last = call(
             rank, 101, call_id=501, enter_time=T0 + 9, inputs=(r.TensorMeta((9,), "float32"),) if rank else meta
@@ -654,3 +659,33 @@ def test_a_late_batch_of_the_numbering_before_prunes_nothing_of_the_new_one() ->
     job.tick(now + 1)
     told = [(str(i.kind), tuple(i.culprit_ranks), i.seq) for i in job.tick_engine.incidents.values()]
     assert told == [("shape_mismatch", (1,), 101)], told
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["healthy", "mismatch"])
+def test_a_group_made_anew_twice_with_a_rank_silent_in_between_is_told_right(bad: bool) -> None:
+    """Made anew twice: in between, rank 0 makes 3 calls and rank 1 none (it failed before its
+    first, and the job went on to make the group again). Both then make 12 calls; with rank 1's
+    6th of another shape, that mismatch is told, and only it (a numbering inferred from seqs
+    left rank 1 a making behind for good: no incident at all)."""
+    job = SimJob(2, registered=T0)
+    now = T0 + 1.0
+    makings = [r.GroupInfo(name="0", ranks=(0, 1), backend="gloo", index=i) for i in range(3)]
+    for rank in (0, 1):
+        job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, makings[0], T0), now)
+        _phase(job, rank, 1, T0 + 1, [(4,)] * 20, True, now)
+    for rank in (0, 1):
+        job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, makings[1], T0 + 2), now)
+    _phase(job, 0, 50, T0 + 2.5, [(6,)] * 3, True, now)
+    job.tick(now)
+    for rank in (0, 1):
+        job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, makings[2], T0 + 3), now + 1)
+        shapes = [(8,)] * 12
+        if bad and rank == 1:
+            shapes[5] = (9,)
+        _phase(job, rank, 100, T0 + 4, shapes, True, now + 1)
+    for k in range(2, 30):
+        job.beat(now + k)
+        job.tick(now + k)
+    told = [(str(i.kind), tuple(i.culprit_ranks), i.seq) for i in job.tick_engine.incidents.values()]
+    assert job.job.numbering == {"0": {0: 2, 1: 2}}
+    assert told == ([("shape_mismatch", (1,), 6)] if bad else []), told

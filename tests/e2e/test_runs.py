@@ -146,6 +146,8 @@ def test_a_process_group_made_anew_in_the_same_processes_raises_nothing(
     )
     assert status["job"]["records_in_runs"] > 2 * 200, status["job"]  # the loops went as runs
     assert coordinator.incidents_json() == [], _brief(coordinator.incidents_json())
+    (state,) = list(coordinator.jobs)
+    assert state.numbering == {"0": {0: 1, 1: 1}}  # each rank's hook told of the group made anew
 
 
 @pytest.mark.parametrize("op", ["broadcast", "all_reduce"])

@@ -83,11 +83,6 @@ class ClaimRefused(ValueError):
 
 ARRIVALS_KEPT = 32
 PRUNE_RUNS_EVERY = 16  # passed seqs between two walks of every member's runs (``_prune_runs``)
-#: A rank's numbering of a group started again where a new Python collective of its is numbered
-#: below its last, at one of these first seqs (``_from_below``): a new process group's first
-#: Python call comes at seq 1, or after the few its C++ code issued first (DDP's broadcast of
-#: the module's state)
-NEW_NUMBERING_SEQS = 64
 
 
 class JobState:
@@ -141,19 +136,17 @@ class JobState:
         self.passed_to: dict[str, dict[int, int]] = {}
         self.passed_low: dict[str, tuple[int, int]] = {}
         self.run_refs: dict[str, collections.deque[_RunRef]] = {}
-        #: Numberings (``_renumbered``): per group, how many times each rank's numbering of it
-        #: started again from below (its process group made anew in the same process: destroy
-        #: then init again, an in-process restart), and the newest over its ranks. A rank behind
-        #: that is still sending the numbering before: its runs are not kept or compared, its
-        #: calls share no slot with the newer numbering's, until its own calls start again.
+        #: Numberings (``_renumbered``): per group, how many times each rank made it anew (its
+        #: process group destroyed and created again in the same process, an in-process
+        #: restart: seqs from 1 again), and the newest over its ranks. A rank behind, still
+        #: sending the numbering before: its runs are not kept or compared, its calls share no
+        #: slot with the newer numbering's and prune nothing, until it says it made the group
+        #: anew too. Per group and rank, the creation index of the group it last said it created
+        #: (``records.GroupInfo.index``: a rank's hook numbers every group it learns, so a group
+        #: made anew has a higher one, and one told again the same)
         self.numbering: dict[str, dict[int, int]] = {}
         self.epoch: dict[str, int] = {}
-        #: per group and rank, the call id its newest numbering started at (its calls below it
-        #: are the numbering before's, even where the history still ends with one)
-        self.renumbered_at: dict[str, dict[int, int]] = {}
-        #: per group, the ranks that said it was created again while they had calls on it: their
-        #: next Python collective on it, numbered below their last, starts a new numbering
-        self.made_anew: dict[str, set[int]] = {}
+        self.created_index: dict[str, dict[int, int]] = {}
         self.pinned: list[Slot] = []  # slots made from runs, kept until the engine's next tick
         self._faults: dict[int, tuple[r.CallRecord, int | None, bool]] = {}  # see ``_faulty``
         #: inside ``_run``'s loop: a call it applies whole does not move the rank's passed seq
@@ -431,10 +424,14 @@ class JobState:
             if name != "0" and not any(name in st.groups for st in self.ranks.values()):
                 self._forget_group(name)  # every member destroyed it
             return
-        if state.history.get(name):
-            # made anew (or told again, to a coordinator that has its calls): its next Python
-            # collective says which (``_made_anew``)
-            self.made_anew.setdefault(name, set()).add(state.rank)
+        seen = self.created_index.setdefault(name, {})
+        was = seen.get(state.rank)
+        if was is None or info.index > was:
+            # (a rank first heard of tells of one of the group's makings, not which: it may be
+            # late, and of the one before the others' newest)
+            seen[state.rank] = info.index
+            if was is not None:
+                self._renumbered(state, name)  # made anew: its calls from here on number from 1
         canonical = self.groups.get(name)
         if canonical is None:
             if len(self.groups) >= MAX_GROUPS and name != WORLD:
@@ -477,8 +474,7 @@ class JobState:
         self.run_refs.pop(name, None)
         self.numbering.pop(name, None)
         self.epoch.pop(name, None)
-        self.renumbered_at.pop(name, None)
-        self.made_anew.pop(name, None)
+        self.created_index.pop(name, None)
         self._arrivals.pop(name, None)
         self._arrivals_due.pop(name, None)
         self._pruned_to.pop(name, None)
@@ -660,8 +656,6 @@ class JobState:
                     return
                 hist = state.history[group] = History()
                 self._charge(state, b.RANK_GROUP_BYTES)
-            elif self.made_anew and call_id < ENTRY_CALL_IDS and call.kind is r.OpKind.COLLECTIVE:
-                self._made_anew(state, group, hist, seq, call_id)
             oldest = hist.push(call, HISTORY_PER_GROUP)  # the oldest leaves (inlined ``_unhold``)
             if oldest is not None:
                 oldest.holds -= 1
@@ -967,8 +961,6 @@ class JobState:
             return
         hist = state.history[group]
         first = run.first_seq
-        if self.made_anew:
-            self._made_anew(state, group, hist, first, run.first_call_id)
         offset = run.offset = state.clock_offset
         slots = self.slots.get(group)
         open_here = state.open_collectives.get(group)
@@ -1227,34 +1219,15 @@ class JobState:
         numbers = self.numbering.get(group)
         return numbers is None or numbers.get(rank, 0) == self.epoch.get(group, 0)
 
-    def _made_anew(self, state: RankState, group: str, hist: History, seq: int, call_id: int) -> None:
-        """A Python collective of ``state``'s rank on ``group`` (its first, ``seq``, and a new
-        ``call_id``): where the rank said the group was created again since its last call on
-        it, the first such call tells whether its numbering started again (``_from_below``)."""
-        anew = self.made_anew.get(group)
-        if anew is None or state.rank not in anew:
-            return
-        anew.discard(state.rank)
-        if not anew:
-            del self.made_anew[group]
-        if _from_below(hist, seq, call_id):
-            self._renumbered(state, group, call_id)
-
-    def _renumbered(self, state: RankState, group: str, call_id: int) -> None:
-        """``state``'s rank numbers ``group`` from below again: it said the group was created
-        again, and its next Python collective came below the seq of its last (``_made_anew``):
-        its process group made anew in the same process (destroy then init again, an in-process
-        restart). Its runs and what it passed are the
-        numbering before's, as are those of every rank not yet seen starting again: let go of
+    def _renumbered(self, state: RankState, group: str) -> None:
+        """``state``'s rank made ``group`` anew (it said it created it again, with a higher
+        creation index): destroy then init again in the same process, an in-process restart.
+        Its calls from here on number from 1 again. Its runs and what it passed are the
+        numbering before's, as are those of every rank not yet heard making it anew: let go of
         (a slot its new calls made would take their calls at the same seqs, a mismatch where the
-        shapes changed between the two: a false alarm). Until such a rank's own calls start
-        again, its runs are not kept, and its calls share no slot with the new numbering's."""
+        shapes changed between the two: a false alarm). Until such a rank makes it anew too, its
+        runs are not kept, its calls share no slot with the new numbering's and prune nothing."""
         rank = state.rank
-        at = self.renumbered_at.setdefault(group, {})
-        hist = state.history.get(group)
-        if hist and hist[-1].call_id < at.get(rank, 0):
-            return  # its history ends in the numbering before still: the new one began at ``at``
-        at[rank] = call_id
         numbers = self.numbering.setdefault(group, {})
         mine = numbers[rank] = numbers.get(rank, 0) + 1
         epoch = self.epoch.get(group, 0)
@@ -1273,6 +1246,9 @@ class JobState:
         self._arrivals_due.pop(group, None)
         self._pruned_to.pop(group, None)
         state.entry_seqs.pop(group, None)  # Flight Recorder's numbering starts again with it
+        shifts = state.seq_shifts.pop(group, None)  # and gloo's uneven numbering of monitored barriers
+        if shifts:
+            self._charge(state, -b.SHIFT_BYTES * len(shifts))
 
     def _advance(self, group: str, rank: int, seq: int, members: tuple[int, ...]) -> None:
         """``rank`` passed every seq of ``group`` up to ``seq``. When the lowest rank moves up,
@@ -1486,24 +1462,6 @@ def _run_at(runs: Sequence[r.CallRun], seq: int) -> r.CallRun | None:
         if run.first_seq <= seq:
             return run if seq <= run.first_seq + len(run.enters) - 1 else None
     return None
-
-
-def _from_below(hist: History, seq: int, call_id: int) -> bool:
-    """Whether a Python collective of a rank's (``seq``, a new ``call_id``) is numbered below the
-    last Python collective of its ``hist``ory on the group, and among the first
-    ``NEW_NUMBERING_SEQS``: its process group's numbering started again
-    (``JobState._renumbered``). Seqs of one process group only rise, call after call; two
-    calls may share one (collectives coalesced into one, one that raised before it was issued,
-    a backend that does not count), so an equal seq is no sign. Records made from Flight
-    Recorder entries may come after later calls, and p2p calls count per pair: neither is
-    looked at. (Read only after the rank said the group was created again: its history made
-    whole then is no cost a steady job pays.)"""
-    if not hist or seq > NEW_NUMBERING_SEQS:
-        return False
-    for last in reversed(list(hist)):
-        if last.call_id < ENTRY_CALL_IDS and last.kind is r.OpKind.COLLECTIVE:
-            return seq < last.seq and last.call_id < call_id
-    return False
 
 
 def _active(event: r.RankEvent, since: float) -> bool:
