@@ -424,14 +424,6 @@ class JobState:
             if name != "0" and not any(name in st.groups for st in self.ranks.values()):
                 self._forget_group(name)  # every member destroyed it
             return
-        seen = self.created_index.setdefault(name, {})
-        was = seen.get(state.rank)
-        if was is None or info.index > was:
-            # (a rank first heard of tells of one of the group's makings, not which: it may be
-            # late, and of the one before the others' newest)
-            seen[state.rank] = info.index
-            if was is not None:
-                self._renumbered(state, name)  # made anew: its calls from here on number from 1
         canonical = self.groups.get(name)
         if canonical is None:
             if len(self.groups) >= MAX_GROUPS and name != WORLD:
@@ -444,6 +436,15 @@ class JobState:
             self._charge(None, b.group_bytes(info) + b.JOB_GROUP_BYTES)
             state.calls += b.group_bytes(info) + b.JOB_GROUP_BYTES
             self.group_owner[name] = state.rank
+        # (kept for groups the job holds: as many as ``state.groups``, and let go of with them)
+        seen = self.created_index.setdefault(name, {})
+        was = seen.get(state.rank)
+        if was is None or info.index > was:
+            # (a rank first heard of tells of one of the group's makings, not which: it may be
+            # late, and of the one before the others' newest)
+            seen[state.rank] = info.index
+            if was is not None:
+                self._renumbered(state, name)  # made anew: its calls from here on number from 1
         # one membership tuple per group, not one per rank (the world group is O(world) long)
         before = state.groups.get(name)
         if before is not None and before is not canonical:
