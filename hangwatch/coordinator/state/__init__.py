@@ -83,6 +83,9 @@ class ClaimRefused(ValueError):
 
 ARRIVALS_KEPT = 32
 PRUNE_RUNS_EVERY = 16  # passed seqs between two walks of every member's runs (``_prune_runs``)
+#: A group made anew numbers from 1 again: its first call comes at one of these first seqs (after
+#: the few C++ issued first, DDP's broadcast of the module's state), below the rank's last
+NEW_NUMBERING_SEQS = 64
 
 
 class JobState:
@@ -147,6 +150,11 @@ class JobState:
         self.numbering: dict[str, dict[int, int]] = {}
         self.epoch: dict[str, int] = {}
         self.created_index: dict[str, dict[int, int]] = {}
+        #: per group and rank, the makings it told of whose calls have not come yet: the first
+        #: of its calls numbered below its last starts the newest (``_made_anew``). Not at the
+        #: event itself: a batch on the wire carries its group creations before its calls
+        #: (``signatures.CallDecoder.decode``), the last calls of the making before included
+        self.anew: dict[str, dict[int, int]] = {}
         self.pinned: list[Slot] = []  # slots made from runs, kept until the engine's next tick
         self._faults: dict[int, tuple[r.CallRecord, int | None, bool]] = {}  # see ``_faulty``
         #: inside ``_run``'s loop: a call it applies whole does not move the rank's passed seq
@@ -443,8 +451,9 @@ class JobState:
             # (a rank first heard of tells of one of the group's makings, not which: it may be
             # late, and of the one before the others' newest)
             seen[state.rank] = info.index
-            if was is not None:
-                self._renumbered(state, name)  # made anew: its calls from here on number from 1
+            if was is not None:  # made anew: its calls number from 1 again, from where they drop
+                pending = self.anew.setdefault(name, {})
+                pending[state.rank] = pending.get(state.rank, 0) + 1
         # one membership tuple per group, not one per rank (the world group is O(world) long)
         before = state.groups.get(name)
         if before is not None and before is not canonical:
@@ -476,6 +485,7 @@ class JobState:
         self.numbering.pop(name, None)
         self.epoch.pop(name, None)
         self.created_index.pop(name, None)
+        self.anew.pop(name, None)
         self._arrivals.pop(name, None)
         self._arrivals_due.pop(name, None)
         self._pruned_to.pop(name, None)
@@ -657,6 +667,8 @@ class JobState:
                     return
                 hist = state.history[group] = History()
                 self._charge(state, b.RANK_GROUP_BYTES)
+            elif self.anew and call.kind is r.OpKind.COLLECTIVE:
+                self._made_anew(state, group, hist, seq, call_id)
             oldest = hist.push(call, HISTORY_PER_GROUP)  # the oldest leaves (inlined ``_unhold``)
             if oldest is not None:
                 oldest.holds -= 1
@@ -962,6 +974,8 @@ class JobState:
             return
         hist = state.history[group]
         first = run.first_seq
+        if self.anew:
+            self._made_anew(state, group, hist, first, run.first_call_id)
         offset = run.offset = state.clock_offset
         slots = self.slots.get(group)
         open_here = state.open_collectives.get(group)
@@ -1220,17 +1234,29 @@ class JobState:
         numbers = self.numbering.get(group)
         return numbers is None or numbers.get(rank, 0) == self.epoch.get(group, 0)
 
-    def _renumbered(self, state: RankState, group: str) -> None:
+    def _made_anew(self, state: RankState, group: str, hist: History, seq: int, call_id: int) -> None:
+        """A collective of ``state``'s rank on ``group`` (``seq``, ``call_id``): where the rank
+        told of makings of the group whose calls have not come yet, the first numbered below its
+        last of the same kind (``_from_below``) is the newest making's first."""
+        pending = self.anew.get(group)
+        makings = pending.get(state.rank) if pending else None
+        if makings and _from_below(hist, seq, call_id):
+            del pending[state.rank]  # type: ignore[union-attr]
+            if not pending:
+                del self.anew[group]
+            self._renumbered(state, group, makings)
+
+    def _renumbered(self, state: RankState, group: str, makings: int = 1) -> None:
         """``state``'s rank made ``group`` anew (it said it created it again, with a higher
         creation index): destroy then init again in the same process, an in-process restart.
-        Its calls from here on number from 1 again. Its runs and what it passed are the
+        Its calls from here (``_made_anew``) number from 1 again. Its runs and what it passed are the
         numbering before's, as are those of every rank not yet heard making it anew: let go of
         (a slot its new calls made would take their calls at the same seqs, a mismatch where the
         shapes changed between the two: a false alarm). Until such a rank makes it anew too, its
         runs are not kept, its calls share no slot with the new numbering's and prune nothing."""
         rank = state.rank
         numbers = self.numbering.setdefault(group, {})
-        mine = numbers[rank] = numbers.get(rank, 0) + 1
+        mine = numbers[rank] = numbers.get(rank, 0) + makings  # (one it made without a call counts)
         epoch = self.epoch.get(group, 0)
         if mine > epoch:
             epoch = self.epoch[group] = mine
@@ -1463,6 +1489,26 @@ def _run_at(runs: Sequence[r.CallRun], seq: int) -> r.CallRun | None:
         if run.first_seq <= seq:
             return run if seq <= run.first_seq + len(run.enters) - 1 else None
     return None
+
+
+def _from_below(hist: History, seq: int, call_id: int) -> bool:
+    """Whether a collective (``seq``, a new ``call_id``) is numbered below the last of its kind
+    in a rank's ``hist``ory on the group (issued from Python, or read from Flight Recorder:
+    records of the one may come after later calls of the other; the other kind's last where
+    the rank made none of its own, as a rank whose calls after the making are all C++'s), among
+    the first ``NEW_NUMBERING_SEQS``: the first call of a group made anew. p2p calls count per
+    pair."""
+    if seq > NEW_NUMBERING_SEQS:
+        return False
+    entry = call_id >= ENTRY_CALL_IDS
+    other: r.CallRecord | None = None  # the last of the other kind, where none of its own
+    for last in reversed(list(hist)):
+        if last.kind is not r.OpKind.COLLECTIVE:
+            continue
+        if (last.call_id >= ENTRY_CALL_IDS) is entry:
+            return seq < last.seq and last.call_id < call_id  # (not a batch sent again)
+        other = other or last
+    return other is not None and seq < other.seq
 
 
 def _active(event: r.RankEvent, since: float) -> bool:
