@@ -760,7 +760,7 @@ class JobState:
             if done and call.error is None:  # reported already complete
                 waited = call.exit_time - enter  # type: ignore[operator]
                 self.wait_durations.append(waited if waited > 0.0 else 0.0)
-                if self._current(state.rank, group):  # (another numbering's seqs prune nothing)
+                if numbers is None or self._current(state.rank, group):  # (another numbering's prune nothing)
                     self._prune(group, seq, members)
                     if group in self.passed_to and not self._in_run:
                         self._advance(group, state.rank, seq, members)
