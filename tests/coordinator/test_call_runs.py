@@ -742,3 +742,38 @@ def test_a_group_made_anew_twice_with_a_rank_silent_in_between_is_told_right(bad
     told = [(str(i.kind), tuple(i.culprit_ranks), i.seq) for i in job.tick_engine.incidents.values()]
     assert job.job.numbering == {"0": {0: 2, 1: 2}}
     assert told == ([("shape_mismatch", (1,), 6)] if bad else []), told
+
+
+def test_a_rank_seen_only_through_flight_recorder_makes_its_group_anew_too() -> None:
+    """Rank 2's collectives are all C++'s (DDP), read from Flight Recorder, in both makings: its
+    records of the new one number from 1 again, below seqs already taken from its entries. The
+    first of them starts its numbering (it was dropped as a record made again from the same
+    entry, leaving rank 2 behind for good); a mismatch on it after is told on it."""
+    job = SimJob(3, registered=T0)
+    now = T0 + 1.0
+    makings = [r.GroupInfo(name="0", ranks=(0, 1, 2), backend="nccl", index=i) for i in range(2)]
+
+    def one(rank: int, seq: int, call_id: int, t: float, shape: tuple[int, ...] = (8,), done: bool = True) -> None:
+        meta = (r.TensorMeta(shape, "float32"),)
+        fr = rank == 2
+        record = call(rank, seq, call_id=2**62 + call_id if fr else call_id, inputs=meta, outputs=meta,
+                      source="flight_recorder" if fr else "python", enter_time=t,
+                      exit_time=t + 0.001 if done else None)  # fmt: skip
+        job.apply(record, now)
+
+    for making, (shape, first_id) in enumerate((((4,), 0), ((8,), 100))):
+        for rank in range(3):
+            job.apply(r.GroupEvent(rank, r.GroupEventKind.CREATED, makings[making], T0 + making), now)
+        for seq in range(1, 31):
+            for rank in range(3):
+                one(rank, seq, first_id + seq, T0 + 1 + making + seq * 0.01, shape)
+        job.tick(now)
+        now += 0.5
+    for rank in range(3):
+        one(rank, 31, 131, T0 + 3, (9,) if rank == 2 else (8,), done=False)
+    for k in range(1, 20):
+        job.beat(now + k)
+        job.tick(now + k)
+    told = [(str(i.kind), tuple(i.culprit_ranks), i.seq) for i in job.tick_engine.incidents.values()]
+    assert job.job.numbering == {"0": {0: 1, 1: 1, 2: 1}}
+    assert told == [("shape_mismatch", (2,), 31)], told

@@ -617,7 +617,9 @@ class JobState:
                 self.records_received += 1
             else:  # a batch sent again (its reply was lost): applied again, the same, counted once
                 self.duplicates += 1
-        elif seq <= state.entry_seqs.get(group, 0):
+        elif seq <= state.entry_seqs.get(group, 0) and not (
+            self.anew and hist is not None and self._made_anew(state, group, hist, seq, call_id)
+        ):  # (a Flight Recorder record of a group made anew numbers from 1 again)
             self.duplicates += 1  # made again from the same entry (an agent took over the ring)
             return
         cost = call.cost = call.cost or b.call_bytes(call)  # decoded calls carry their signature's
@@ -1234,17 +1236,19 @@ class JobState:
         numbers = self.numbering.get(group)
         return numbers is None or numbers.get(rank, 0) == self.epoch.get(group, 0)
 
-    def _made_anew(self, state: RankState, group: str, hist: History, seq: int, call_id: int) -> None:
+    def _made_anew(self, state: RankState, group: str, hist: History, seq: int, call_id: int) -> bool:
         """A collective of ``state``'s rank on ``group`` (``seq``, ``call_id``): where the rank
         told of makings of the group whose calls have not come yet, the first numbered below its
-        last of the same kind (``_from_below``) is the newest making's first."""
+        last of the same kind (``_from_below``) is the newest making's first. Whether it was."""
         pending = self.anew.get(group)
         makings = pending.get(state.rank) if pending else None
-        if makings and _from_below(hist, seq, call_id):
-            del pending[state.rank]  # type: ignore[union-attr]
-            if not pending:
-                del self.anew[group]
-            self._renumbered(state, group, makings)
+        if not makings or not _from_below(hist, seq, call_id):
+            return False
+        del pending[state.rank]  # type: ignore[union-attr]
+        if not pending:
+            del self.anew[group]
+        self._renumbered(state, group, makings)
+        return True
 
     def _renumbered(self, state: RankState, group: str, makings: int = 1) -> None:
         """``state``'s rank made ``group`` anew (it said it created it again, with a higher
