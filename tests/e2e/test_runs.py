@@ -108,8 +108,9 @@ def _sleep_line(stack: str) -> str:
 #: A process group made anew in the same processes (destroy, then init again): its seqs start
 #: from 1 again, and the loop after it calls other shapes, with a broadcast (a new signature: it
 #: travels alone, as a read's edge sends some calls) right at the start. Steady loops travel as
-#: runs. ``BAD`` makes rank 1's broadcast at the 100th step of the second loop another shape:
-#: gloo returns from it (silently wrong).
+#: runs. ``BAD=broadcast`` makes rank 1's broadcast at the 100th step of the second loop another
+#: shape (gloo returns from it, silently wrong); ``BAD=all_reduce`` its all_reduce there another
+#: size (gloo aborts rank 0).
 INIT_AGAIN = (
     TRAIN
     + """

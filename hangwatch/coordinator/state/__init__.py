@@ -1266,13 +1266,17 @@ class JobState:
             epoch = self.epoch[group] = mine
             self.run_refs.pop(group, None)  # all the numbering before's
             self._arrivals.pop(group, None)
-        byrank = self.passed.get(group)
-        for rk in [rk for rk in byrank or () if rk == rank or numbers.get(rk, 0) != epoch]:
-            for run in byrank.pop(rk):  # type: ignore[union-attr]
+
+        def behind(rk: int) -> bool:  # its runs and passed seqs are the numbering before's
+            return rk == rank or numbers.get(rk, 0) != epoch
+
+        byrank = self.passed.get(group) or {}
+        for rk in [rk for rk in byrank if behind(rk)]:
+            for run in byrank.pop(rk):
                 self._drop_run(run)
-        passed_to = self.passed_to.get(group)
-        for rk in [rk for rk in passed_to or () if rk == rank or numbers.get(rk, 0) != epoch]:
-            del passed_to[rk]  # type: ignore[union-attr]
+        passed_to = self.passed_to.get(group) or {}
+        for rk in [rk for rk in passed_to if behind(rk)]:
+            del passed_to[rk]
         self.passed_low.pop(group, None)  # worked out again at the next rank's advance
         self._arrivals_due.pop(group, None)
         self._pruned_to.pop(group, None)
