@@ -67,6 +67,8 @@ TP_SIZE = 8
 TP_LAYERS = 32  # tp: two all_reduces a layer, one step of 64
 LATENCY_SAMPLES = 20_000  # per process, reservoir
 REPLAY_BASE = 1_000_000.0  # replay mode: batches are built on this time base
+DEVICE_READ_S = 1.0  # --device: a rank's Flight Recorder read for its progress (the agent's interval)
+DEVICE_LAG_S = 0.05  # --device: from a collective's enqueue to its completion on the device
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,10 @@ class Config:
     replay: bool = False  # build every batch before t0, then only send bytes on schedule
     relay_interval: float = RELAY_INTERVAL_S
     runs: bool = False  # calls alike as runs in one column entry (CallColumns.run), as agents send them
+    #: NCCL ranks: a rank's batches carry its device progress on group "0" (``GroupProgress``), as
+    #: a node agent reads it from Flight Recorder (at most every ``DEVICE_READ_S``); the device
+    #: completes a collective ``DEVICE_LAG_S`` after it was enqueued
+    device: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,7 @@ class RankSim:
     stopped: bool = False  # no more batches at all (early_exit culprit)
     ended: bool = False
     held: list[Any] = field(default_factory=list)  # --runs: a trailing call under way, held back once
+    progress_due: float = 0.0  # --device: when its next device progress is read
 
 
 @dataclass
@@ -395,7 +402,21 @@ class Worker:
             out, sim.held = sim.held + out, []
             if fresh and len(out) > 1 and isinstance(out[-1], r.CallRecord):
                 sim.held = [out.pop()]
+        if self.cfg.device and now >= sim.progress_due:
+            sim.progress_due = now + DEVICE_READ_S
+            out.append(self.progress(sim, now))
         return out
+
+    def progress(self, sim: RankSim, now: float) -> Any:
+        """Where group "0" stands on ``sim``'s device at ``now``: what it enqueued (the calls it
+        entered), and completed those enqueued ``DEVICE_LAG_S`` ago; the device never gets past
+        a collective some member never enqueued (``stuck`` and ``early_exit``)."""
+        enqueued = sim.next_enter  # index i is seq i + 1 on group "0"
+        done = int((now - DEVICE_LAG_S - self.t0) / self.period) + 1 if now - DEVICE_LAG_S >= self.t0 else 0
+        completed = max(0, min(enqueued, done))
+        if self.cfg.fault in ("stuck", "early_exit") and self.fault_index >= 0:
+            completed = min(completed, self.fault_index)
+        return self.r.GroupProgress(sim.rank, "0", enqueued, -1, completed, now, timeout_ms=600_000)
 
     # ---- sending ------------------------------------------------------------------------
 
@@ -841,6 +862,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--pattern", choices=PATTERNS, default="ddp")
     ap.add_argument("--runs", action="store_true", help="send calls alike as runs (CallColumns.run), as node agents do")
+    ap.add_argument(
+        "--device",
+        action="store_true",
+        help="NCCL ranks: batches carry device progress (GroupProgress), as node agents read it from Flight Recorder",
+    )
     ap.add_argument("--fault", choices=FAULTS, default="none")
     ap.add_argument("--fault-rank", type=int, default=-1, help="default: ranks // 2 + 1")
     ap.add_argument("--fault-at", type=float, default=5.0, help="seconds after t0")
@@ -878,7 +904,10 @@ def main(argv: list[str] | None = None) -> int:
         replay=args.replay,
         relay_interval=args.relay_interval,
         runs=args.runs,
+        device=args.device,
     )
+    if args.device and args.pattern not in ("tp", "ddp", "fsdp"):
+        ap.error("--device: patterns on the world group only (tp, ddp, fsdp)")
     result = run(cfg, args.procs)
     text = json.dumps(result)
     if args.json:

@@ -100,6 +100,9 @@ def status_json(
         "records_received": job.records_received,
         "records_in_runs": job.run_calls,  # of them, taken whole in runs of alike calls (issue 16)
         "records_in_cycles": job.cycle_calls,  # of those, in runs of a cycle of signatures
+        # of those in runs, on the device (NCCL) as they came: open until progress completed them
+        "records_on_device": job.device_calls,
+        "device_stops": job.device_opened,  # of those, made open calls where a device stopped at them
         "relays": sorted({rk["relay"] for rk in ranks if rk["relay"]}),
         "dropped": sum(rk["dropped"] for rk in ranks),
         "conflicts": list(job.conflicts),  # registrations refused or overridden, newest last

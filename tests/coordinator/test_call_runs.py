@@ -51,6 +51,10 @@ class Program:
     sub_every: int  # a subgroup {0, 1} collective after every this many world seqs (0: none)
     cycles: bool = True  # where runs are sent, runs of a cycle of signatures too (``run_cycle``)
     anew: tuple[Sig, ...] = ()  # then the world group made anew, and these called at seqs 1.. of it
+    #: NCCL: every host returns from its calls (the hang's too), and each round a progress read
+    #: of the world group shows what the rank enqueued and, completed, what it had enqueued this
+    #: many rounds before (0: gloo, no progress); nothing past a hang's seq completes
+    device: int = 0
 
 
 def _calls(p: Program, rank: int) -> list[tuple[str, int, Sig, bool]]:
@@ -109,7 +113,7 @@ def _ring(p: Program, rank: int) -> tuple[RingWriter, float]:
             refs[key] = w.blob(call_blob(record))
         t = T0 + 1.0 + call_id * 0.01 + rank * 0.001
         w.write(Kind.ENTER, 0, 0, refs[key], call_id, seq, 0, 0, t)
-        if done:
+        if done or p.device:  # (NCCL: the host returns from a call its device never completes)
             w.write(Kind.EXIT, 0, 1, 0, call_id, 0, 0, 0, t + 0.002)
     if p.anew:  # destroyed, then made anew (the hook's next creation index): seqs from 1 again
         info = _group("0", p)
@@ -145,6 +149,8 @@ class Outcome:
     ranks: dict[int, tuple[object, ...]]
     received: int
     runs: int
+    on_device: int = 0  # calls of runs on the device as they came (``JobState.device_calls``)
+    opened: int = 0  # of those, made open calls where the device stopped at them
 
 
 def _play(p: Program, runs: bool, wire: bool = False, hold: bool = False) -> Outcome:
@@ -168,6 +174,19 @@ def _play(p: Program, runs: bool, wire: bool = False, hold: bool = False) -> Out
         end = max(end, last)
     cursors = [0] * p.world
     now = T0 + 1.0
+    enqueued = [[0] for _ in range(p.world)]  # per rank, per round: its highest world seq delivered
+    stop = p.at - 1 if p.fault in ("stop", "hang") else None
+
+    def progress(rank: int, t: float) -> None:
+        if not p.device:
+            return
+        seen = enqueued[rank]
+        done = seen[max(0, len(seen) - 1 - p.device)]
+        done = done if stop is None else min(done, stop)
+        job.deliver(rank, [r.GroupProgress(rank, "0", seen[-1], -1, done, t)], t, sent_time=t)
+
+    for rank in range(p.world):  # the agent's first read, before the rank's first batch
+        progress(rank, now)
     busy = True
     while busy:
         busy = False
@@ -191,8 +210,20 @@ def _play(p: Program, runs: bool, wire: bool = False, hold: bool = False) -> Out
             else:
                 events = encoder.decode(batch, rank, budget.call_bytes, runs=runs)
             job.deliver(rank, events, now, sent_time=now)
+            for ev in events:
+                if type(ev) is r.CallRecord and ev.group == "0":
+                    enqueued[rank][-1] = max(enqueued[rank][-1], ev.seq)
+                elif type(ev) is r.CallRun and ev.template.group == "0":
+                    enqueued[rank][-1] = max(enqueued[rank][-1], ev.last_seq)
+        for rank in range(p.world):
+            progress(rank, now)
+            enqueued[rank].append(enqueued[rank][-1])
         job.tick(now)
     for dt in (1.0, 12.0, 25.0, 40.0):
+        for rank in range(p.world):  # its agent reads on: progress stays fresh
+            for _ in range(p.device + 1):
+                enqueued[rank].append(enqueued[rank][-1])
+            progress(rank, end + dt)
         job.beat(end + dt)
         job.tick(end + dt)
     incidents = sorted(_incident(inc) for inc in job.tick_engine.incidents.values())
@@ -209,7 +240,9 @@ def _play(p: Program, runs: bool, wire: bool = False, hold: bool = False) -> Out
     for ring, reader, _ in readers:
         reader.close()
         ring.close()
-    return Outcome(incidents, ranks, job.job.records_received, job.job.runs_taken)
+    return Outcome(
+        incidents, ranks, job.job.records_received, job.job.runs_taken, job.job.device_calls, job.job.device_opened
+    )
 
 
 def _incident(inc: Incident) -> tuple[object, ...]:
@@ -253,6 +286,27 @@ def test_runs_change_no_diagnosis_and_no_rank_state(p: Program) -> None:
     for hold in (False, True):
         alone = _play(p, runs=False, hold=hold)
         assert alone.runs == 0
+        for runs in (_play(p, runs=True, hold=hold), _play(p, runs=True, wire=True, hold=hold)):
+            assert runs.incidents == alone.incidents
+            assert runs.ranks == alone.ranks
+            assert runs.received == alone.received
+
+
+@st.composite
+def on_device(draw: st.DrawFn) -> Program:
+    """``programs``, on NCCL: progress read every round, the device a few rounds behind."""
+    return dataclasses.replace(draw(programs()), device=draw(st.sampled_from([1, 2, 4])))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(on_device())
+def test_runs_on_the_device_change_no_diagnosis_and_no_rank_state(p: Program) -> None:
+    """NCCL: calls alone are open until progress completes them; runs are taken whole, their
+    calls on the device noted, and made open calls only where the device stops at one. The
+    same incidents (kind, ranks, seq, onset, detection time) and each rank left in the same
+    place, open calls included."""
+    for hold in (False, True):
+        alone = _play(p, runs=False, hold=hold)
         for runs in (_play(p, runs=True, hold=hold), _play(p, runs=True, wire=True, hold=hold)):
             assert runs.incidents == alone.incidents
             assert runs.ranks == alone.ranks

@@ -11,6 +11,7 @@ slots are pruned once every member has left them.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -34,6 +35,7 @@ from hangwatch.coordinator.state.ranks import (
     UNEVEN_SEQS_ELSEWHERE,
     Changes,
     IngestResult,
+    OnDevice,
     RankState,
     Slot,
     _shift_at,
@@ -86,6 +88,9 @@ PRUNE_RUNS_EVERY = 16  # passed seqs between two walks of every member's runs (`
 #: A group made anew numbers from 1 again: its first call comes at one of these first seqs (after
 #: the few C++ issued first, DDP's broadcast of the module's state), below the rank's last
 NEW_NUMBERING_SEQS = 64
+#: Runs a rank may have on its device at once per group (``OnDevice``); past them its runs go
+#: call by call, each call open until its completion, as without runs
+ON_DEVICE_RUNS = 64
 
 
 class JobState:
@@ -163,6 +168,8 @@ class JobState:
         self.runs_taken = 0  # runs taken whole, and the calls in them
         self.run_calls = 0
         self.cycle_calls = 0  # of them, in runs of a cycle of signatures
+        self.device_calls = 0  # of them, on the device still as they came (NCCL: ``OnDevice``)
+        self.device_opened = 0  # of those, made open calls where the device stopped at them
 
     # ---- registration ---------------------------------------------------------------------
 
@@ -837,8 +844,11 @@ class JobState:
             completed_time=state.to_local(event.completed_time) if event.completed_time else 0.0,
             started_time=state.to_local(event.started_time) if event.started_time else 0.0,
         )
+        prior = state.progress.get(group)
         state.progress[group] = local
         state.progress_seen = now
+        if state.on_device.get(group):
+            self._settle_device(state, group, prior, local)
         open_here = state.open_collectives.get(group)
         if not open_here:
             return
@@ -864,9 +874,148 @@ class JobState:
                 continue
             self._charge(state, -sum(b.PROGRESS_BYTES + b.text_bytes(g) for g in state.progress))
             state.progress.clear()
+            self._let_go_on_device(state)
             for call in list(state.open_calls.values()):
                 if call.returned_time is not None:
                     self._close(state, call, call.returned_time, None)
+
+    # ---- runs on the device (NCCL): ``OnDevice`` -------------------------------------------
+
+    def _device_from(self, state: RankState, run: r.CallRun, now: float) -> int:
+        """The first call of ``run`` that ``awaits_completion`` would hold open (its group's
+        progress watched and fresh, its seq not completed, not settled by a read that found
+        everything enqueued completed after it returned); ``len(run)`` for none. Those before
+        it are a prefix: seqs and returns both grow along a run."""
+        n = len(run.enters)
+        t = run.template
+        progress = state.progress.get(t.group)
+        if progress is None or t.source != "python" or now - state.progress_seen > PROGRESS_FRESH_S:
+            return n  # not watched: each call is complete when its host returned (records of
+            # Flight Recorder's carry their own completion, and never come as runs)
+        k = progress.completed - run.first_seq + 1
+        if k >= n:
+            return n
+        if progress.enqueued == progress.completed:
+            k = max(k, bisect.bisect_right(run.exits, progress.time - state.clock_offset))
+        return min(max(k, 0), n)
+
+    def _settle_device(
+        self, state: RankState, group: str, prior: r.GroupProgress | None, progress: r.GroupProgress
+    ) -> None:
+        """A progress read of ``group`` (``prior``: the read before): the calls of runs on the
+        device it completes are done, their waits kept as ``_close`` keeps an open call's. Where
+        the device has not moved since ``prior``, which came after the first call still on it
+        returned, the device is stopped at that call: it is made an open call, with its slot, as
+        it would have been without runs (``_open_on_device``), for the detectors."""
+        pending = state.on_device[group]
+        everything = progress.enqueued == progress.completed
+        while pending:
+            entry = pending[0]
+            run = entry.run
+            n = len(run.enters)
+            k = min(n, progress.completed - run.first_seq + 1)
+            if everything and k < n:
+                k = max(k, bisect.bisect_right(run.exits, progress.time - run.offset))
+            if k > entry.start:
+                self._device_waits(run, entry.start, k, progress)
+                entry.start = k
+            if k < n:
+                break
+            pending.popleft()
+            self._charge(state, -entry.cost)
+        if pending and prior is not None and prior.completed == progress.completed:
+            entry = pending[0]
+            run = entry.run
+            if run.exits[entry.start] + run.offset <= prior.time:
+                self._open_on_device(state, run, entry.start)
+                entry.start += 1
+                if entry.start == len(run.enters):
+                    pending.popleft()
+                    self._charge(state, -entry.cost)
+        if not pending:
+            del state.on_device[group]
+
+    def _device_waits(self, run: r.CallRun, lo: int, hi: int, progress: r.GroupProgress) -> None:
+        """The waits of ``run``'s calls ``lo`` to ``hi - 1`` that ``progress`` completed: from
+        enter to completion (torch's watchdog's time for the last it completed, else the read's)."""
+        lo = max(lo, hi - DURATIONS_KEPT)
+        off, read = run.offset, progress.time
+        # as ``_close`` takes each: done at the read (the host returned before it, or at its return)
+        waits = list(map(operator.sub, map(max, run.exits[lo:hi], itertools.repeat(read - off)), run.enters[lo:hi]))
+        i = progress.completed - run.first_seq
+        if progress.completed_time and lo <= i < hi:  # torch's watchdog's time for the last it completed
+            waits[i - lo] = max(run.exits[i] + off, min(progress.completed_time, read)) - run.enters[i] - off
+        self.wait_durations.extend(map(max, itertools.repeat(0.0), waits))
+
+    def _open_on_device(self, state: RankState, run: r.CallRun, i: int) -> None:
+        """``run``'s ``i``-th call as the open call it would be without runs: its host returned,
+        its device has not completed it; in the rank's open calls and in its slot."""
+        group = run.template.group
+        call_id = run.first_call_id + i
+        if call_id in state.open_calls or len(state.open_calls) >= MAX_OPEN_CALLS:
+            return  # open already (a slot took it from the run), or the rank's open calls full
+        call = run.call(i, run.offset)
+        call.returned_time, call.exit_time = call.exit_time, None
+        cost = call.cost = call.cost or b.call_bytes(call)
+        if not self._room(state, cost + b.OPEN_BYTES + b.SLOT_ENTRY_BYTES + b.SLOT_BYTES):
+            return  # over a memory budget: left the run's (counted)
+        call.holds = 0
+        state.calls += cost
+        self.held += cost
+        self.ledger.held += cost
+        self.device_opened += 1
+        self._track_open(state, call)
+        slots = self.slots.get(group)
+        if slots is None:
+            slots = self.slots[group] = collections.OrderedDict()
+        seq = call.seq
+        slot = slots.get(seq)
+        if slot is None:
+            slot = self._new_slot(group, seq, slots, call.enter_time, state.rank)
+        else:
+            slot.first_enter = min(slot.first_enter, call.enter_time)
+            slot.last_enter = max(slot.last_enter, call.enter_time)
+        before_here = slot.calls.get(state.rank)
+        slot.add(call)
+        if slot.differs and not slot.pinned:
+            self._pin(slot)
+        call.holds += 1
+        if before_here is None:
+            self.held += b.SLOT_ENTRY_BYTES
+            self.ledger.held += b.SLOT_ENTRY_BYTES
+        else:
+            self._unhold(state, before_here)
+        self.changed_slots.add((group, seq))
+
+    def _track_open(self, state: RankState, call: r.CallRecord) -> None:
+        """``call`` (on the device, a run's) in its rank's open calls, held and charged there; its
+        rank's latest call where it is that one."""
+        state.open_calls[call.call_id] = call
+        call.holds += 1
+        self._charge(state, b.OPEN_BYTES)
+        here = state.open_collectives.get(call.group)
+        if here is None:
+            here = state.open_collectives[call.group] = {}
+        here[call.call_id] = call
+        last = state.last_call
+        if last is not None and last.call_id == call.call_id:  # its latest call is this one, open
+            state.last_call = call
+            if state.last_kept:
+                self._release_kept(state)
+
+    @staticmethod
+    def _on_device_at(state: RankState, group: str, seq: int) -> bool:
+        """Whether ``state``'s call at (``group``, ``seq``) is a run's its device has not been
+        seen to complete."""
+        return any(e.first_seq <= seq <= e.run.last_seq for e in state.on_device.get(group, ()))
+
+    def _let_go_on_device(self, state: RankState, group: str | None = None) -> None:
+        """Forget ``state``'s runs on the device (of ``group``; None: every group): its progress
+        stopped coming, so they are complete as their host returned, or they are of a numbering
+        its group was made anew after."""
+        for g in [group] if group is not None else list(state.on_device):
+            for entry in state.on_device.pop(g, ()):
+                self._charge(state, -entry.cost)
 
     def _close(self, state: RankState, call: r.CallRecord, when: float, error: str | None) -> None:
         if call.exit_time is None and call.kind is r.OpKind.COLLECTIVE:
@@ -961,15 +1110,18 @@ class JobState:
         else:
             costs = (t.cost or b.call_bytes(t),)
             odd = t.kind is not r.OpKind.COLLECTIVE or self._faulty(t, group)
+        # from which call the device (NCCL) has not been seen to complete them: those are the
+        # run's as the others are, and on the device until a progress read completes them
+        device = self._device_from(state, run, now) if state.progress and n == len(run.exits) else n
         if (
             not n
             or len(run.exits) != n
             or odd
             or group not in state.history
-            or state.progress
+            or (device < n and len(state.on_device.get(group) or ()) >= ON_DEVICE_RUNS)
             or state.seq_shifts.get(group)
             or run.first_call_id <= state.last_call_id
-            or not self._room(state, b.run_bytes(n) + min(n, HISTORY_PER_GROUP) * max(costs))
+            or not self._room(state, b.run_bytes(n) * (2 if device < n else 1) + min(n, HISTORY_PER_GROUP) * max(costs))
         ):
             for i in range(n):
                 self._enter(state, run.call(i), now)
@@ -987,9 +1139,9 @@ class JobState:
         if not slots or not _any_in(slots, first, first + n - 1):
             # no slot waits for any of its calls (the steady state): taken whole, the history
             # keeping the run's last calls as the run (``state.history``)
-            passed, last = True, self._pass(state, run, hist, 0, n, costs)
+            passed, last = True, self._pass(state, run, hist, 0, n, costs, device)
         else:
-            passed, last = self._run_by_slots(state, run, hist, costs, now)
+            passed, last = self._run_by_slots(state, run, hist, costs, now, device)
         if last is not None:
             before = state.last_call
             if before is None or last.enter_time >= before.enter_time:
@@ -1006,6 +1158,11 @@ class JobState:
         if run.cycle:
             self.cycle_calls += n
         current = self._current(state.rank, group)
+        if device < n and current:
+            entry = OnDevice(run, device, b.run_bytes(n))
+            self.device_calls += n - device
+            self._charge(state, entry.cost)
+            state.on_device.setdefault(group, collections.deque()).append(entry)
         if not current:
             pass  # a numbering a restart left behind: not kept, compared, counted, or pruning
         elif passed:
@@ -1016,19 +1173,28 @@ class JobState:
             self._prune(group, run.last_seq)
 
     def _pass(
-        self, state: RankState, run: r.CallRun, hist: History, lo: int, hi: int, costs: tuple[int, ...]
+        self,
+        state: RankState,
+        run: r.CallRun,
+        hist: History,
+        lo: int,
+        hi: int,
+        costs: tuple[int, ...],
+        device: int,
     ) -> r.CallRecord | None:
         """Take calls ``lo`` to ``hi - 1`` of ``run`` as passed (no slot waits for them): counted,
-        their waits kept (those of the run's last ``DURATIONS_KEPT``), and those among the run's
-        last ``HISTORY_PER_GROUP`` kept in the rank's history as a slice of the run (no record
-        each: ``history.RunSlice``). The last call made whole for the history, if any."""
+        their waits kept (those of the run's last ``DURATIONS_KEPT`` before ``device``, the first
+        still on the device: theirs are kept as progress completes them), and those among the
+        run's last ``HISTORY_PER_GROUP`` kept in the rank's history as a slice of the run (no
+        record each: ``history.RunSlice``). The last call made whole for the history, if any."""
         n = len(run.enters)
         state.last_call_id = run.first_call_id + hi - 1
         self.records_received += hi - lo
         enters, exits = run.enters, run.exits
         d = max(lo, n - DURATIONS_KEPT)
-        if d < hi:
-            self.wait_durations.extend(map(max, itertools.repeat(0.0), map(operator.sub, exits[d:hi], enters[d:hi])))
+        w = min(hi, device)
+        if d < w:
+            self.wait_durations.extend(map(max, itertools.repeat(0.0), map(operator.sub, exits[d:w], enters[d:w])))
         lo = max(lo, n - HISTORY_PER_GROUP)
         k = hi - lo
         if k <= 0:
@@ -1047,7 +1213,7 @@ class JobState:
         return last
 
     def _run_by_slots(
-        self, state: RankState, run: r.CallRun, hist: History, costs: tuple[int, ...], now: float
+        self, state: RankState, run: r.CallRun, hist: History, costs: tuple[int, ...], now: float, device: int
     ) -> tuple[bool, r.CallRecord | None]:
         """``_run``'s calls where slots wait for some of them: those are made whole and entered;
         the stretches between them are taken as passed (``_pass``), so a run through a few
@@ -1071,12 +1237,12 @@ class JobState:
                     continue
                 if i > start:
                     passed = True
-                    last = self._pass(state, run, hist, start, i, costs) or last
+                    last = self._pass(state, run, hist, start, i, costs, device) or last
                 self._enter(state, run.call(i), now)  # a slot waits for it: the call, whole
                 start = i + 1
             if start < n:
                 passed = True
-                last = self._pass(state, run, hist, start, n, costs) or last
+                last = self._pass(state, run, hist, start, n, costs, device) or last
         finally:
             self._in_run = False
         return passed, last
@@ -1199,9 +1365,20 @@ class JobState:
             run = _run_at(runs, seq)
             if run is None:
                 continue
-            call = run.call(seq - run.first_seq, run.offset)
-            cost = call.cost = call.cost or b.call_bytes(call)
-            call.holds = 1
+            st = self.ranks.get(rank)
+            i = seq - run.first_seq
+            opened = st.open_calls.get(run.first_call_id + i) if st is not None and st.on_device else None
+            device = False
+            if opened is not None:  # made an open call already (its device stopped at it): charged
+                call, cost = opened, 0
+                call.holds += 1
+            else:
+                call = run.call(i, run.offset)
+                cost = call.cost = call.cost or b.call_bytes(call)
+                call.holds = 1
+                device = st is not None and bool(st.on_device) and self._on_device_at(st, group, seq)
+                if device:  # on its device still: open, as it would be without runs
+                    call.returned_time, call.exit_time = call.exit_time, None
             empty = not slot.calls and not slot.last_enter  # made by ``_materialize``: no time yet
             slot.add(call)
             if slot.differs and not slot.pinned:
@@ -1211,9 +1388,10 @@ class JobState:
                 slot.first_enter = enter
             if empty or enter > slot.last_enter:
                 slot.last_enter = enter
-            st = self.ranks.get(rank)
             if st is not None:
                 st.calls += cost
+                if device:
+                    self._track_open(st, call)
             self.held += cost + b.SLOT_ENTRY_BYTES
             ledger.held += cost + b.SLOT_ENTRY_BYTES
 
@@ -1281,6 +1459,7 @@ class JobState:
         self._arrivals_due.pop(group, None)
         self._pruned_to.pop(group, None)
         state.entry_seqs.pop(group, None)  # Flight Recorder's numbering starts again with it
+        self._let_go_on_device(state, group)
         shifts = state.seq_shifts.pop(group, None)  # and gloo's uneven numbering of monitored barriers
         if shifts:
             self._charge(state, -b.SHIFT_BYTES * len(shifts))

@@ -103,6 +103,9 @@ class RankState:
     #: enqueue to its completion, not to the host thread's return (``JobState.awaits_completion``)
     progress: dict[str, r.GroupProgress] = field(default_factory=dict)
     progress_seen: float = 0.0
+    #: per group, oldest first: calls of runs its host returned from that its device has not
+    #: been seen to complete (``OnDevice``), while its progress is watched
+    on_device: dict[str, collections.deque[OnDevice]] = field(default_factory=dict)
     #: bytes charged to this rank (``budget``): its own tables (per-group tables, open-call
     #: entries, markers, device progress, the groups it announced), and its calls wherever the
     #: job holds them (each charged once, ``CallRecord.holds``; a call of an earlier process of
@@ -169,6 +172,25 @@ class RankState:
             if best is None or call.enter_time < best.enter_time:
                 best = call
         return best
+
+
+@dataclass(eq=False, slots=True)
+class OnDevice:
+    """Calls of a run (``records.CallRun``) from its ``start``-th on: the rank's host returned
+    from them and its device (NCCL) has not been seen to complete them. Taken with the run as
+    passed (no call, no slot each: ``JobState._run``) where call by call each would be an open
+    call in a slot until a progress read completed it; made so (``JobState._open_on_device``)
+    only where the device stops moving on one of them, or a slot is made at its seq. ``cost``:
+    the bytes charged to the rank for it."""
+
+    run: r.CallRun
+    start: int
+    cost: int
+
+    @property
+    def first_seq(self) -> int:
+        """The seq of the first call the device has not been seen to complete."""
+        return self.run.first_seq + self.start
 
 
 @dataclass

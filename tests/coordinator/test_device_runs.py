@@ -1,0 +1,236 @@
+"""Runs of calls on the device (NCCL): taken whole, open only where the device stops at one.
+
+On NCCL a rank's host returns from a collective when it is enqueued, and the job state holds the
+call open until the rank's device progress (read by its node agent from Flight Recorder)
+completes it (``test_completion.py``). Calls that come as a run (``records.CallRun``) are taken
+whole however far the device is behind: the calls it has not completed are noted
+(``OnDevice``), and made the open calls in slots they would be call by call only where the
+device stops moving at one. Each scenario below is played twice, its calls alone and as runs,
+through the real ``JobState`` and engine (``tests.factories.SimJob``): what the detectors tell
+must be the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from hangwatch import records as r
+from hangwatch.coordinator import budget as b
+from hangwatch.coordinator.incidents import Incident
+from hangwatch.coordinator.state import PROGRESS_FRESH_S
+from tests.factories import T0, SimJob, call
+
+ITEM = "train.py:57 in train_step"  # where a host thread blocks after enqueueing: loss.item()
+SITE = "train.py:50 in train_step"
+
+
+def _watched(n: int, started: int = -1) -> SimJob:
+    sim = SimJob(n)
+    for rk in range(n):
+        sim.progress(rk, T0, enqueued=0, completed=0, started=started, timeout_ms=600_000)
+    return sim
+
+
+def _enqueue(sim: SimJob, rank: int, first: int, last: int, t: float, runs: bool, gap: float = 0.01) -> float:
+    """``rank``'s host enqueues the collectives ``first`` to ``last`` from ``t``, each returned a
+    millisecond after it began; they arrive at the last one's return, as one run (``runs``) or
+    call by call. The time they arrived."""
+    n = last - first + 1
+    ids = [next(sim.ids) for _ in range(n)]
+    enters = [t + i * gap for i in range(n)]
+    exits = [e + 0.001 for e in enters]
+    arrived = exits[-1]
+    if runs and n > 1:
+        template = call(rank, 0, call_id=0, call_site=SITE)
+        sim.apply(r.CallRun(rank, template, ids[0], first, 0, enters, exits), arrived)
+    else:
+        for i in range(n):
+            sim.apply(
+                call(rank, first + i, enter_time=enters[i], exit_time=exits[i], call_id=ids[i], call_site=SITE), arrived
+            )
+    return arrived
+
+
+def _first_calls(sim: SimJob, runs: bool) -> None:
+    """Every rank's first call on the group: alone (a signature's first call always is), and
+    completed on the device at once."""
+    for rk in sim.states:
+        _enqueue(sim, rk, 1, 1, T0 + 0.5, runs)
+        sim.progress(rk, T0 + 0.9, enqueued=1, completed=1, timeout_ms=600_000)
+
+
+def _findings(incidents: list[Incident]) -> list[tuple[object, ...]]:
+    return [
+        (str(i.kind), i.summary, tuple(i.culprit_ranks), tuple(i.waiting_ranks), i.group, i.seq, i.onset_time)
+        for i in incidents
+    ]
+
+
+def _play(
+    runs: bool, scenario: Callable[[SimJob, bool], None], n: int = 3, started: int = -1
+) -> tuple[SimJob, list[tuple[object, ...]]]:
+    sim = _watched(n, started)
+    _first_calls(sim, runs)
+    scenario(sim, runs)
+    return sim, _findings(list(sim.tick_engine.incidents.values()))
+
+
+def _steps(
+    sim: SimJob, runs: bool, *, lag: float, seconds: int, absent: int | None = None, stop_at: int | None = None
+) -> None:
+    """A loop of 20 collectives a second on every rank, read as a node agent reads: each
+    second's calls in a batch, then the device's progress. The device completes a call ``lag``
+    seconds after it returned. With ``stop_at``, rank ``absent`` never enqueues that seq (busy
+    elsewhere), the others' hosts enqueue it and block at the next ``.item()``, and no device
+    completes it. The engine ticks after each second."""
+
+    def entered(seq: int) -> float:
+        return T0 + 1 + (seq - 2) // 20 + ((seq - 2) % 20) * 0.04
+
+    def last_of(rank: int, hi: int) -> int:
+        return hi if stop_at is None else min(hi, stop_at - 1 if rank == absent else stop_at)
+
+    for s in range(1, seconds + 1):
+        t = T0 + s
+        lo, hi = 2 + 20 * (s - 1), 1 + 20 * s
+        for rk in sim.states:
+            if last_of(rk, hi) >= lo:
+                _enqueue(sim, rk, lo, last_of(rk, hi), t, runs, gap=0.04)
+        read = t + 0.95
+        for rk in sim.states:
+            enqueued = completed = max(1, last_of(rk, hi))
+            while completed > 1 and entered(completed) + 0.001 + lag > read:
+                completed -= 1
+            if stop_at is not None:
+                completed = min(completed, stop_at - 1)
+            sim.progress(rk, read, enqueued=enqueued, completed=completed, timeout_ms=600_000)
+        sim.beat(read, where_user=ITEM)
+        sim.tick(read + 0.01)
+
+
+def test_a_run_on_the_device_is_taken_whole_and_completed_by_progress_as_its_calls_would_be() -> None:
+    """A run whose calls the device has not completed when it arrives: no call, slot or open
+    call each; the next progress read completes them, and the job keeps the same waits (what
+    the stuck threshold learns from) and, once complete, the same bytes as for calls alone."""
+    waits = {}
+    for runs in (False, True):
+        sim = _watched(2)
+        _first_calls(sim, runs)
+        for rk in (0, 1):
+            _enqueue(sim, rk, 2, 41, T0 + 1, runs)
+        job = sim.job
+        if runs:
+            assert job.device_calls == 80 and job.run_calls == 80
+            assert set(job.slots.get("0", {})) <= {1}
+            assert all(not st.open_calls and len(st.on_device["0"]) == 1 for st in sim.states.values())
+        else:
+            assert all(len(st.open_calls) == 40 for st in sim.states.values())
+        for rk in (0, 1):
+            sim.progress(rk, T0 + 2, enqueued=41, completed=30, completed_time=T0 + 1.9, timeout_ms=600_000)
+        for rk in (0, 1):
+            sim.progress(rk, T0 + 3, enqueued=41, completed=41, completed_time=T0 + 2.5, timeout_ms=600_000)
+        assert all(not st.open_calls and not st.on_device for st in sim.states.values())
+        assert job.device_opened == 0
+        waits[runs] = sorted(job.wait_durations)
+    assert waits[True] == waits[False]
+
+
+def test_what_runs_on_the_device_hold_is_let_go_as_progress_completes_them() -> None:
+    """Bytes: a job that took runs on the device holds, once progress completed them, what the
+    same runs hold where no device is watched (gloo), but for the progress tables themselves."""
+    held = {}
+    for watched in (False, True):
+        sim = _watched(2) if watched else SimJob(2)
+        if watched:
+            _first_calls(sim, True)
+        for rk in (0, 1):
+            if not watched:
+                _enqueue(sim, rk, 1, 1, T0 + 0.5, runs=True)
+            _enqueue(sim, rk, 2, 41, T0 + 1, runs=True)
+        if watched:
+            assert all(st.on_device for st in sim.states.values())
+            for rk in (0, 1):
+                sim.progress(rk, T0 + 2, enqueued=41, completed=41, timeout_ms=600_000)
+            assert all(not st.on_device for st in sim.states.values())
+        held[watched] = sim.job.held - (2 * (b.PROGRESS_BYTES + b.text_bytes("0")) if watched else 0)
+    assert held[True] == held[False]
+
+
+def test_progress_that_stops_coming_lets_go_of_the_runs_on_the_device() -> None:
+    sim = _watched(2)
+    _first_calls(sim, True)
+    before = {rk: st.held for rk, st in sim.states.items()}
+    for rk in (0, 1):
+        _enqueue(sim, rk, 2, 41, T0 + 1, runs=True)
+    assert all(st.on_device for st in sim.states.values())
+    sim.job.lapse_progress(T0 + 1.1 + PROGRESS_FRESH_S + 1)
+    for rk, st in sim.states.items():
+        assert not st.on_device and not st.open_calls
+        assert st.held == before[rk] - b.PROGRESS_BYTES - b.text_bytes("0") + b.run_bytes(40)  # its run, kept
+
+
+def test_a_healthy_device_behind_its_host_by_more_than_a_read_raises_nothing_and_opens_nothing() -> None:
+    """The look-alike of a device that stopped: every rank's device is 1.5 s behind its host,
+    more than a read apart, but moves at every read. With runs no call is ever made open."""
+    for runs in (False, True):
+        sim, found = _play(runs, lambda sim, runs: _steps(sim, runs, lag=1.5, seconds=40))
+        assert found == []
+        if runs:
+            assert sim.job.device_opened == 0 and sim.job.device_calls > 2000
+            assert set(sim.job.slots.get("0", {})) <= {1}
+
+
+@pytest.mark.parametrize("absent", [0, 2])
+def test_a_rank_that_never_enqueues_is_told_the_same_with_runs_on_the_device(absent: int) -> None:
+    """Rank ``absent`` never enqueues seq 150 (busy elsewhere); the others' hosts enqueued it
+    in a run and block at the next ``.item()``, their devices stopped at it: the same
+    ``stuck_collective``, the same culprit, waiters, seq and onset, whether their calls came
+    alone or as runs (then made open calls where the devices stopped)."""
+    told = {}
+    for runs in (False, True):
+        sim, found = _play(runs, lambda sim, runs: _steps(sim, runs, lag=0.2, seconds=20, absent=absent, stop_at=150))
+        told[runs] = found
+        if runs:
+            assert 0 < sim.job.device_opened <= 2 * len(sim.states)
+    assert told[True] == told[False]
+    assert len(told[True]) == 1 and told[True][0][0] == "stuck_collective"
+    assert told[True][0][2] == (absent,) and told[True][0][5] == 150
+
+
+def test_a_transport_stall_is_told_the_same_with_runs_on_the_device() -> None:
+    """Every rank enqueued seq 150 and its device started it (start events on) and never
+    completes it: a ``transport_stall`` on every rank, alone or as runs."""
+
+    def stall(sim: SimJob, runs: bool) -> None:
+        _steps(sim, runs, lag=0.2, seconds=8, stop_at=150)
+        for s in range(9, 25):  # the devices started it: still there at every read
+            t = T0 + s
+            for rk in sim.states:
+                sim.progress(rk, t + 0.95, enqueued=150, started=150, completed=149, timeout_ms=600_000)
+            sim.beat(t + 0.95, where_user=ITEM)
+            sim.tick(t + 0.96)
+
+    told = {runs: _play(runs, stall, started=0)[1] for runs in (False, True)}
+    assert told[True] == told[False]
+    assert [f[0] for f in told[True]] == ["transport_stall"]
+
+
+def test_a_slot_made_where_a_run_is_on_the_device_holds_that_call_open() -> None:
+    """Rank 1's run through seq 20 is on its device; rank 0's call at seq 20 comes alone (a
+    new call site) and makes a slot: rank 1's call there is open, as it is on its device, and
+    its progress closes it."""
+    sim = _watched(2)
+    _first_calls(sim, True)
+    _enqueue(sim, 1, 2, 30, T0 + 1, runs=True)
+    _enqueue(sim, 0, 2, 19, T0 + 1, runs=True)
+    rec = call(0, 20, enter_time=T0 + 1.2, exit_time=T0 + 1.201, call_id=next(sim.ids), call_site="train.py:51")
+    sim.apply(rec, T0 + 1.21)
+    slot = sim.job.slots["0"][20]
+    held = slot.calls[1]
+    assert held.exit_time is None and held.returned_time is not None
+    assert sim.states[1].open_calls == {held.call_id: held} and slot.open == 2
+    for rk in (0, 1):
+        sim.progress(rk, T0 + 2, enqueued=30 if rk else 20, completed=30 if rk else 20, timeout_ms=600_000)
+    assert slot.open == 0 and not sim.states[1].open_calls and not sim.states[1].on_device
