@@ -403,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--pattern", default="ddp", choices=("ddp", "fsdp", "pipeline", "mixed", "tp"))
         p.add_argument("--runs", action="store_true", help="ranks send calls alike as runs (CallColumns.run)")
+        p.add_argument(
+            "--device",
+            action="store_true",
+            help="NCCL ranks: their batches carry device progress as node agents read it (tp, ddp, fsdp patterns)",
+        )
         p.add_argument("--seconds", type=float, default=15.0)
         p.add_argument("--ranks", type=int, default=1024)
         p.add_argument("--rate", type=float, default=10.0)
@@ -430,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         REPLAY.append("--replay")
     if getattr(args, "runs", False):
         REPLAY.append("--runs")
+    if getattr(args, "device", False):
+        REPLAY.append("--device")
     if getattr(args, "relay_interval", None):
         REPLAY.extend(["--relay-interval", str(args.relay_interval)])
     if args.mode == "serve":

@@ -312,8 +312,8 @@ class Worker:
         return None
 
     def never_exits(self, rank: int, i: int) -> bool:
-        if self.cfg.fault not in ("stuck", "early_exit") or i != self.fault_index:
-            return False
+        if self.cfg.fault not in ("stuck", "early_exit") or i != self.fault_index or self.cfg.device:
+            return False  # (NCCL: the host returns from it; the device never completes it)
         spec = self.pattern.op(rank, i)
         k = self.cfg.fault_rank
         if spec.op in ("send", "recv"):

@@ -896,7 +896,7 @@ class JobState:
         if k >= n:
             return n
         if progress.enqueued == progress.completed:
-            k = max(k, bisect.bisect_right(run.exits, progress.time - state.clock_offset))
+            k = max(k, bisect.bisect_right(run.exits, progress.time, key=state.clock_offset.__add__))
         return min(max(k, 0), n)
 
     def _settle_device(
@@ -915,7 +915,7 @@ class JobState:
             n = len(run.enters)
             k = min(n, progress.completed - run.first_seq + 1)
             if everything and k < n:
-                k = max(k, bisect.bisect_right(run.exits, progress.time - run.offset))
+                k = max(k, bisect.bisect_right(run.exits, progress.time, key=run.offset.__add__))
             if k > entry.start:
                 self._device_waits(run, entry.start, k, progress)
                 entry.start = k
@@ -941,10 +941,10 @@ class JobState:
         lo = max(lo, hi - DURATIONS_KEPT)
         off, read = run.offset, progress.time
         # as ``_close`` takes each: done at the read (the host returned before it, or at its return)
-        waits = list(map(operator.sub, map(max, run.exits[lo:hi], itertools.repeat(read - off)), run.enters[lo:hi]))
+        waits = [max(x + off, read) - (e + off) for e, x in zip(run.enters[lo:hi], run.exits[lo:hi], strict=True)]
         i = progress.completed - run.first_seq
         if progress.completed_time and lo <= i < hi:  # torch's watchdog's time for the last it completed
-            waits[i - lo] = max(run.exits[i] + off, min(progress.completed_time, read)) - run.enters[i] - off
+            waits[i - lo] = max(run.exits[i] + off, min(progress.completed_time, read)) - (run.enters[i] + off)
         self.wait_durations.extend(map(max, itertools.repeat(0.0), waits))
 
     def _open_on_device(self, state: RankState, run: r.CallRun, i: int) -> None:
