@@ -20,7 +20,7 @@ from hangwatch import records as r
 from hangwatch.coordinator import budget as b
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.state import PROGRESS_FRESH_S
-from tests.factories import T0, SimJob, call
+from tests.factories import T0, SimJob, call, group_event
 
 ITEM = "train.py:57 in train_step"  # where a host thread blocks after enqueueing: loss.item()
 SITE = "train.py:50 in train_step"
@@ -234,3 +234,111 @@ def test_a_slot_made_where_a_run_is_on_the_device_holds_that_call_open() -> None
     for rk in (0, 1):
         sim.progress(rk, T0 + 2, enqueued=30 if rk else 20, completed=30 if rk else 20, timeout_ms=600_000)
     assert slot.open == 0 and not sim.states[1].open_calls and not sim.states[1].on_device
+
+
+def test_a_device_far_behind_that_pauses_raises_nothing_though_every_host_passed_the_seq_long_ago() -> None:
+    """Hosts run 100 collectives/s ahead of GPUs that pause before seq 50 (a long kernel), more
+    than the runs the job keeps past the slowest host. Rank 0's reads find the pause first and
+    make seq 50 an open call: the others' calls there must be in its slot (their runs kept while
+    a device holds that seq), not told absent."""
+
+    def pause(sim: SimJob, runs: bool) -> None:
+        sim.tick_engine.stuck_after_override = 5.0
+        for rk in range(3):
+            _enqueue(sim, rk, 2, 101, T0 + 1, runs)
+            _enqueue(sim, rk, 102, 201, T0 + 2, runs)
+        for rk in range(3):
+            sim.progress(rk, T0 + 3.0, enqueued=201, completed=49, timeout_ms=600_000)
+        sim.progress(0, T0 + 6.5, enqueued=201, completed=49, timeout_ms=600_000)
+        sim.beat(T0 + 6.6, where_user=ITEM)
+        sim.tick(T0 + 6.6)
+        for rk in (1, 2):
+            sim.progress(rk, T0 + 7.0, enqueued=201, completed=49, timeout_ms=600_000)
+        for rk in range(3):
+            sim.progress(rk, T0 + 8.0, enqueued=201, completed=201, timeout_ms=600_000)
+        sim.beat(T0 + 8.1, where_user=ITEM)
+        sim.tick(T0 + 8.1)
+
+    for runs in (False, True):
+        sim, found = _play(runs, pause)
+        assert found == [], runs
+    assert sim.job.device_opened >= 1
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_a_stop_below_a_call_sent_alone_is_told_at_its_own_seq(hang: bool) -> None:
+    """Every rank's device stops at seq 300 (a transport stall; or rank 2 never enqueues it, a
+    hang), and each rank's call at 320 came alone (another shape), making its slot first: the
+    slot made where the devices stopped goes below it, and the stop is told at 300."""
+
+    def stop(sim: SimJob, runs: bool) -> None:
+        ranks = (0, 1) if hang else (0, 1, 2)
+        for rk in range(3):
+            _enqueue(sim, rk, 2, 299, T0 + 1, runs, gap=0.005)
+        for rk in ranks:
+            _enqueue(sim, rk, 300, 319, T0 + 2.5, runs, gap=0.005)
+            sim.apply(
+                call(rk, 320, enter_time=T0 + 2.7, exit_time=T0 + 2.701, call_id=next(sim.ids), shape=(8,)), T0 + 2.71
+            )
+            _enqueue(sim, rk, 321, 340, T0 + 2.8, runs, gap=0.005)
+        for s in range(3, 40):
+            for rk in range(3):
+                mine = rk in ranks
+                sim.progress(rk, T0 + s, enqueued=340 if mine else 299, started=300 if mine else 299, completed=299)
+            sim.beat(T0 + s + 0.1, where_user=ITEM)
+            sim.tick(T0 + s + 0.1)
+
+    told = {runs: _play(runs, stop, started=0)[1] for runs in (False, True)}
+    assert told[True] == told[False]
+    assert [(f[0], f[2], f[5]) for f in told[True]] == [
+        ("stuck_collective", (2,), 300) if hang else ("transport_stall", (), 300)
+    ]
+
+
+def test_reads_of_a_group_made_anew_open_no_call_of_the_numbering_before() -> None:
+    """An in-process restart: rank 0's GPU had not completed old seqs 91..101 at its last read of
+    the old communicator; ranks 1 and 2 make the group anew first, and rank 0's agent reads the
+    new communicator (enqueued 40, completed 1, twice) before rank 0's first new call comes.
+    Those reads say nothing of the old calls: none is made open (a false hang at seq 91)."""
+
+    def restart(sim: SimJob, runs: bool) -> None:
+        for rk in range(3):
+            _enqueue(sim, rk, 2, 101, T0 + 1, runs)
+            sim.progress(rk, T0 + 2.0, enqueued=101, completed=90, timeout_ms=600_000)
+        for rk in (1, 2):
+            sim.apply(group_event(rk, "0", (0, 1, 2), T0 + 3.0, backend="nccl", index=2), T0 + 3.4)
+            sim.apply(call(rk, 1, enter_time=T0 + 3.4, exit_time=T0 + 3.401, call_id=next(sim.ids)), T0 + 3.5)
+            sim.progress(rk, T0 + 4.0, enqueued=1, completed=1, timeout_ms=600_000)
+            _enqueue(sim, rk, 2, 40, T0 + 4.1, runs)
+            sim.progress(rk, T0 + 5.5, enqueued=40, completed=1, timeout_ms=600_000)
+        for t in (6.0, 7.0):
+            sim.progress(0, T0 + t, enqueued=40, completed=1, timeout_ms=600_000)
+        sim.beat(T0 + 7.1, where_user=ITEM)
+        sim.tick(T0 + 7.1)
+
+    def made(sim: SimJob, runs: bool) -> None:
+        for rk in range(3):
+            sim.apply(group_event(rk, "0", (0, 1, 2), T0, backend="nccl", index=1), T0)
+        restart(sim, runs)
+
+    for runs in (False, True):
+        sim, found = _play(runs, made)
+        assert found == [], runs
+    assert sim.job.device_opened == 0
+
+
+def test_a_call_a_slot_took_from_a_run_on_the_device_keeps_one_wait() -> None:
+    """Rank 0's run through seq 20 is on its device and a slot waits at seq 20 (rank 1's call
+    there came alone): the call is made whole and open there, and when progress completes it,
+    its wait is kept once, as call by call."""
+    waits = {}
+    for runs in (False, True):
+        sim = _watched(2)
+        _first_calls(sim, runs)
+        sim.apply(call(1, 20, enter_time=T0 + 1.1, exit_time=T0 + 1.101, call_id=next(sim.ids), shape=(8,)), T0 + 1.2)
+        _enqueue(sim, 0, 2, 40, T0 + 1, runs)
+        for rk in (0, 1):
+            sim.progress(rk, T0 + 2, enqueued=40 if rk == 0 else 20, completed=40 if rk == 0 else 20)
+        waits[runs] = sorted(sim.job.wait_durations)
+    assert len(waits[True]) == len(waits[False]) == 2 + 39 + 1
+    assert waits[True] == waits[False]

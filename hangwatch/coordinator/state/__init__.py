@@ -847,12 +847,9 @@ class JobState:
         prior = state.progress.get(group)
         state.progress[group] = local
         state.progress_seen = now
-        if state.on_device.get(group):
-            self._settle_device(state, group, prior, local)
         open_here = state.open_collectives.get(group)
-        if not open_here:
-            return
-        for call in list(open_here.values()):
+        closed: set[int] = set()
+        for call in list(open_here.values()) if open_here else ():
             returned = call.returned_time
             if returned is None:
                 continue  # the host thread is still inside it
@@ -862,8 +859,11 @@ class JobState:
                 continue
             when = local.completed_time if local.completed_time and last == local.completed else local.time
             self._close(state, call, max(returned, min(when, local.time)), None)
+            closed.add(call.call_id)
             state.last_progress = now
             self.changed_slots.add((group, call.seq))
+        if state.on_device.get(group):
+            self._settle_device(state, group, prior, local, closed)
 
     def lapse_progress(self, now: float) -> None:
         """Ranks whose device progress stopped coming (their agent is gone, their worker server no
@@ -900,13 +900,21 @@ class JobState:
         return min(max(k, 0), n)
 
     def _settle_device(
-        self, state: RankState, group: str, prior: r.GroupProgress | None, progress: r.GroupProgress
+        self,
+        state: RankState,
+        group: str,
+        prior: r.GroupProgress | None,
+        progress: r.GroupProgress,
+        closed: set[int],
     ) -> None:
         """A progress read of ``group`` (``prior``: the read before): the calls of runs on the
-        device it completes are done, their waits kept as ``_close`` keeps an open call's. Where
-        the device has not moved since ``prior``, which came after the first call still on it
-        returned, the device is stopped at that call: it is made an open call, with its slot, as
-        it would have been without runs (``_open_on_device``), for the detectors."""
+        device it completes are done, their waits kept as ``_close`` keeps an open call's (but
+        those open calls it closed, ``closed``: a slot took them from the run). Where the device
+        has not moved since ``prior``, which had the first call still on it enqueued and came
+        after it returned, the device is stopped at that call: it is made an open call, with its
+        slot, as it would have been without runs (``_open_on_device``), for the detectors. (A
+        read that had not enqueued it is another numbering's: the group made anew, whose reads
+        may come before the rank's first call of it.)"""
         pending = state.on_device[group]
         everything = progress.enqueued == progress.completed
         while pending:
@@ -917,7 +925,7 @@ class JobState:
             if everything and k < n:
                 k = max(k, bisect.bisect_right(run.exits, progress.time, key=run.offset.__add__))
             if k > entry.start:
-                self._device_waits(run, entry.start, k, progress)
+                self._device_waits(run, entry.start, k, progress, closed)
                 entry.start = k
             if k < n:
                 break
@@ -926,8 +934,12 @@ class JobState:
         if pending and prior is not None and prior.completed == progress.completed:
             entry = pending[0]
             run = entry.run
-            if run.exits[entry.start] + run.offset <= prior.time:
-                self._open_on_device(state, run, entry.start)
+            i = entry.start
+            if (
+                run.first_seq + i <= prior.enqueued
+                and run.exits[i] + run.offset <= prior.time
+                and self._open_on_device(state, run, i)
+            ):
                 entry.start += 1
                 if entry.start == len(run.enters):
                     pending.popleft()
@@ -935,9 +947,10 @@ class JobState:
         if not pending:
             del state.on_device[group]
 
-    def _device_waits(self, run: r.CallRun, lo: int, hi: int, progress: r.GroupProgress) -> None:
-        """The waits of ``run``'s calls ``lo`` to ``hi - 1`` that ``progress`` completed: from
-        enter to completion (torch's watchdog's time for the last it completed, else the read's)."""
+    def _device_waits(self, run: r.CallRun, lo: int, hi: int, progress: r.GroupProgress, closed: set[int]) -> None:
+        """The waits of ``run``'s calls ``lo`` to ``hi - 1`` that ``progress`` completed (but
+        ``closed``'s, kept as they closed): from enter to completion (torch's watchdog's time for
+        the last it completed, else the read's)."""
         lo = max(lo, hi - DURATIONS_KEPT)
         off, read = run.offset, progress.time
         # as ``_close`` takes each: done at the read (the host returned before it, or at its return)
@@ -945,20 +958,27 @@ class JobState:
         i = progress.completed - run.first_seq
         if progress.completed_time and lo <= i < hi:  # torch's watchdog's time for the last it completed
             waits[i - lo] = max(run.exits[i] + off, min(progress.completed_time, read)) - (run.enters[i] + off)
+        if closed:
+            first = run.first_call_id
+            waits = [w for j, w in enumerate(waits, lo) if first + j not in closed]
         self.wait_durations.extend(map(max, itertools.repeat(0.0), waits))
 
-    def _open_on_device(self, state: RankState, run: r.CallRun, i: int) -> None:
+    def _open_on_device(self, state: RankState, run: r.CallRun, i: int) -> bool:
         """``run``'s ``i``-th call as the open call it would be without runs: its host returned,
-        its device has not completed it; in the rank's open calls and in its slot."""
+        its device has not completed it; in the rank's open calls and in its slot. Whether it
+        is one now (not: the rank's open calls are full, or a memory budget; tried again at the
+        next read)."""
         group = run.template.group
         call_id = run.first_call_id + i
-        if call_id in state.open_calls or len(state.open_calls) >= MAX_OPEN_CALLS:
-            return  # open already (a slot took it from the run), or the rank's open calls full
+        if call_id in state.open_calls:
+            return True  # open already: a slot took it from the run
+        if len(state.open_calls) >= MAX_OPEN_CALLS or not self._current(state.rank, group):
+            return False
         call = run.call(i, run.offset)
         call.returned_time, call.exit_time = call.exit_time, None
         cost = call.cost = call.cost or b.call_bytes(call)
         if not self._room(state, cost + b.OPEN_BYTES + b.SLOT_ENTRY_BYTES + b.SLOT_BYTES):
-            return  # over a memory budget: left the run's (counted)
+            return False  # over a memory budget (counted)
         call.holds = 0
         state.calls += cost
         self.held += cost
@@ -970,8 +990,8 @@ class JobState:
             slots = self.slots[group] = collections.OrderedDict()
         seq = call.seq
         slot = slots.get(seq)
-        if slot is None:
-            slot = self._new_slot(group, seq, slots, call.enter_time, state.rank)
+        if slot is None:  # (below slots of its later calls, sent alone: in its place all the same)
+            slot = self._new_slot(group, seq, slots, call.enter_time, state.rank, in_place=True)
         else:
             slot.first_enter = min(slot.first_enter, call.enter_time)
             slot.last_enter = max(slot.last_enter, call.enter_time)
@@ -986,6 +1006,7 @@ class JobState:
         else:
             self._unhold(state, before_here)
         self.changed_slots.add((group, seq))
+        return True
 
     def _track_open(self, state: RankState, call: r.CallRecord) -> None:
         """``call`` (on the device, a run's) in its rank's open calls, held and charged there; its
@@ -1324,9 +1345,17 @@ class JobState:
                     refs.popleft()
 
     def _new_slot(
-        self, group: str, seq: int, slots: collections.OrderedDict[int, Slot], enter: float, rank: int
+        self,
+        group: str,
+        seq: int,
+        slots: collections.OrderedDict[int, Slot],
+        enter: float,
+        rank: int,
+        in_place: bool = False,
     ) -> Slot:
-        """A slot at (group, seq), with the calls other ranks' runs hold at that seq."""
+        """A slot at (group, seq), with the calls other ranks' runs hold at that seq. ``in_place``:
+        put in seq order even where ``rank`` has calls in the slots above (a call of its own
+        run made a call late, where its device stopped: not a numbering started again)."""
         slot = slots[seq] = Slot(group, seq, first_enter=enter, last_enter=enter)
         numbers = self.numbering.get(group)
         if numbers is not None:
@@ -1338,12 +1367,13 @@ class JobState:
         # its place. Unless ``rank`` has calls in those slots: then its numbering started again
         # (its group made anew), and the old slots are left to ``_prune`` as such.
         higher: list[int] = []
+        most = MAX_SLOTS_PER_GROUP if in_place else MAX_REORDER  # (in place: rare, where a device stopped)
         for k in reversed(slots):
-            if k < seq or len(higher) > MAX_REORDER:
+            if k < seq or len(higher) > most:
                 break
             if k != seq:
                 higher.append(k)
-        if higher and len(higher) <= MAX_REORDER and not any(rank in slots[k].calls for k in higher):
+        if higher and len(higher) <= most and (in_place or not any(rank in slots[k].calls for k in higher)):
             for k in reversed(higher):
                 slots.move_to_end(k)
         while len(slots) > MAX_SLOTS_PER_GROUP:
@@ -1568,6 +1598,10 @@ class JobState:
         seqs, not at each: it walks every member's runs."""
         self._pruned_to[group] = low
         tail = low - ARRIVALS_KEPT
+        for st in self.ranks.values():  # a slot made where a device stopped takes its calls from them
+            held = st.on_device.get(group) if st.on_device else None
+            if held and held[0].first_seq < tail:
+                tail = held[0].first_seq
         for runs in self.passed.get(group, {}).values():
             while runs and runs[0].last_seq < tail:
                 self._drop_run(runs.popleft())
