@@ -37,6 +37,8 @@ def _tables(job: JobState, st: RankState) -> int:
     n += sum(b.group_bytes(info) for name, info in st.groups.items() if info is not job.groups.get(name))
     # the runs it passed, kept to be compared with the other members' (``JobState._keep_run``)
     n += sum(run.cost for byrank in job.passed.values() for run in byrank.get(st.rank, ()) if run.holder is st)
+    # and those of its runs its device had not completed, noted (``JobState._run``, NCCL)
+    n += sum(entry.cost for notes in st.on_device.values() for entry in notes)
     return n
 
 

@@ -20,6 +20,7 @@ from hangwatch import records as r
 from hangwatch.coordinator import budget as b
 from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.state import PROGRESS_FRESH_S
+from tests.coordinator.test_budget import audit
 from tests.factories import T0, SimJob, call, group_event
 
 ITEM = "train.py:57 in train_step"  # where a host thread blocks after enqueueing: loss.item()
@@ -74,6 +75,7 @@ def _play(
     sim = _watched(n, started)
     _first_calls(sim, runs)
     scenario(sim, runs)
+    audit(sim.job)  # what it is charged is what it holds, notes on the device included
     return sim, _findings(list(sim.tick_engine.incidents.values()))
 
 
@@ -108,6 +110,7 @@ def _steps(
             sim.progress(rk, read, enqueued=enqueued, completed=completed, timeout_ms=600_000)
         sim.beat(read, where_user=ITEM)
         sim.tick(read + 0.01)
+        audit(sim.job)
 
 
 def test_a_run_on_the_device_is_taken_whole_and_completed_by_progress_as_its_calls_would_be() -> None:
@@ -231,6 +234,7 @@ def test_a_slot_made_where_a_run_is_on_the_device_holds_that_call_open() -> None
     held = slot.calls[1]
     assert held.exit_time is None and held.returned_time is not None
     assert sim.states[1].open_calls == {held.call_id: held} and slot.open == 2
+    audit(sim.job)
     for rk in (0, 1):
         sim.progress(rk, T0 + 2, enqueued=30 if rk else 20, completed=30 if rk else 20, timeout_ms=600_000)
     assert slot.open == 0 and not sim.states[1].open_calls and not sim.states[1].on_device
