@@ -73,6 +73,14 @@ class Rank:
         if completes:
             self.status["last_completed_collective"] = seq
 
+    def complete_through(self, seq: int) -> None:
+        """The GPU completed every collective enqueued up to ``seq`` (as its ring's entries say)."""
+        now = time.time()
+        for entry in self.entries:
+            if entry["collective_seq_id"] <= seq and entry["state"] != "completed":
+                entry.update(state="completed", time_discovered_completed_ns=int(now * 1e9))
+        self.status["last_completed_collective"] = max(self.status["last_completed_collective"], seq)
+
     def serve(self, path: str, pid: int, *, names: Any = ("cpu", "nccl"), collectives: bool = True, **_: Any) -> Any:
         if "nccl" not in names:
             return {}, {}
@@ -205,8 +213,66 @@ def test_healthy_nccl_ranks_whose_gpus_complete_raise_nothing(nccl_job: Any) -> 
             rank.python_all_reduce(seq, completes=False)
         time.sleep(0.3)
         for rank in job.ranks:
-            rank.status["last_completed_collective"] = seq
+            rank.complete_through(seq)
         time.sleep(0.05)
     time.sleep(1)
     assert _incidents(coordinator) == []
     assert _completion(coordinator) == ["device", "device"]
+    assert all(not rk["host_returned"] for rk in coordinator.status()["ranks"])  # each completed
+
+
+def _steady_steps(job: Any, steps: int, per_step: int, behind: int) -> int:
+    """Every rank issues ``per_step`` Python all_reduces a step (they travel as runs), the GPUs
+    ``behind`` collectives behind their hosts at each read; the last seq issued."""
+    seq = 0
+    for _ in range(steps):
+        for _ in range(per_step):
+            seq += 1
+            for rank in job.ranks:
+                rank.python_all_reduce(seq, completes=False)
+        time.sleep(0.15)
+        for rank in job.ranks:
+            rank.complete_through(seq - behind)
+    return seq
+
+
+def test_a_steady_loop_in_runs_on_the_gpu_blames_the_rank_that_never_enqueued(nccl_job: Any) -> None:
+    """A steady loop travels as runs, its calls arriving before their GPU completed them: each
+    run's calls are noted, no open call each. Rank 1 then stops issuing (busy elsewhere); ranks 0
+    and 2 enqueue on, and their GPUs never complete the next one: it becomes an open call once
+    reads find the GPU stopped there, and the hang is told as call by call."""
+    coordinator, job = nccl_job(3)
+    seq = _steady_steps(job, steps=8, per_step=12, behind=12)
+    for rank in job.ranks:
+        rank.complete_through(seq)
+    for rk in (0, 2):
+        for s in range(seq + 1, seq + 7):
+            job.ranks[rk].python_all_reduce(s, completes=False)
+        job.ranks[rk].where = ITEM
+    job.ranks[1].where = "train.py:90 in save_checkpoint"
+    wait_for(lambda: _incidents(coordinator), 20, 0.1, "an incident")
+    time.sleep(0.5)
+    (inc,) = _incidents(coordinator)
+    assert inc["kind"] == "stuck_collective", inc["summary"]
+    assert (inc["culprit_ranks"], inc["waiting_ranks"], inc["seq"]) == ([1], [0, 2], seq + 1)
+    assert "ranks 0, 2 enqueued it on the GPU, where it has not completed" in inc["summary"]
+    status = coordinator.status()
+    assert status["job"]["records_on_device"] > 0 and status["job"]["device_stops"] >= 2
+    ranks = {rk["rank"]: rk for rk in status["ranks"]}
+    assert ranks[0]["state"] == "waiting" and ranks[0]["host_returned"]
+
+
+def test_a_steady_loop_in_runs_whose_gpus_lag_and_complete_raises_nothing(nccl_job: Any) -> None:
+    """The look-alike: the same loop, its GPUs a step behind their hosts at every read, past the
+    stuck threshold, then catching up."""
+    coordinator, job = nccl_job(2)
+    for rank in job.ranks:
+        rank.where = ITEM
+    seq = _steady_steps(job, steps=30, per_step=12, behind=12)
+    for rank in job.ranks:
+        rank.complete_through(seq)
+    time.sleep(1)
+    assert _incidents(coordinator) == []
+    status = coordinator.status()
+    assert status["job"]["records_on_device"] > 0
+    assert all(not rk["host_returned"] for rk in status["ranks"])
