@@ -12,6 +12,7 @@ must be the same.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -346,3 +347,134 @@ def test_a_call_a_slot_took_from_a_run_on_the_device_keeps_one_wait() -> None:
         waits[runs] = sorted(sim.job.wait_durations)
     assert len(waits[True]) == len(waits[False]) == 2 + 39 + 1
     assert waits[True] == waits[False]
+
+
+# ---- a loop of steps with a call sent alone each step, read at a given pace ------------------------
+
+LOSS = (1,)  # the step's loss all_reduce: another shape, so it never joins the gradients' run
+
+
+def _loop(
+    runs: bool,
+    *,
+    read_every: float,
+    stop: int | None = None,
+    absent: int | None = None,
+    started: bool = False,
+    kernel: float = 0.0,
+    late: float = 0.0,
+    resend: int | None = None,
+    read_at: float = 0.1,
+    batch_at: float = 0.2,
+) -> list[tuple[object, ...]]:
+    """Three ranks, twelve steps a second apart: 20 gradient all_reduces (a run), then the loss
+    all_reduce (sent alone: its own slot, open on the device). The GPUs complete each 0.2 s
+    after it was enqueued; reads of their progress every ``read_every`` s, batches every
+    second. In step ``stop`` the GPUs stop at its first all_reduce: rank ``absent`` never
+    enqueues it (a hang; none: a transport stall, ``started`` on every GPU), or, ``kernel``
+    > 0, a long kernel queued before it holds them that long while rank 2's host comes
+    ``late`` to the loss all_reduce (healthy). ``resend``: that rank's batch of step ``stop``
+    arrives twice (its reply was lost). Reads start ``read_at`` s into a second, batches ``batch_at``.
+    The incidents told (``_findings``)."""
+    sim = _watched(3, started=0 if started else -1)
+    sim.tick_engine.stuck_after_override = 5.0
+    _first_calls(sim, runs)
+    host: dict[int, list[tuple[int, tuple[int, ...], float]]] = {rk: [] for rk in range(3)}
+    done: dict[int, float] = {1: T0 + 0.6}
+    first = 0
+    for s in range(1, 13):
+        base, t = 2 + 21 * (s - 1), T0 + s
+        if s == stop:
+            first = base
+        for i in range(21):
+            seq, enter = base + i, t + (0.65 if i == 20 else 0.03 * i)
+            halted = stop is not None and s >= stop and not kernel
+            for rk in range(3):
+                if (halted and s > stop) or (halted and rk == absent):
+                    continue
+                host[rk].append(
+                    (seq, LOSS if i == 20 else (4,), enter + (late if s == stop and rk == 2 and i == 20 else 0.0))
+                )
+            done[seq] = float("inf") if halted else enter + 0.2 + (kernel if stop is not None and s == stop else 0.0)
+    events: list[tuple[float, int, int]] = []  # (time, what: 0 batch, 1 read, 2 tick, rank)
+    for rk in range(3):
+        events += [(T0 + 1 + batch_at + 0.1 * rk + k, 0, rk) for k in range(40)]
+        events += [(T0 + 1 + read_at + 0.3 * rk + k * read_every, 1, rk) for k in range(int(40 / read_every))]
+    events += [(T0 + 1 + 0.5 * k, 2, -1) for k in range(80)]
+    sent = {rk: 0 for rk in range(3)}
+    for when, what, rk in sorted(events):
+        if what == 2:
+            sim.beat(when, where_user=ITEM)
+            sim.tick(when)
+            continue
+        mine = host[rk]
+        if what == 1:
+            enqueued = max([seq for seq, _, e in mine if e + 0.001 <= when], default=1)
+            completed = 1
+            while completed < enqueued and done[completed + 1] <= when:
+                completed += 1
+            st = completed + 1 if started and enqueued > completed else -1
+            sim.deliver(
+                rk, [r.GroupProgress(rk, "0", enqueued, st, completed, when, 0.0, 600_000)], when, sent_time=when
+            )
+            continue
+        batch = [c for c in mine[sent[rk] :] if c[2] + 0.001 <= when]
+        sent[rk] += len(batch)
+        out: list[r.RankEvent] = []
+        j = 0
+        while j < len(batch):
+            k = j + 1
+            while runs and k < len(batch) and batch[k][1] == batch[j][1] and batch[k][0] == batch[k - 1][0] + 1:
+                k += 1
+            ids = [next(sim.ids) for _ in range(j, k)]
+            seq, shape, _ = batch[j]
+            if k - j > 1:
+                template = call(rk, 0, call_id=0, shape=shape)
+                enters = [c[2] for c in batch[j:k]]
+                out.append(r.CallRun(rk, template, ids[0], seq, 0, enters, [e + 0.001 for e in enters]))
+            else:
+                out.append(
+                    call(rk, seq, shape=shape, enter_time=batch[j][2], exit_time=batch[j][2] + 0.001, call_id=ids[0])
+                )
+            j = k
+        again = copy.deepcopy(out)  # (the job state takes the records it is given as its own)
+        sim.deliver(rk, out, when, sent_time=when)
+        if rk == resend and any(c[0] == first for c in batch):
+            sim.deliver(rk, again, when + 0.01, sent_time=when)  # its reply was lost: sent again, decoded anew
+    audit(sim.job)
+    return _findings(list(sim.tick_engine.incidents.values()))
+
+
+@pytest.mark.parametrize("read_every", [1.0, 3.5])
+def test_a_hang_below_a_call_sent_alone_is_told_at_its_seq_however_slow_the_reads(read_every: float) -> None:
+    """Rank 2 never enqueues step 6's first all_reduce; ranks 0 and 1 enqueue the step, its loss
+    all_reduce (sent alone) last. With reads 3.5 s apart, the GPUs' stop is seen two reads
+    later, past the threshold: the loss all_reduce's slot, above, must not be judged first."""
+    told = {runs: _loop(runs, read_every=read_every, stop=6, absent=2) for runs in (False, True)}
+    assert told[True] == told[False]
+    assert [(f[0], f[2], f[5]) for f in told[True]] == [("stuck_collective", (2,), 107)]
+
+
+@pytest.mark.parametrize("read_every", [1.0, 3.5])
+def test_a_long_kernel_and_a_host_late_to_the_call_sent_alone_raise_nothing(read_every: float) -> None:
+    """The look-alike: every GPU spends 8 s in a kernel queued before step 6's all_reduces, and
+    rank 2's host comes 6 s late to the step's loss all_reduce: every rank is in the first call
+    its GPU holds, nobody is absent from it."""
+    for runs in (False, True):
+        assert _loop(runs, read_every=read_every, stop=6, kernel=8.0, late=6.0) == [], runs
+
+
+@pytest.mark.parametrize("absent", [2, None])
+def test_a_batch_sent_again_keeps_the_stop_at_its_seq(absent: int | None) -> None:
+    """Rank 1's batch of step 6 arrives twice (its reply was lost): its run goes call by call the
+    second time, and those calls' slots go below the loss all_reduce's. A hang (rank 2 absent)
+    or a transport stall (every GPU started it) is told at step 6's first all_reduce."""
+    # (a batch holds a whole step, the loss all_reduce last; no read has found the GPUs stopped
+    # when it comes again)
+    told = {
+        runs: _loop(runs, read_every=1.0, stop=6, absent=absent, started=True, resend=1, read_at=0.55, batch_at=0.7)
+        for runs in (False, True)
+    }
+    assert told[True] == told[False]
+    kind = "stuck_collective" if absent is not None else "transport_stall"
+    assert [(f[0], f[5]) for f in told[True]] == [(kind, 107)]

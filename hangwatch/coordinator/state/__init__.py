@@ -19,7 +19,7 @@ import operator
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hangwatch import catalogue, wire
 from hangwatch import records as r
@@ -618,12 +618,14 @@ class JobState:
             self.dropped_calls += 1
             return
         call_id = call.call_id
+        resent = False
         if call_id < ENTRY_CALL_IDS:
             if call_id > state.last_call_id:
                 state.last_call_id = call_id
                 self.records_received += 1
             else:  # a batch sent again (its reply was lost): applied again, the same, counted once
                 self.duplicates += 1
+                resent = True
         elif seq <= state.entry_seqs.get(group, 0) and not (
             self.anew and hist is not None and self._made_anew(state, group, hist, seq, call_id)
         ):  # (a Flight Recorder record of a group made anew numbers from 1 again)
@@ -737,8 +739,8 @@ class JobState:
                     del slots[seq]  # the numbering before's: this rank's is newer, and so is its slot
                     self._free_slot(slot)
                     slot = None
-            if slot is None:
-                slot = self._new_slot(group, seq, slots, enter, state.rank)
+            if slot is None:  # (a call sent again goes below the slots of the rank's later calls)
+                slot = self._new_slot(group, seq, slots, enter, state.rank, in_place=resent)
             elif enter > slot.last_enter:
                 slot.last_enter = enter
             elif enter < slot.first_enter:
@@ -927,6 +929,7 @@ class JobState:
             if k > entry.start:
                 self._device_waits(run, entry.start, k, progress, closed)
                 entry.start = k
+                state.last_progress = state.progress_seen  # (as a call closed by progress)
             if k < n:
                 break
             pending.popleft()
@@ -935,17 +938,46 @@ class JobState:
             entry = pending[0]
             run = entry.run
             i = entry.start
-            if (
-                run.first_seq + i <= prior.enqueued
-                and run.exits[i] + run.offset <= prior.time
-                and self._open_on_device(state, run, i)
-            ):
-                entry.start += 1
-                if entry.start == len(run.enters):
-                    pending.popleft()
-                    self._charge(state, -entry.cost)
+            if run.first_seq + i <= prior.enqueued and run.exits[i] + run.offset <= prior.time:
+                self._open_first(state, group, pending)
         if not pending:
-            del state.on_device[group]
+            state.on_device.pop(group, None)
+
+    def _open_first(self, state: RankState, group: str, pending: collections.deque[OnDevice]) -> bool:
+        """The first call ``state``'s device holds on ``group`` (``pending[0]``), made an open
+        call (``_open_on_device``); whether it is one now."""
+        entry = pending[0]
+        if not self._open_on_device(state, entry.run, entry.start):
+            return False
+        entry.start += 1
+        if entry.start == len(entry.run.enters):
+            pending.popleft()
+            self._charge(state, -entry.cost)
+            if not pending:
+                del state.on_device[group]
+        return True
+
+    def open_on_device_below(self, firsts: Sequence[tuple[str, int]], due: Callable[[], float]) -> bool:
+        """Before the stuck detector judges a group's first open slot (``firsts``: (group, seq)),
+        the first call each rank's device holds below it, of those entered by ``due()`` (asked
+        only where there is one: the adaptive threshold's cost), is made an open call, as it
+        would have been call by call: a device that stopped there is told there, not at the
+        slot above of a call sent alone (another shape, a call after ``ON_DEVICE_RUNS``), which
+        the detector would otherwise judge first (a hang told at a later seq; where a rank's
+        host came late to that later call, a false one). Whether any was."""
+        opened = False
+        limit: float | None = None
+        for group, seq in firsts:
+            for st in self.ranks.values():
+                pending = st.on_device.get(group) if st.on_device else None
+                if not pending or pending[0].first_seq >= seq:
+                    continue
+                entry = pending[0]
+                if limit is None:
+                    limit = due()
+                if entry.run.enters[entry.start] + entry.run.offset <= limit and self._open_first(st, group, pending):
+                    opened = True
+        return opened
 
     def _device_waits(self, run: r.CallRun, lo: int, hi: int, progress: r.GroupProgress, closed: set[int]) -> None:
         """The waits of ``run``'s calls ``lo`` to ``hi - 1`` that ``progress`` completed (but
@@ -990,6 +1022,10 @@ class JobState:
             slots = self.slots[group] = collections.OrderedDict()
         seq = call.seq
         slot = slots.get(seq)
+        if slot is not None and slot.numbering != self.epoch.get(group, 0):
+            del slots[seq]  # the numbering before's (this rank's is the newest): made again
+            self._free_slot(slot)
+            slot = None
         if slot is None:  # (below slots of its later calls, sent alone: in its place all the same)
             slot = self._new_slot(group, seq, slots, call.enter_time, state.rank, in_place=True)
         else:
@@ -1397,7 +1433,9 @@ class JobState:
                 continue
             st = self.ranks.get(rank)
             i = seq - run.first_seq
-            opened = st.open_calls.get(run.first_call_id + i) if st is not None and st.on_device else None
+            # its device holds calls (not a run of an earlier session of the rank: ids start again)
+            watched = st if st is not None and st.on_device and run.holder is st else None
+            opened = watched.open_calls.get(run.first_call_id + i) if watched is not None else None
             device = False
             if opened is not None:  # made an open call already (its device stopped at it): charged
                 call, cost = opened, 0
@@ -1406,7 +1444,7 @@ class JobState:
                 call = run.call(i, run.offset)
                 cost = call.cost = call.cost or b.call_bytes(call)
                 call.holds = 1
-                device = st is not None and bool(st.on_device) and self._on_device_at(st, group, seq)
+                device = watched is not None and self._on_device_at(watched, group, seq)
                 if device:  # on its device still: open, as it would be without runs
                     call.returned_time, call.exit_time = call.exit_time, None
             empty = not slot.calls and not slot.last_enter  # made by ``_materialize``: no time yet
