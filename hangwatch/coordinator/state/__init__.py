@@ -745,17 +745,7 @@ class JobState:
                 slot.last_enter = enter
             elif enter < slot.first_enter:
                 slot.first_enter = enter
-            before_here = slot.calls.get(state.rank)
-            slot.add(call)
-            if slot.differs and not slot.pinned:
-                self._pin(slot)
-            call.holds += 1
-            if before_here is None:
-                self.held += b.SLOT_ENTRY_BYTES
-                self.ledger.held += b.SLOT_ENTRY_BYTES
-            else:
-                self._unhold(state, before_here)
-            self.changed_slots.add((group, seq))
+            self._into_slot(state, slot, call)
             members = self.members(group)
             if len(slot.calls) == len(members) > 1:
                 here = slot.calls
@@ -1031,6 +1021,12 @@ class JobState:
         else:
             slot.first_enter = min(slot.first_enter, call.enter_time)
             slot.last_enter = max(slot.last_enter, call.enter_time)
+        self._into_slot(state, slot, call)
+        return True
+
+    def _into_slot(self, state: RankState, slot: Slot, call: r.CallRecord) -> None:
+        """``call`` in ``slot`` as its rank's, held there (the rank's call there before, if any,
+        let go of)."""
         before_here = slot.calls.get(state.rank)
         slot.add(call)
         if slot.differs and not slot.pinned:
@@ -1041,8 +1037,7 @@ class JobState:
             self.ledger.held += b.SLOT_ENTRY_BYTES
         else:
             self._unhold(state, before_here)
-        self.changed_slots.add((group, seq))
-        return True
+        self.changed_slots.add((slot.group, slot.seq))
 
     def _track_open(self, state: RankState, call: r.CallRecord) -> None:
         """``call`` (on the device, a run's) in its rank's open calls, held and charged there; its
