@@ -884,12 +884,7 @@ class JobState:
         if progress is None or t.source != "python" or now - state.progress_seen > PROGRESS_FRESH_S:
             return n  # not watched: each call is complete when its host returned (records of
             # Flight Recorder's carry their own completion, and never come as runs)
-        k = progress.completed - run.first_seq + 1
-        if k >= n:
-            return n
-        if progress.enqueued == progress.completed:
-            k = max(k, bisect.bisect_right(run.exits, progress.time, key=state.clock_offset.__add__))
-        return min(max(k, 0), n)
+        return max(0, _completed_in(run, progress, state.clock_offset))
 
     def _settle_device(
         self,
@@ -908,14 +903,11 @@ class JobState:
         read that had not enqueued it is another numbering's: the group made anew, whose reads
         may come before the rank's first call of it.)"""
         pending = state.on_device[group]
-        everything = progress.enqueued == progress.completed
         while pending:
             entry = pending[0]
             run = entry.run
             n = len(run.enters)
-            k = min(n, progress.completed - run.first_seq + 1)
-            if everything and k < n:
-                k = max(k, bisect.bisect_right(run.exits, progress.time, key=run.offset.__add__))
+            k = _completed_in(run, progress, run.offset)
             if k > entry.start:
                 self._device_waits(run, entry.start, k, progress, closed)
                 entry.start = k
@@ -1743,6 +1735,18 @@ def _run_at(runs: Sequence[r.CallRun], seq: int) -> r.CallRun | None:
         if run.first_seq <= seq:
             return run if seq <= run.first_seq + len(run.enters) - 1 else None
     return None
+
+
+def _completed_in(run: r.CallRun, progress: r.GroupProgress, offset: float) -> int:
+    """How many of ``run``'s first calls ``progress`` shows complete (at most its length; below
+    0 where it completed less than the call before its first), by ``awaits_completion``'s rule:
+    its seq completed, or returned (its time + ``offset``) before a read that found everything
+    enqueued completed. Seqs and returns both grow along a run, so those are a prefix."""
+    n = len(run.enters)
+    k = progress.completed - run.first_seq + 1
+    if k < n and progress.enqueued == progress.completed:
+        k = max(k, bisect.bisect_right(run.exits, progress.time, key=offset.__add__))
+    return min(k, n)
 
 
 def _from_below(hist: History, seq: int, call_id: int) -> bool:
