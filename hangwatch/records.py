@@ -7,6 +7,7 @@ Times are Unix seconds (float). Ranks are global ranks.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 from hangwatch import catalogue
@@ -375,6 +376,11 @@ class StackDump:
         return self.error is None
 
 
+def link_tag(session: str) -> str:
+    """What names a rank's link to an agent without giving its session away: a digest of it."""
+    return hashlib.sha256(b"hangwatch-link:" + session.encode("utf-8", "replace")).hexdigest()[:32]
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """A rank's process, identified by pid and start time so a reused pid is never mistaken."""
@@ -383,3 +389,6 @@ class Target:
     pid: int
     start_time: float
     pid_namespace: str = ""  # the rank's pid namespace; its pid is as seen inside it
+    #: ``link_tag(session)`` of the registration this target is a rank of: the agent touches the
+    #: process only where its own link came with that session (empty: matches no link)
+    link: str = ""

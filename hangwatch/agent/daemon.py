@@ -49,7 +49,7 @@ def _describe(e: grpc.RpcError) -> str:
 
 
 def _targets(msgs: Iterable[pb.Target]) -> list[Target]:
-    return [Target(t.rank, t.pid, t.start_time, t.pid_namespace) for t in msgs]
+    return [Target(t.rank, t.pid, t.start_time, t.pid_namespace, t.link) for t in msgs]
 
 
 class _RemoteIntake:

@@ -72,6 +72,9 @@ class Proof:
     #: the process that started it, as it was when it linked (pid, start time): the job's
     #: launcher (torchrun's agent, srun's step daemon); None when unknown or init
     launcher: tuple[int, float] | None = None
+    #: ``records.link_tag`` of each session it linked with (one per process group it made):
+    #: only a registration of one of them may have it dumped or signalled
+    links: tuple[str, ...] = ()
 
 
 def parent_of(pid: int) -> tuple[int, float] | None:
@@ -98,6 +101,8 @@ MAX_LINEAGE = 64
 
 #: Proofs kept (one per rank process that ever linked; the oldest go first).
 PROOFS_KEPT = 16384
+#: Sessions kept per proof (a process links once per process group it makes).
+LINKS_KEPT = 64
 
 
 class Proofs:
@@ -119,11 +124,16 @@ class Proofs:
         self._lock = threading.Lock()
         self._by_pid: collections.OrderedDict[int, Proof] = collections.OrderedDict()
 
-    def add(self, pid: int, uid: int, start_time: float) -> None:
+    def add(self, pid: int, uid: int, start_time: float, link: str) -> None:
+        """Record that ``pid`` (started at ``start_time``, running as ``uid``) linked with the
+        session whose tag is ``link``."""
         launcher = self._parent(pid)
         with self._lock:
-            self._by_pid.pop(pid, None)
-            self._by_pid[pid] = Proof(pid, uid, start_time, launcher)
+            old = self._by_pid.pop(pid, None)
+            links: tuple[str, ...] = (link,)
+            if old is not None and abs(old.start_time - start_time) <= START_TIME_TOLERANCE_S:
+                links = (*old.links, link)[-LINKS_KEPT:]  # the same process linking again
+            self._by_pid[pid] = Proof(pid, uid, start_time, launcher, links)
             while len(self._by_pid) > PROOFS_KEPT:
                 self._by_pid.popitem(last=False)
 
@@ -139,6 +149,11 @@ class Proofs:
             )
         if abs(proof.start_time - target.start_time) > START_TIME_TOLERANCE_S:
             return f"pid {target.pid} is not the process that linked as a rank (started at another time)"
+        if not target.link or target.link not in proof.links:
+            return (
+                f"pid {target.pid} linked to this node's agent as another registration than rank {target.rank}'s, "
+                f"so that it is this rank is only a claim"
+            )
         uid = self._uid_of(target.pid)
         if uid is not None and uid != proof.uid:
             return f"pid {target.pid} now runs as uid {uid}, not uid {proof.uid} it linked with"

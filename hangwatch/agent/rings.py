@@ -29,6 +29,7 @@ from typing import Any
 from hangwatch.agent.identity import Proofs, proven_start_time
 from hangwatch.agent.procinfo import exit_when_gone, memory_events_path, oom_kills
 from hangwatch.link import ACK, ENDING, FAREWELL, LinkError, Peer, peer_of, recv_hello
+from hangwatch.records import link_tag
 from hangwatch.ring import RingError, RingReader
 
 log = logging.getLogger(__name__)
@@ -302,8 +303,9 @@ class RingServer:
             link = RankLink(peer, hello, reader, fds[0], self._clock(), sock=conn)
             self._links.append(link)
         started = proven_start_time(peer.pid)
-        if self.proofs is not None and started is not None:
-            self.proofs.add(peer.pid, peer.uid, started)
+        session = hello.get("session")
+        if self.proofs is not None and started is not None and isinstance(session, str) and session:
+            self.proofs.add(peer.pid, peer.uid, started, link_tag(session))
         link.memory_events = memory_events_path(peer.pid)
         link.oom_kills = oom_kills(link.memory_events)
         try:

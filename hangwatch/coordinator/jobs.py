@@ -96,6 +96,8 @@ class Jobs:
             self.retire_over(now, rerun_of=identity.job_id, keep=job)
         made = job is None
         if job is None:
+            if len(self.by_key) >= MAX_JOBS and via == "agent":
+                self._retire_claims()  # a proven rank is never refused for jobs of claims alone
             if len(self.by_key) >= MAX_JOBS:
                 self.refused += 1
                 raise JobsFull(f"this coordinator already follows {MAX_JOBS} live jobs")
@@ -185,6 +187,13 @@ class Jobs:
                 break
             if over(job, now) and job is not keep:
                 self._retire(key, "the job ended")
+
+    def _retire_claims(self) -> None:
+        """Retire the oldest job that no agent proved a rank of."""
+        for key, job in self.by_key.items():
+            if not any(st.proven for st in job.ranks.values()):
+                self._retire(key, "retired for a job with proven ranks (none of its own was proven)")
+                return
 
     def _retire(self, key: str, why: str) -> None:
         job = self.by_key.pop(key)

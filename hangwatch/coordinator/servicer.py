@@ -146,7 +146,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         reply = pb.AgentPollReply()
         for target in self.c.targets_on(agent.host):
             reply.watch.add(
-                rank=target.rank, pid=target.pid, start_time=target.start_time, pid_namespace=target.pid_namespace
+                rank=target.rank,
+                pid=target.pid,
+                start_time=target.start_time,
+                pid_namespace=target.pid_namespace,
+                link=target.link,
             )
         wait = min(max(request.wait_s, 0.0), MAX_POLL_WAIT_S)
         deadline = time.monotonic() + wait
@@ -160,7 +164,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             cmd = reply.commands.add(id=command_id)
             body: Any = cmd.dump if kind == "dump" else cmd.abort
             for t in targets:
-                body.targets.add(rank=t.rank, pid=t.pid, start_time=t.start_time, pid_namespace=t.pid_namespace)
+                body.targets.add(
+                    rank=t.rank, pid=t.pid, start_time=t.start_time, pid_namespace=t.pid_namespace, link=t.link
+                )
             if kind == "dump":
                 cmd.dump.native = bool(arg)
                 cmd.dump.timeout_s = 10.0

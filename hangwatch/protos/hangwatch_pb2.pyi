@@ -376,16 +376,18 @@ class AgentRegisterReply(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
 
 class Target(_message.Message):
-    __slots__ = ("rank", "pid", "start_time", "pid_namespace")
+    __slots__ = ("rank", "pid", "start_time", "pid_namespace", "link")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     start_time: float
     pid_namespace: str
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., start_time: _Optional[float] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
+    link: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., start_time: _Optional[float] = ..., pid_namespace: _Optional[str] = ..., link: _Optional[str] = ...) -> None: ...
 
 class ProcStatus(_message.Message):
     __slots__ = ("pid", "state", "time", "start_time", "cpu_percent", "rss_bytes", "num_threads", "exit_code", "signal", "oom_killed", "gpus")

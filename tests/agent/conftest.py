@@ -32,7 +32,7 @@ def wait_until(predicate: Callable[[], object], timeout: float = 10.0, every: fl
 
 
 def target(proc: subprocess.Popen[str], rank: int = 0) -> Target:
-    return Target(rank, proc.pid, psutil.Process(proc.pid).create_time())
+    return Target(rank, proc.pid, psutil.Process(proc.pid).create_time(), link=f"link-of-rank-{rank}")
 
 
 @pytest.fixture

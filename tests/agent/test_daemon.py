@@ -73,7 +73,7 @@ def test_agent_waits_for_coordinator_then_serves_it(
     rank = target(spawn(SLEEPER, "rank1"), rank=1)
     port = free_port()
     core = NodeAgentCore(host="node-b")
-    core.proofs.add(rank.pid, os.getuid(), rank.start_time)  # as its link to the agent would
+    core.proofs.add(rank.pid, os.getuid(), rank.start_time, rank.link)  # as its link to the agent would
     agent = threading.Thread(
         target=run_agent,
         args=(f"127.0.0.1:{port}",),
@@ -83,7 +83,7 @@ def test_agent_waits_for_coordinator_then_serves_it(
     wait_until(lambda: any("retrying" in r.getMessage() for r in caplog.records))  # coordinator down
 
     fake = FakeCoordinator()
-    fake.watch = [pb.Target(rank=1, pid=rank.pid, start_time=rank.start_time)]
+    fake.watch = [pb.Target(rank=1, pid=rank.pid, start_time=rank.start_time, link=rank.link)]
     fake.commands = [pb.Command(id=7, dump=pb.DumpCommand(targets=fake.watch, native=False, timeout_s=5.0))]
     server = grpc.server(ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_CoordinatorServicer_to_server(fake, server)  # type: ignore[no-untyped-call]

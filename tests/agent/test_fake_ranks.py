@@ -155,3 +155,77 @@ def test_a_claim_of_another_jobs_proven_rank_is_still_a_claim(
         job.kill()
         waiter.kill()
         waiter.wait(5)
+
+
+ATTACKER = """
+import sys, time
+from hangwatch import link
+from hangwatch import records as r
+from hangwatch.client.transport import Transport
+from hangwatch.ring import RingWriter
+addr, path, host, pid, started = sys.argv[1:6]
+claim = r.RankIdentity("b", 0, 2, host, int(pid), start_time=float(started), session="S")
+Transport(addr, None).register(claim)  # job B's rank 0 is the victim: a claim
+ring = RingWriter(capacity=4096, blob_bytes=4096, rank=0)
+hello = {"job_id": "b", "rank": 0, "world_size": 2, "session": "S", "pid": int(pid)}
+sock = link.connect(path, hello, [ring.fd])  # then link itself with the same session
+print("linked" if sock is not None else "refused", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_claim_and_a_link_of_one_session_prove_the_linked_process_not_the_claimed_one(
+    coordinator_factory: Callable[..., Coordinator], torchrun: Callable[..., Job]
+) -> None:
+    """The critical attack: a direct registration names job A's proven rank as job B's rank 0
+    under session S, and the attacker then links to the agent itself with session S. Before,
+    the claim was marked proven: job B's dump returned the victim's stack and its abort
+    SIGTERMed the victim. Now the rank is the attacker's own process, and only it is touched."""
+    c = coordinator_factory(stuck_after=2.0, abort_on_hang=True)
+    job = torchrun(VICTIM, addr=f"127.0.0.1:{c.port}", nproc=1, name="victim")
+
+    def proven_victim() -> r.RankIdentity | None:
+        with c.lock:
+            return next((st.identity for st in c.jobs.ranks() if st.proven), None)
+
+    real = wait_for(proven_victim, 60, 0.1, "job A's rank linked and proven")
+    assert c.rings is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}
+    args = [f"127.0.0.1:{c.port}", c.rings.path, real.host, str(real.pid), repr(real.start_time)]
+    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, *args], stdout=subprocess.PIPE, text=True, env=env)
+    t = Transport(f"127.0.0.1:{c.port}", None)
+    waiter = subprocess.Popen(["sleep", "120"])  # job B's "rank 1": some live process
+    try:
+        assert attacker.stdout is not None and attacker.stdout.readline().strip() == "linked"
+        one = r.RankIdentity(
+            "b", 1, 2, real.host, waiter.pid, start_time=psutil.Process(waiter.pid).create_time(), session="b1"
+        )
+        t.register(one)
+        t.report(one, 1, [factories.call(1, 1, call_id=1, enter_time=time.time())], 0, 0)
+        stop, beating = _heartbeats(t, [one])
+
+        def rank0() -> r.RankIdentity | None:
+            with c.lock:
+                job_b = next((j for j in c.jobs.by_key.values() if j.job_id == "b"), None)
+                st = job_b.ranks.get(0) if job_b is not None else None
+                return st.identity if st is not None and st.proven else None
+
+        assert wait_for(rank0, 15, 0.1, "job B's rank 0 proven").pid == attacker.pid
+        inc = wait_for(lambda: next((i for i in c.incidents_json() if i["job"] == "b"), None), 15, 0.1, "job B's hang")
+        assert inc["culprit_ranks"] == [0]
+        told = wait_for(
+            lambda: (c.incident_json(inc["id"]) or {})["details"].get("abort"), 20, 0.1, "job B's abort outcome"
+        )
+        assert told["signalled_pids"] == [attacker.pid], told  # its own process, and only it
+        time.sleep(2.0)  # a SIGTERM to the victim would have landed by now
+        assert job.proc.poll() is None, "job A's rank was killed by job B's abort"
+        assert "all_reduce" not in str((c.incident_json(inc["id"]) or {})["stacks"])  # not the victim's stack
+        assert all(i["job"] == "b" for i in c.incidents_json()), "job A raised an incident"
+        stop.set()
+        beating.join(5)
+    finally:
+        t.close()
+        job.kill()
+        for proc in (waiter, attacker):
+            proc.kill()
+            proc.wait(5)

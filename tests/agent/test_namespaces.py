@@ -39,10 +39,10 @@ def test_rank_in_another_pid_namespace() -> None:
         assert namespace != own_namespace()
         # the python process is the child of unshare (which forked)
         host = next(c for c in psutil.Process(proc.pid).children(recursive=True) if "python" in c.name())
-        target = Target(0, int(inner_pid), host.create_time(), namespace)
+        target = Target(0, int(inner_pid), host.create_time(), namespace, link="L")
         assert local_pid(target) == host.pid
         core = NodeAgentCore()
-        core.proofs.add(host.pid, os.getuid(), host.create_time())  # as its link to the agent would
+        core.proofs.add(host.pid, os.getuid(), host.create_time(), "L")  # as its link to the agent would
         core.set_targets([target])
         statuses = core.poll(full=True)
         assert [s.pid for s in statuses] == [int(inner_pid)]  # reported as the rank knows itself

@@ -86,3 +86,70 @@ def test_a_batch_sent_again_is_counted_once() -> None:
     for _ in range(2):  # its reply was lost: the rank sends it again
         job.ingest("s0", 0, [dataclasses.replace(c) for c in batch], now=T0 + 1)
     assert (job.records_received, job.duplicates) == (3, 3)
+
+
+def test_a_session_s_claim_is_replaced_by_the_process_its_agent_proved() -> None:
+    """The attack: a direct claim names another job's proven process (pid and start time are in
+    /proc), then the attacker links to the agent itself with the same session. The rank is
+    proven as the process of that link, never as the process the claim named."""
+    job = JobState()
+    job.register(identity(0, 2, session="S", pid=4242, start_time=100.0), T0)  # the victim's pid
+    proven = job.register(identity(0, 2, session="S", pid=777, start_time=900.0), T0 + 0.5, via="agent")
+    assert proven.proven and (proven.identity.pid, proven.identity.start_time) == (777, 900.0)
+    assert job.ranks[0].target().pid == 777
+    assert "proved pid 777, not pid 4242 it claimed" in str(job.conflicts[-1]["what"])
+
+
+def test_the_same_session_shipped_by_itself_then_by_its_agent_is_one_rank() -> None:
+    """A rank shipped its own records while its agent was away, then linked again: the agent's
+    proof makes it proven, and nothing is said (a pid seen inside a container is not the
+    agent's)."""
+    job = JobState()
+    inside = dataclasses.replace(identity(0, 1, session="S", pid=12, start_time=100.0), pid_namespace="pid:[4026]")
+    job.register(inside, T0)
+    job.register(identity(0, 1, session="S", pid=31337, start_time=100.2), T0 + 1, via="agent")
+    assert job.ranks[0].proven and job.ranks[0].identity.pid == 31337 and not job.conflicts
+    job.register(inside, T0 + 2)  # its agent gone again: it ships itself; the proof stands
+    assert job.ranks[0].proven and job.ranks[0].identity.pid == 31337
+
+
+def test_a_direct_claim_never_displaces_a_proven_rank_even_naming_its_own_process() -> None:
+    """pid and start time are public: a claim naming them is not "the same process"."""
+    job = _job(via="agent")
+    for n in range(3):
+        with pytest.raises(ClaimRefused, match="which its node's agent proved"):
+            job.register(identity(1, 2, session=f"twin{n}"), T0 + 1 + n)
+    assert job.ranks[1].identity.session == "s1" and job.ranks[1].proven
+    job.register(identity(1, 2, session="again"), T0 + 5, via="agent")  # its own new session, proven
+    assert job.ranks[1].identity.session == "again"
+
+
+def test_unproven_claims_never_shape_a_job_that_proven_ranks_join() -> None:
+    """A squatter registers the job's key first with world size 1; the real ranks, proven by
+    their agent, are not refused for it: the claims are set aside."""
+    job = JobState()
+    job.register(identity(0, 1, session="squat", pid=666, launch="127.0.0.1:29500"), T0)
+    run = job.run
+    for rk in range(4):
+        job.register(identity(rk, 4, session=f"real{rk}", launch="127.0.0.1:29500"), T0 + 1, via="agent")
+    assert job.world_size == 4 and sorted(job.ranks) == [0, 1, 2, 3] and job.run != run
+    assert all(st.proven for st in job.ranks.values()) and "squat" not in job.sessions
+    assert "set aside 1 unproven claim" in str(job.conflicts[0]["what"])
+    with pytest.raises(ClaimRefused, match="world size 1"):  # and the squatter cannot come back
+        job.register(identity(0, 1, session="squat2", pid=666, launch="127.0.0.1:29500"), T0 + 2)
+    # a job of claims alone (no agent anywhere) keeps the first claims' shape, as before
+    unproven = _job()
+    with pytest.raises(ClaimRefused, match="world size 5"):
+        unproven.register(identity(2, 5, session="other"), T0 + 1)
+
+
+def test_a_proven_job_is_not_refused_for_jobs_of_claims_alone() -> None:
+    from hangwatch.coordinator.jobs import MAX_JOBS, Jobs, JobsFull
+
+    jobs = Jobs()
+    for n in range(MAX_JOBS):
+        jobs.register(identity(0, 2, session=f"q{n}", job_id=f"squat{n}"), T0)
+    with pytest.raises(JobsFull):
+        jobs.register(identity(0, 2, session="late", job_id="late"), T0 + 1)
+    _, state = jobs.register(identity(0, 2, session="real", job_id="real"), T0 + 1, via="agent")
+    assert state.proven and "squat0" not in {j.job_id for j in jobs.by_key.values()}

@@ -21,6 +21,7 @@ from hangwatch.records import (
     StepEvent,
     Target,
     ThreadStack,
+    link_tag,
 )
 from tests.factories import T0, SimJob
 
@@ -43,7 +44,8 @@ def test_engine_stuck_incident_lifecycle_persist_and_stacks() -> None:
     assert persisted == [(inc.id, "open")]
     assert len(requests) == 1
     targets, native, done = requests[0]
-    assert targets == [Target(1, 4001, 501.0), Target(0, 4000, 500.0)]
+    assert [(t.rank, t.pid, t.start_time) for t in targets] == [(1, 4001, 501.0), (0, 4000, 500.0)]
+    assert all(t.link == link_tag(sim.job.ranks[t.rank].identity.session) for t in targets)
     assert native is False
     # later ticks: the same incident (its slot is claimed), no new stack request, no churn
     for now in (T0 + 14, T0 + 15, T0 + 18):
@@ -98,7 +100,7 @@ def test_engine_requests_native_stacks_for_frozen() -> None:
     requests: list[tuple[list[Target], bool]] = []
     engine = sim.engine(request_stacks=lambda targets, native, done: requests.append((targets, native)))
     engine.tick(T0 + 9)
-    assert requests == [([Target(1, 4001, 501.0)], True)]
+    assert requests == [([Target(1, 4001, 501.0, link=link_tag(sim.job.ranks[1].identity.session))], True)]
 
 
 def test_stuck_threshold_adapts_within_bounds() -> None:

@@ -93,6 +93,13 @@ NEW_NUMBERING_SEQS = 64
 ON_DEVICE_RUNS = 64
 
 
+def _same_process(claimed: r.RankIdentity, proven: r.RankIdentity) -> bool:
+    """Whether a claim names the process an agent proved (a pid seen from inside a container
+    differs from the agent's, so there only the host and start time are compared)."""
+    pid_ok = claimed.pid == proven.pid or bool(claimed.pid_namespace)
+    return claimed.host == proven.host and pid_ok and abs(claimed.start_time - proven.start_time) <= 1.0
+
+
 class JobState:
     def __init__(self, ledger: b.Ledger | None = None) -> None:
         #: the coordinator's account of memory held, against its budgets (``budget``)
@@ -188,19 +195,45 @@ class JobState:
             return False  # a rank of this run registering at its own pace (the others may be done)
         return not live  # a rank number of a run that is over, in a new process: the next run
 
+    def _shaped_by_claims(self, identity: r.RankIdentity) -> bool:
+        """Whether only unproven claims made this job's shape (world size, attempt, launch) and
+        ``identity`` contradicts it."""
+        if not self.ranks or any(st.proven for st in self.ranks.values()):
+            return False
+        return (identity.world_size, identity.attempt, identity.launch) != (
+            self.world_size or identity.world_size,
+            self.attempt,
+            self.launch,
+        )
+
     def register(self, identity: r.RankIdentity, now: float, via: str = "direct") -> RankState:
-        if self._new_run(identity, now, via):
+        # a proven rank is never refused for what unproven claims alone said of the job
+        set_aside = len(self.ranks) if via == "agent" and self._shaped_by_claims(identity) else 0
+        if set_aside or self._new_run(identity, now, via):
             runs, ledger = self.runs + 1, self.ledger
             ledger.held -= self.held
             self.__init__(ledger)  # type: ignore[misc]  # a clean slate: nothing of the last run is kept
             self.runs = runs
+        if set_aside:
+            self._conflict(
+                identity, now, via, f"set aside {set_aside} unproven claim(s) that shaped this job otherwise"
+            )
         if not self.ranks:
             self.launch, self.attempt = identity.launch, identity.attempt
         previous = self.ranks.get(identity.rank)
         if previous is not None and previous.identity.session == identity.session:
+            # the same session, whichever path ships it: only its holder knows it. A rank is
+            # proven by the link its agent registers, and is then the process of that link,
+            # whatever an earlier registration under the session named.
             previous.last_seen = now
             previous.via = via
-            previous.proven = previous.proven or via == "agent"  # the same process, whichever path ships it
+            if via == "agent":
+                if not previous.proven and not _same_process(previous.identity, identity):
+                    self._conflict(
+                        identity, now, via, f"proved pid {identity.pid}, not pid {previous.identity.pid} it claimed"
+                    )
+                previous.identity = identity
+                previous.proven = True
             return previous
         self._check_claim(identity, previous, now, via)
         if not self._room(None, b.RANK_BYTES - (previous.held if previous is not None else 0)):
@@ -233,12 +266,15 @@ class JobState:
                 identity.pid,
                 identity.start_time,
             )  # the same process, a new session (it initialised its process group again)
-            held = not same and previous.end is None and previous.alive and now - previous.last_seen < CLAIM_SILENT_S
+            live = previous.end is None and previous.alive and now - previous.last_seen < CLAIM_SILENT_S
+            held = live and not same
             holder = f"pid {previous.identity.pid} on {previous.identity.host} ({previous.via})"
             if held and via == "agent" and not previous.proven:
                 self._conflict(identity, now, via, f"took rank {identity.rank} from an unproven claim by {holder}")
                 return
-            if held:
+            if live and previous.proven and via != "agent":
+                why = f"claims rank {identity.rank}, held by {holder}, which its node's agent proved"
+            elif held:
                 why = f"claims rank {identity.rank}, held by {holder}"
         if why:
             self._conflict(identity, now, via, f"refused: {why}")

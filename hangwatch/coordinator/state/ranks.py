@@ -160,7 +160,7 @@ class RankState:
 
     def target(self) -> r.Target:
         ident = self.identity
-        return r.Target(ident.rank, ident.pid, ident.start_time, ident.pid_namespace)
+        return r.Target(ident.rank, ident.pid, ident.start_time, ident.pid_namespace, r.link_tag(ident.session))
 
     def history_calls_after(self, since: float) -> list[r.CallRecord]:
         """Recent calls (all groups) entered at or after ``since`` (coordinator time)."""
