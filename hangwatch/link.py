@@ -24,6 +24,7 @@ rank's side returns None on any failure, and the rank goes on without an agent).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -65,31 +66,57 @@ def encode_hello(hello: dict[str, Any]) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
-def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """Read one hello and the descriptors that came with it (the caller owns them).
-
-    The socket should have a timeout: a peer that connects and says nothing is not waited for."""
-    msg, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size + HELLO_MAX, MAX_FDS)
+def _parse(data: bytes) -> dict[str, Any]:
     try:
-        if len(msg) < _LEN.size:
-            raise LinkError("connection closed before a hello")
-        (length,) = _LEN.unpack_from(msg)
+        hello = json.loads(data)
+    except (ValueError, RecursionError) as e:  # nested past the recursion limit is no hello either
+        raise LinkError(f"a hello is JSON ({type(e).__name__})") from None
+    if not isinstance(hello, dict):
+        raise LinkError("a hello is a JSON object")
+    return hello
+
+
+class HelloReader:
+    """One peer's hello as it arrives, a piece at a time, from a non-blocking socket: the agent's
+    selector thread serves every link and never waits on one peer. The caller owns the
+    descriptors once the hello is whole; ``close`` closes those it still holds."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.fds: list[int] = []
+
+    def feed(self, sock: socket.socket) -> dict[str, Any] | None:
+        """Take what ``sock`` has now: the hello once whole (its descriptors in ``fds``), None
+        until then. ``LinkError`` when it cannot be one (closed early, too long, not JSON)."""
+        want = _LEN.size + HELLO_MAX - len(self.data)
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, max(1, want), MAX_FDS)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as e:
+            raise LinkError(str(e)) from None
+        for fd in fds:
+            if len(self.fds) < MAX_FDS:
+                self.fds.append(fd)
+            else:
+                os.close(fd)
+        if not msg:
+            raise LinkError("connection closed before a whole hello")
+        self.data += msg
+        if len(self.data) < _LEN.size:
+            return None
+        (length,) = _LEN.unpack_from(self.data)
         if length > HELLO_MAX:
             raise LinkError(f"hello of {length} bytes is over {HELLO_MAX}")
-        data = msg[_LEN.size :]
-        while len(data) < length:
-            more = sock.recv(length - len(data))
-            if not more:
-                raise LinkError("connection closed inside a hello")
-            data += more
-        hello = json.loads(data[:length])
-        if not isinstance(hello, dict):
-            raise LinkError("a hello is a JSON object")
-        return hello, fds
-    except (LinkError, ValueError, OSError) as e:
-        for fd in fds:
-            os.close(fd)
-        raise LinkError(str(e)) from None
+        if len(self.data) < _LEN.size + length:
+            return None
+        return _parse(bytes(self.data[_LEN.size : _LEN.size + length]))
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
 
 
 def connect(path: str, hello: dict[str, Any], fds: list[int], timeout_s: float = 1.0) -> socket.socket | None:

@@ -39,9 +39,11 @@ collector; the figures are in BENCHMARKS.md.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -169,6 +171,15 @@ class Batch:
     lost: int  # slots overwritten before this reader got to them
 
 
+#: The largest ring a hook makes and a reader takes (slots, then blob bytes): a descriptor
+#: whose header says more is refused, so no header makes a reader map or scan without bound.
+MAX_CAPACITY = 1 << 20
+MAX_BLOB_BYTES = 64 << 20
+#: Seals a ring's memfd carries from its creation: it can never shrink under a reader's mapping
+#: (an ``ftruncate`` would make the reader's next access a SIGBUS) or grow.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
 def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
     access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
     return mmap.mmap(fd, size, access=access)
@@ -180,13 +191,14 @@ class RingWriter:
     ``fd`` is what to hand the node agent (it keeps the region alive after the rank is gone)."""
 
     def __init__(self, capacity: int = 16384, blob_bytes: int = 1 << 20, rank: int = -1) -> None:
-        if capacity <= 0 or blob_bytes < _BLOB_HEAD.size:
-            raise ValueError("ring capacity and blob area must be positive")
+        if not 0 < capacity <= MAX_CAPACITY or not _BLOB_HEAD.size <= blob_bytes <= MAX_BLOB_BYTES:
+            raise ValueError(f"ring capacity 1 to {MAX_CAPACITY} slots, blob area up to {MAX_BLOB_BYTES} bytes")
         self.capacity = capacity
         self.blob_bytes = blob_bytes
         self.size = HEADER_SIZE + capacity * SLOT_SIZE + blob_bytes
-        self.fd = os.memfd_create("hangwatch-ring", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("hangwatch-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, self.size)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # its size is fixed for every reader from now on
         self.mm = _map(self.fd, self.size, writable=True)
         self._blobs = HEADER_SIZE + capacity * SLOT_SIZE
         #: ``next(positions)`` claims the slot a record takes: atomic under the GIL, so threads
@@ -270,8 +282,10 @@ def read_geometry(buf: bytes | mmap.mmap) -> Geometry:
         raise RingError("not a hangwatch ring (bad magic)")
     if version != VERSION or header_size != HEADER_SIZE or slot_size != SLOT_SIZE:
         raise RingError(f"ring version {version} (header {header_size}, slot {slot_size}) is not {VERSION}")
-    if capacity <= 0:
-        raise RingError("ring capacity is 0")
+    if not 0 < capacity <= MAX_CAPACITY:
+        raise RingError(f"ring capacity {capacity} is not 1 to {MAX_CAPACITY}")
+    if not _BLOB_HEAD.size <= blob_bytes <= MAX_BLOB_BYTES:
+        raise RingError(f"ring blob area of {blob_bytes} bytes is not {_BLOB_HEAD.size} to {MAX_BLOB_BYTES}")
     return Geometry(capacity, blob_bytes, pid, rank)
 
 
@@ -297,7 +311,16 @@ class RingReader:
     keeps writing, and against one that died mid-record (a slot is only read once published)."""
 
     def __init__(self, fd: int) -> None:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RingError("not a ring: not a memory file")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # a file that cannot be sealed (not a memfd)
+        if seals & fcntl.F_SEAL_SHRINK == 0:
+            raise RingError("not a ring: its memfd is not sealed against shrinking")
+        size = st.st_size
         if size < HEADER_SIZE:
             raise RingError(f"too small for a ring header ({size} bytes)")
         head_map = _map(fd, HEADER_SIZE, writable=False)
@@ -357,9 +380,16 @@ class RingReader:
         return Slot._make(SLOT.unpack_from(self.mm, HEADER_SIZE + (position % self.capacity) * SLOT_SIZE))
 
     def head(self) -> int:
-        """Slots written so far, found from the stamps (a scan of the ring: for rare questions)."""
-        ring = self.mm[HEADER_SIZE : HEADER_SIZE + self.capacity * SLOT_SIZE]
-        return max((rec[0] for rec in SLOT.iter_unpack(ring) if rec[0] == rec[10]), default=0)
+        """Slots written so far, found from the stamps (a scan of the ring, a chunk at a time in
+        place: for rare questions)."""
+        newest = 0
+        end = HEADER_SIZE + self.capacity * SLOT_SIZE
+        with memoryview(self.mm) as view:
+            for at in range(HEADER_SIZE, end, _CHUNK * SLOT_SIZE):
+                chunk = view[at : min(end, at + _CHUNK * SLOT_SIZE)]
+                newest = max(newest, max((rec[0] for rec in SLOT.iter_unpack(chunk) if rec[0] == rec[10]), default=0))
+                chunk.release()
+        return newest
 
     def poll(self, limit: int | None = None) -> Batch:
         """Everything published since the last poll (at most ``limit`` slots, oldest first)."""

@@ -9,6 +9,7 @@ the writer, says who it was (SO_PEERCRED).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -17,11 +18,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hangwatch import ring as ring_module
 from hangwatch.ring import HEADER_SIZE, SLOT_SIZE, STATUS_MAX, Kind, RingError, RingReader, RingWriter
 
 
@@ -73,17 +77,83 @@ def test_blobs_round_trip_and_a_full_area_counts_drops(blobs: list[bytes], area:
     reader.close()
 
 
-def test_a_descriptor_that_is_not_a_ring_is_refused_clearly() -> None:
-    fd = os.memfd_create("not-a-ring")
-    try:
-        os.ftruncate(fd, 4096)
-        with pytest.raises(RingError, match="bad magic"):
+def _memfd(size: int, header: bytes = b"", seals: int = ring_module.SEALS) -> int:
+    fd = os.memfd_create("not-a-ring", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, header, 0)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_a_descriptor_that_is_not_a_ring_is_refused_clearly(tmp_path: Path) -> None:
+    for size, why in ((4096, "bad magic"), (10, "too small")):
+        fd = _memfd(size)
+        with pytest.raises(RingError, match=why):
             RingReader(fd)
-        os.ftruncate(fd, 10)
-        with pytest.raises(RingError, match="too small"):
-            RingReader(fd)
-    finally:
         os.close(fd)
+    plain = tmp_path / "ring"
+    plain.write_bytes(os.pread(RingWriter(capacity=4, blob_bytes=64).fd, 4096, 0))
+    fd = os.open(plain, os.O_RDONLY)
+    with pytest.raises(RingError, match="not sealed"):  # a regular file can be truncated under a reader
+        RingReader(fd)
+    os.close(fd)
+
+
+def _header(capacity: int, blob_bytes: int) -> bytes:
+    return ring_module._HEADER.pack(
+        ring_module.MAGIC, ring_module.VERSION, HEADER_SIZE, SLOT_SIZE, capacity, blob_bytes, 1, 0, 0, 0, 0, 0
+    )
+
+
+def test_a_ring_that_could_shrink_under_its_reader_is_refused_and_a_real_one_cannot() -> None:
+    """An ``ftruncate`` of a mapped memfd made the reader's next access a SIGBUS: the agent (and
+    a coordinator embedding it) died of one call in a linked process. A reader takes only a
+    memfd sealed against shrinking, and the hook's ring is sealed from its creation."""
+    size = HEADER_SIZE + 4 * SLOT_SIZE + 64
+    fd = _memfd(size, _header(4, 64), seals=0)
+    with pytest.raises(RingError, match="not sealed"):
+        RingReader(fd)
+    os.close(fd)
+    w = RingWriter(capacity=4, blob_bytes=64)
+    for n in (0, 10, size + 4096):
+        with pytest.raises(PermissionError):
+            os.ftruncate(w.fd, n)
+    with pytest.raises(PermissionError):  # nor can the seals be taken back
+        fcntl.fcntl(w.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    reader = RingReader(w.fd)
+    w.write(Kind.ENTER, 0, 0, 0, 1, 1, 0, 0, 1.0)
+    assert [slot.call_id for slot in reader.poll().slots] == [1]
+    reader.close()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    ("capacity", "blob_bytes", "why"),
+    [(ring_module.MAX_CAPACITY + 1, 64, "capacity"), (0, 64, "capacity"), (4, ring_module.MAX_BLOB_BYTES + 1, "blob")],
+)
+def test_a_header_s_geometry_is_bounded_before_anything_is_mapped(capacity: int, blob_bytes: int, why: str) -> None:
+    fd = _memfd(HEADER_SIZE, _header(capacity, blob_bytes))
+    with pytest.raises(RingError, match=why):
+        RingReader(fd)
+    os.close(fd)
+
+
+def test_looking_for_the_head_copies_no_more_than_a_chunk() -> None:
+    """A ring at the largest geometry: ``head`` scans it in place (it copied the whole ring,
+    768 MiB for a header claiming so, before the geometry was bounded)."""
+    w = RingWriter(capacity=ring_module.MAX_CAPACITY, blob_bytes=64)
+    _write_n(w, 0, 1000)
+    reader = RingReader(w.fd)
+    tracemalloc.start()
+    try:
+        assert reader.head() == 1000
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # the ring is 48 MiB
+    reader.close()
+    w.close()
 
 
 def test_last_returns_the_newest_slots_after_wrapping() -> None:

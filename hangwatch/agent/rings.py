@@ -28,14 +28,16 @@ from typing import Any
 
 from hangwatch.agent.identity import Proofs, proven_start_time
 from hangwatch.agent.procinfo import exit_when_gone, memory_events_path, oom_kills
-from hangwatch.link import ACK, ENDING, FAREWELL, LinkError, Peer, peer_of, recv_hello
+from hangwatch.link import ACK, ENDING, FAREWELL, HelloReader, LinkError, Peer, peer_of
 from hangwatch.records import link_tag
 from hangwatch.ring import RingError, RingReader
 
 log = logging.getLogger(__name__)
 
-#: A connection that has not said hello within this long is dropped.
+#: A connection that has not said its whole hello within this long, all told, is dropped.
 HELLO_TIMEOUT_S = 2.0
+#: Connections saying their hello at once; one beyond this is refused at once.
+MAX_PENDING = 64
 #: Links kept at most (live and recently closed); a new one beyond this is refused.
 MAX_LINKS = 4096
 #: The largest last Flight Recorder dump a rank may hand over (a full 2,000-entry NCCL ring is
@@ -124,6 +126,21 @@ def _sealed(fd: int) -> bool:
         return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & LAST_READ_SEALS == LAST_READ_SEALS
     except OSError:
         return False
+
+
+@dataclass
+class _Pending:
+    """A connection saying its hello: who the kernel says it is, what came so far, its deadline."""
+
+    conn: socket.socket
+    peer: Peer
+    reader: HelloReader
+    deadline: float  # monotonic
+
+    def drop(self) -> None:
+        self.reader.close()
+        with contextlib.suppress(OSError):
+            self.conn.close()
 
 
 #: The selector's longest wait: ``stop`` wakes it sooner (see ``RingServer._wake``).
@@ -243,47 +260,92 @@ class RingServer:
         sel = selectors.DefaultSelector()
         sel.register(self._listener, selectors.EVENT_READ, None)
         sel.register(self._wake[0], selectors.EVENT_READ, _WAKE)
+        pending: dict[socket.socket, _Pending] = {}
         try:
             while not self._stop.is_set():
-                # ``stop`` wakes it; the timeout only bounds a wake-up lost to a bug
-                for key, _ in sel.select(timeout=SELECT_S):
-                    if key.data is None:
-                        self._accept(sel)
-                    elif key.data is _WAKE:
-                        with contextlib.suppress(OSError):
-                            self._wake[0].recv(64)
-                    else:
-                        self._readable(sel, key.data)
+                # ``stop`` wakes it; the timeout bounds the hellos under way, and a lost wake-up
+                timeout = SELECT_S
+                if pending:
+                    timeout = max(0.0, min(p.deadline for p in pending.values()) - time.monotonic())
+                for key, _ in sel.select(timeout=timeout):
+                    try:
+                        if key.data is None:
+                            self._accept(sel, pending)
+                        elif key.data is _WAKE:
+                            with contextlib.suppress(OSError):
+                                self._wake[0].recv(64)
+                        elif isinstance(key.data, _Pending):
+                            self._hello(sel, pending, key.data)
+                        else:
+                            self._readable(sel, key.data)
+                    except Exception:  # one peer's trouble never stops the loop that serves all
+                        log.exception("rank link event failed")
+                self._expire(sel, pending)
         except Exception:  # the agent must outlive any bug here; say so loudly
             log.exception("rank link loop failed")
         finally:
+            for p in pending.values():
+                p.drop()
             sel.close()
 
-    def _accept(self, sel: selectors.BaseSelector) -> None:
+    def _accept(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
         assert self._listener is not None
         try:
             conn, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        link = self._handshake(conn)
-        if link is None:
+        try:
+            peer = peer_of(conn)
+        except OSError:
+            conn.close()
+            return
+        if len(pending) >= MAX_PENDING:
+            log.warning("rank link from pid %d refused: %d others are saying their hello", peer.pid, MAX_PENDING)
             self.refused += 1
             conn.close()
             return
         conn.setblocking(False)
-        sel.register(conn, selectors.EVENT_READ, link)
+        p = pending[conn] = _Pending(conn, peer, HelloReader(), time.monotonic() + HELLO_TIMEOUT_S)
+        sel.register(conn, selectors.EVENT_READ, p)
+
+    def _hello(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending], p: _Pending) -> None:
+        """Take what a peer saying its hello sent; link it once the hello is whole."""
+        try:
+            hello = p.reader.feed(p.conn)
+        except LinkError as e:
+            self._refuse(sel, pending, p, str(e))
+            return
+        if hello is None:
+            return
+        sel.unregister(p.conn)
+        del pending[p.conn]
+        fds, p.reader.fds = p.reader.fds, []
+        link = self._establish(p.conn, p.peer, hello, fds)
+        if link is None:
+            self.refused += 1
+            p.conn.close()
+            return
+        sel.register(p.conn, selectors.EVENT_READ, link)
         self.changed.set()
         if self._on_link is not None:
             self._on_link(link)
 
-    def _handshake(self, conn: socket.socket) -> RankLink | None:
-        conn.settimeout(HELLO_TIMEOUT_S)
-        try:
-            peer = peer_of(conn)
-            hello, fds = recv_hello(conn)
-        except (LinkError, OSError) as e:
-            log.warning("rank link refused: %s", e)
-            return None
+    def _expire(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
+        now = time.monotonic()
+        for p in [p for p in pending.values() if p.deadline <= now]:
+            self._refuse(sel, pending, p, f"no whole hello within {HELLO_TIMEOUT_S:g} s")
+
+    def _refuse(
+        self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending], p: _Pending, why: str
+    ) -> None:
+        log.warning("rank link from pid %d refused: %s", p.peer.pid, why)
+        self.refused += 1
+        sel.unregister(p.conn)
+        del pending[p.conn]
+        p.drop()
+
+    def _establish(self, conn: socket.socket, peer: Peer, hello: dict[str, Any], fds: list[int]) -> RankLink | None:
+        """The link of a whole hello and its descriptors (the caller's to close on None)."""
         if not fds:
             log.warning("rank link from pid %d refused: no ring descriptor", peer.pid)
             return None
@@ -309,7 +371,7 @@ class RingServer:
         link.memory_events = memory_events_path(peer.pid)
         link.oom_kills = oom_kills(link.memory_events)
         try:
-            conn.sendall(ACK)
+            conn.send(ACK)
         except OSError:
             pass  # gone already: the selector sees it closed next
         return link

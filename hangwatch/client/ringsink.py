@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from hangwatch import records as r
-from hangwatch.ring import Kind, RingWriter
+from hangwatch.ring import MAX_CAPACITY, Kind, RingWriter
 from hangwatch.ringwire import call_blob, event_blob, text_blob
 from hangwatch.signatures import _key as call_key
 
@@ -29,7 +29,7 @@ class RingSink:
     """A rank's ring and the tables that go with it. ``capacity`` slots, ``blob_bytes`` of blobs."""
 
     def __init__(self, capacity: int, blob_bytes: int = 4 << 20, rank: int = -1) -> None:
-        capacity = max(2, capacity)  # a configured 0 must not break the hook
+        capacity = min(max(2, capacity), MAX_CAPACITY)  # a configured 0 must not break the hook
         self.writer = RingWriter(capacity=capacity, blob_bytes=blob_bytes, rank=rank)
         self.capacity = capacity
         self.mm = self.writer.mm

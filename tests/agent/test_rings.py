@@ -3,9 +3,11 @@ the ring read after the rank is gone; bad hellos refused without hurting the ser
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -109,8 +111,9 @@ def test_bad_hellos_are_refused_and_the_server_keeps_serving(agent: Agent) -> No
         s.close()
         return reply
 
-    not_a_ring = os.memfd_create("fake")
+    not_a_ring = os.memfd_create("fake", os.MFD_ALLOW_SEALING)
     os.ftruncate(not_a_ring, 4096)
+    fcntl.fcntl(not_a_ring, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     assert raw(link.encode_hello({"rank": 0}), []) == b""  # no descriptor
     assert raw(b"\x05\x00\x00\x00nope!", [not_a_ring]) == b""  # not JSON
     assert raw(link.encode_hello({"rank": 0}), [not_a_ring]) == b""  # not a ring
@@ -190,3 +193,75 @@ def test_the_selector_sleeps_until_a_link_or_stop_wakes_it(tmp_path: Path, monke
     assert time.monotonic() - started < 1.5 and not server._thread.is_alive()
     sock.close()
     w.close()
+
+
+def test_a_hello_nested_past_the_recursion_limit_is_a_refused_link_not_a_dead_loop(agent: Agent) -> None:
+    """16,000 nested ``[`` raised RecursionError out of the hello's parse and stopped the link
+    loop for good: no rank could link until the agent restarted."""
+    server = agent.server
+    w = RingWriter(capacity=4, blob_bytes=64)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(server.path)
+    deep = b"[" * 16000
+    socket.send_fds(s, [struct.pack("<I", len(deep)) + deep], [w.fd])
+    assert s.recv(1) == b""  # refused
+    s.close()
+    _wait(lambda: server.refused == 1)
+    sock = link.connect(server.path, {"rank": 0, "session": "after"}, [w.fd])
+    assert sock is not None, "the loop stopped serving"
+    sock.close()
+    w.close()
+
+
+def test_a_dripped_hello_holds_up_no_other_rank(agent: Agent) -> None:
+    """A hello sent one byte every 0.5 s held the selector thread for its whole length: ranks
+    linking meanwhile timed out and shipped their own records, unproven. Now each hello is taken
+    as it comes, on a deadline of its own."""
+    server = agent.server
+    w = RingWriter(capacity=4, blob_bytes=64)
+    payload = link.encode_hello({"rank": 9, "session": "slow", "pad": "x" * 64})
+    drip = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    drip.connect(server.path)
+    socket.send_fds(drip, [payload[:5]], [w.fd])
+    stop = threading.Event()
+
+    def dripping() -> None:
+        for byte in payload[5:]:
+            if stop.wait(0.5):
+                return
+            try:
+                drip.send(bytes([byte]))
+            except OSError:
+                return
+
+    dripper = threading.Thread(target=dripping, daemon=True)
+    dripper.start()
+    try:
+        time.sleep(0.3)
+        started = time.monotonic()
+        sock = link.connect(server.path, {"rank": 1, "session": "prompt"}, [w.fd], timeout_s=1.0)
+        assert sock is not None and time.monotonic() - started < 1.0
+        _wait(lambda: server.refused == 1, timeout=5)  # the dripper, at its deadline
+        assert [lk.hello["rank"] for lk in server.links()] == [1]
+        sock.close()
+    finally:
+        stop.set()
+        dripper.join(5)
+        drip.close()
+        w.close()
+
+
+def test_hellos_under_way_are_bounded(agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hangwatch.agent import rings
+
+    monkeypatch.setattr(rings, "MAX_PENDING", 3)
+    silent = []
+    for _ in range(5):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(agent.server.path)
+        silent.append(s)
+    _wait(lambda: agent.server.refused == 2, timeout=1.5)  # beyond 3 at once, at once
+    _wait(lambda: agent.server.refused == 5, timeout=5)  # the rest at their deadline
+    for s in silent:
+        s.close()
