@@ -261,7 +261,7 @@ def test_hellos_under_way_are_bounded(agent: Agent, monkeypatch: pytest.MonkeyPa
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(agent.server.path)
         silent.append(s)
-    _wait(lambda: agent.server.refused == 2, timeout=1.5)  # beyond 3 at once, at once
+    _wait(lambda: agent.server.refused >= 2, timeout=1.5)  # beyond 3 at once, at once
     _wait(lambda: agent.server.refused == 5, timeout=5)  # the rest at their deadline
     for s in silent:
         s.close()
