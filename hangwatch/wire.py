@@ -10,6 +10,7 @@ import math
 
 from hangwatch import records as r
 from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.untrusted import printable
 
 # ---- records -> protobuf ------------------------------------------------------------------
 
@@ -180,18 +181,12 @@ TRUNCATED = "...[cut]"
 truncated = 0  # strings cut since start (``status``' ``rejected.truncated``, /metrics)
 
 
-#: Control characters (ANSI escapes among them) that would reach a terminal through ``report``:
-#: each is shown as U+FFFD. Newlines and tabs are kept in texts (tracebacks), not in names.
-_CONTROLS = {c: "\ufffd" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0))}
-_TEXT_CONTROLS = {c: r for c, r in _CONTROLS.items() if c not in (0x09, 0x0A)}
-
-
 def clip(text: str, limit: int) -> str:
-    """``text`` with control characters replaced, cut to ``limit`` characters with
-    ``TRUNCATED`` after the cut."""
+    """``text`` with control characters (ANSI escapes among them) shown as U+FFFD, cut to
+    ``limit`` characters with ``TRUNCATED`` after the cut. Newlines and tabs are kept in texts
+    (tracebacks), not in names."""
     global truncated
-    if not text.isprintable():
-        text = text.translate(_TEXT_CONTROLS if limit >= MAX_TEXT else _CONTROLS)
+    text = printable(text, lines=limit >= MAX_TEXT)
     if len(text) <= limit:
         return text
     truncated += 1

@@ -16,9 +16,8 @@ active entries often and the whole ring only when a diagnosis needs it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import http.client
-import json
 import logging
 import socket
 import threading
@@ -29,6 +28,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from hangwatch import records as r
+from hangwatch import untrusted
 from hangwatch.link import peer_of
 
 log = logging.getLogger("hangwatch.agent")
@@ -41,48 +41,150 @@ class WorkerServerError(Exception):
     """The worker server could not be asked, or refused to answer."""
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float, expect_pid: int | None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-        self._expect_pid = expect_pid
+#: The largest answer a worker server may give (a full 2,000-entry NCCL ring is about 1 MB of
+#: JSON); a larger one is refused unread, and so is one of more objects than its size allows
+#: (``untrusted.loads_json``).
+MAX_ANSWER_BYTES = 16 << 20
+_MAX_HEAD = 16384
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-            if self._expect_pid is not None:
-                served_by = peer_of(sock).pid
-                if served_by != self._expect_pid:
-                    raise WorkerServerError(
-                        f"{self._path} is served by pid {served_by}, not by the rank's pid {self._expect_pid}"
-                    )
-        except BaseException:
-            sock.close()
-            raise
+
+class _Deadline:
+    """A Unix-socket exchange that must be whole by one moment, however the peer drips it."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
         self.sock = sock
+        self.end = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+
+    def _left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise WorkerServerError(f"no whole answer within {self.timeout_s:g} s")
+        self.sock.settimeout(left)
+        return left
+
+    def send(self, data: bytes) -> None:
+        self._left()
+        self.sock.sendall(data)
+
+    def recv(self, n: int) -> bytes:
+        self._left()
+        return self.sock.recv(n)
+
+
+def _answer(io: _Deadline, max_bytes: int) -> tuple[int, bytes]:
+    """An HTTP/1.1 answer's status and body (by its length, chunked, or to its end), bounded."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        more = io.recv(4096)
+        if not more:
+            raise WorkerServerError("closed before a whole answer")
+        head += more
+        if len(head) > _MAX_HEAD and b"\r\n\r\n" not in head[:_MAX_HEAD]:
+            raise WorkerServerError("an answer's head over 16 KiB")
+    head, _, body = head.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        status = int(lines[0].split()[1])
+    except (IndexError, ValueError):
+        raise WorkerServerError(f"not an HTTP answer: {lines[0][:80]!r}") from None
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    if "content-length" in headers:
+        try:
+            length = int(headers["content-length"])
+        except ValueError:
+            raise WorkerServerError("a bad Content-Length") from None
+        if length > max_bytes:
+            raise WorkerServerError(f"an answer of {length} bytes, over {max_bytes}")
+        parts = [body]
+        got = len(body)
+        while got < length:
+            more = io.recv(min(1 << 20, length - got))
+            if not more:
+                raise WorkerServerError("closed inside an answer")
+            parts.append(more)
+            got += len(more)
+        return status, b"".join(parts)[:length]
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        return status, _chunked(io, body, max_bytes)
+    parts, got = [body], len(body)
+    while True:
+        more = io.recv(1 << 20)
+        if not more:
+            return status, b"".join(parts)
+        got += len(more)
+        if got > max_bytes:
+            raise WorkerServerError(f"an answer over {max_bytes} bytes")
+        parts.append(more)
+
+
+def _chunked(io: _Deadline, data: bytes, max_bytes: int) -> bytes:
+    buf = bytearray(data)
+    out = bytearray()
+
+    def fill(n: int) -> None:
+        while len(buf) < n:
+            more = io.recv(1 << 20)
+            if not more:
+                raise WorkerServerError("closed inside a chunked answer")
+            buf.extend(more)
+
+    while True:
+        while b"\r\n" not in buf:
+            if len(buf) > 64:
+                raise WorkerServerError("a bad chunk size")
+            fill(len(buf) + 1)
+        line, _, rest = bytes(buf).partition(b"\r\n")
+        try:
+            size = int(line.split(b";")[0], 16)
+        except ValueError:
+            raise WorkerServerError("a bad chunk size") from None
+        if len(out) + size > max_bytes:
+            raise WorkerServerError(f"an answer over {max_bytes} bytes")
+        buf[:] = rest
+        fill(size + 2)
+        if size == 0:
+            return bytes(out)
+        out += buf[:size]
+        del buf[: size + 2]
 
 
 def query(
-    path: str, handler: str, params: dict[str, str] | None = None, *, expect_pid: int | None, timeout_s: float = 2.0
+    path: str,
+    handler: str,
+    params: dict[str, str] | None = None,
+    *,
+    expect_pid: int | None,
+    timeout_s: float = 2.0,
+    max_bytes: int = MAX_ANSWER_BYTES,
 ) -> bytes:
-    """``POST /handler/<handler>?params`` on the worker server at ``path``; the body on 200."""
-    conn = _UnixConnection(path, timeout_s, expect_pid)
+    """``POST /handler/<handler>?params`` on the worker server at ``path``; the body on 200.
+
+    The whole exchange has ``timeout_s``, however the server drips its answer, and the body at
+    most ``max_bytes``: a rank's worker server is the rank's, not the agent's, to trust."""
     url = f"/handler/{handler}" + (f"?{urlencode(params)}" if params else "")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    io = _Deadline(sock, timeout_s)
     try:
-        conn.request("POST", url)
-        reply = conn.getresponse()
-        body = reply.read()
-    except WorkerServerError:
-        raise
-    except (OSError, http.client.HTTPException) as e:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        if expect_pid is not None:
+            served_by = peer_of(sock).pid
+            if served_by != expect_pid:
+                raise WorkerServerError(f"{path} is served by pid {served_by}, not by the rank's pid {expect_pid}")
+        io.send(f"POST {url} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+        status, body = _answer(io, max_bytes)
+    except WorkerServerError as e:
+        raise WorkerServerError(f"{path}: {e}") from None
+    except TimeoutError:
+        raise WorkerServerError(f"{path}: no whole answer within {timeout_s:g} s") from None
+    except OSError as e:
         raise WorkerServerError(f"{path}: {e or type(e).__name__}") from None
     finally:
-        conn.close()
-    if reply.status != 200:
+        sock.close()
+    if status != 200:
         text = body[:200].decode("utf-8", "replace")
-        raise WorkerServerError(f"{handler}: HTTP {reply.status}: {text}")
+        raise WorkerServerError(f"{handler}: HTTP {status}: {text}")
     return body
 
 
@@ -109,15 +211,15 @@ def read_rings(
         if name not in names:
             continue
         try:
-            data = json.loads(query(path, handler, params, expect_pid=pid, timeout_s=timeout_s))
+            data = untrusted.loads_json(query(path, handler, params, expect_pid=pid, timeout_s=timeout_s), handler)
         except WorkerServerError as e:
             if "HTTP 404" not in str(e):  # this build has no such ring: nothing to say
                 errors[name] = str(e)
             if "served by pid" in str(e):
                 break  # the same socket: no use asking again
             continue
-        except ValueError as e:
-            errors[name] = f"{handler}: not JSON ({e})"
+        except untrusted.Refused as e:
+            errors[name] = str(e)
             continue
         if isinstance(data, dict):
             rings[name] = data
@@ -130,9 +232,9 @@ def rings_of_dump(dump: bytes) -> tuple[dict[str, dict[str, Any]], dict[str, str
     """A rank's own dump of its rings (``{"cpu": ..., "nccl": ...}``) as :func:`read_rings`
     answers: the rings that parsed, and why any did not. Never raises."""
     try:
-        data = json.loads(dump)
-    except (ValueError, RecursionError) as e:
-        return {}, {"dump": f"not JSON ({type(e).__name__})"}
+        data = untrusted.loads_json(dump, "its last dump")
+    except untrusted.Refused as e:
+        return {}, {"dump": str(e)}
     if not isinstance(data, dict):
         return {}, {"dump": "not a JSON object"}
     rings: dict[str, dict[str, Any]] = {}
@@ -341,6 +443,11 @@ class _Watched:
     nccl_groups: set[str] = field(default_factory=set)  # groups the NCCL ring's pg_status showed
     vouched: float = 0.0  # the latest poll left unread because Python calls accounted for it all
     absent: set[str] = field(default_factory=set)  # rings this build has not (their handler answered 404)
+    #: held while one of its reads is under way: its reads never overlap, other ranks' run beside
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    busy: bool = False  # a periodic read of it is queued or under way
+    #: the last read asked for as it ends (``ask_now``): None before; then (done, the read)
+    last: tuple[bool, Fetched | None] | None = None
 
 
 #: The share of a core reading a rank's Flight Recorder rings may take from the rank: the rank's
@@ -366,6 +473,9 @@ TURNOVER_BUDGET = 0.05
 #: ``status`` says so): the coordinator takes reads this far apart for reads that stopped
 #: (``detectors.stuck.FLIGHT_STALE_S``).
 MAX_READ_EVERY_S = 20.0
+#: Ranks' rings read at once, each on a thread of its own: a worker server that drips its answer
+#: holds one of them until its read's deadline, never the reads of the others.
+READERS = 8
 
 
 class RingFetcher:
@@ -395,6 +505,7 @@ class RingFetcher:
         self.failures = 0
         self.spared = 0  # NCCL ring reads a probe showed to have nothing to find
         self.spared_cpu = 0  # CPU ring reads Python calls accounted for (``accounted``)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def watch(
         self,
@@ -434,14 +545,65 @@ class RingFetcher:
             watched = self._watched.get(key)
             return watched is not None and watched.latest is not None
 
-    def fetch_now(self, key: int, timeout_s: float = 0.5) -> Fetched | None:
-        """Read ``key``'s rings now, on the caller's thread (a rank that is ending waits for it)."""
+    def ask_now(
+        self,
+        key: int,
+        timeout_s: float = 0.5,
+        dump: bytes | None = None,
+        asked: float = 0.0,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """``key``'s last read, as it ends (it waits for it), on a reader thread, never the
+        caller's: from the ``dump`` it handed over (:meth:`handed`, taken as asked at
+        ``asked``), else from its worker server while it is ``alive``. :meth:`asked` says when
+        it is done. Once per rank."""
         with self._lock:
             watched = self._watched.get(key)
-        return None if watched is None else self._fetch(watched, timeout_s, probe=False)
+            if watched is None or watched.last is not None:
+                return
+            watched.last = (False, None)
+        try:
+            self._readers().submit(self._last, watched, timeout_s, dump, asked, alive)
+        except RuntimeError:  # stopped
+            watched.last = (True, None)
+
+    def asked(self, key: int) -> tuple[bool, Fetched | None]:
+        """Whether the read :meth:`ask_now` asked for is done, and what it found (None: nothing
+        to take, or it failed). Not asked, or not watched: done, with nothing."""
+        with self._lock:
+            watched = self._watched.get(key)
+            last = None if watched is None else watched.last
+        return (True, None) if last is None else last
+
+    def _last(
+        self, watched: _Watched, timeout_s: float, dump: bytes | None, asked: float, alive: Callable[[], bool]
+    ) -> None:
+        try:
+            with watched.lock:
+                fetched = self._handed(watched, dump, asked) if dump is not None else None
+                if fetched is None and alive():
+                    fetched = self._fetch(watched, timeout_s, probe=False)
+        except Exception:  # never a reader thread's end
+            log.exception("Flight Recorder read of pid %d failed", watched.pid)
+            fetched = None
+        watched.last = (True, fetched)
+
+    def _count(self, name: str) -> None:
+        with self._lock:  # reader threads count side by side
+            setattr(self, name, getattr(self, name) + 1)
+
+    def _readers(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="hangwatch-fr")
+            return self._pool
 
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def vouched(self, key: int) -> float:
         """When ``key``'s latest poll was left unread because Python calls accounted for all its
@@ -499,10 +661,10 @@ class RingFetcher:
     def _fetch(self, watched: _Watched, timeout_s: float, probe: bool = True) -> Fetched | None:
         names = tuple(n for n in RING_HANDLERS if n not in watched.absent)
         if probe and "nccl" in names and self._spare(watched, timeout_s):
-            self.spared += 1
+            self._count("spared")
             names = tuple(n for n in names if n != "nccl")
         if probe and "cpu" in names and self._spare_cpu(watched):
-            self.spared_cpu += 1
+            self._count("spared_cpu")
             names = tuple(n for n in names if n != "cpu")
             if not names:
                 watched.vouched = self._clock()
@@ -521,8 +683,9 @@ class RingFetcher:
         watched, or not a dump (and then the worker server is asked, if it still answers)."""
         with self._lock:
             watched = self._watched.get(key)
-        if watched is None:
-            return None
+        return None if watched is None else self._handed(watched, dump, asked)
+
+    def _handed(self, watched: _Watched, dump: bytes, asked: float) -> Fetched | None:
         rings, errors = rings_of_dump(dump)
         if not rings:
             if errors:
@@ -539,9 +702,9 @@ class RingFetcher:
         errors: dict[str, str],
         asked: float,
     ) -> Fetched | None:
-        self.reads += 1
+        self._count("reads")
         if errors and not rings:
-            self.failures += 1
+            self._count("failures")
             text = "; ".join(f"{k}: {v}" for k, v in errors.items())
             if text != watched.failing:
                 log.info("Flight Recorder of pid %d not read: %s", watched.pid, text)
@@ -598,27 +761,53 @@ class RingFetcher:
         )
 
     def poll_once(self, due_only: bool = False) -> None:
-        """Read every watched rank once; with ``due_only`` (what the thread does every
-        ``interval_s``), those that are due: one whose reads cost more than ``READ_BUDGET`` of
-        a core at that interval is read less often."""
+        """Read every watched rank once, one after the other; with ``due_only``, those that are
+        due: one whose reads cost more than ``READ_BUDGET`` of a core at that interval is read
+        less often. (The fetcher's thread reads them side by side: ``_run``.)"""
         with self._lock:
             watched = list(self._watched.items())
         for key, w in watched:
-            started = self._clock()
-            if due_only and started < w.due:
+            if due_only and self._clock() < w.due:
                 continue
-            fetched = self._fetch(w, self.timeout_s)
-            took = max(0.0, self._clock() - started)
-            w.cost = took if not w.cost else 0.7 * w.cost + 0.3 * took
-            w.every = min(max(self.interval_s, w.cost / READ_BUDGET), max(self.interval_s, MAX_READ_EVERY_S))
-            if w.turnover:  # read before the CPU ring turns over, where that costs little enough
-                w.every = min(w.every, max(self.interval_s, w.turnover / 2, w.cost / TURNOVER_BUDGET))
-            w.due = started + w.every - self.interval_s / 2  # read on the tick nearest its due time
-            if fetched is not None:
-                with self._lock:
-                    if self._watched.get(key) is w:
-                        w.latest = fetched
+            with w.lock:
+                self._poll(key, w)
+
+    def _poll(self, key: int, w: _Watched) -> None:
+        """One periodic read of ``w`` (its lock held)."""
+        started = self._clock()
+        fetched = self._fetch(w, self.timeout_s)
+        took = max(0.0, self._clock() - started)
+        w.cost = took if not w.cost else 0.7 * w.cost + 0.3 * took
+        w.every = min(max(self.interval_s, w.cost / READ_BUDGET), max(self.interval_s, MAX_READ_EVERY_S))
+        if w.turnover:  # read before the CPU ring turns over, where that costs little enough
+            w.every = min(w.every, max(self.interval_s, w.turnover / 2, w.cost / TURNOVER_BUDGET))
+        w.due = started + w.every - self.interval_s / 2  # read on the tick nearest its due time
+        if fetched is not None:
+            with self._lock:
+                if self._watched.get(key) is w:
+                    w.latest = fetched
 
     def _run(self) -> None:
+        """Every ``interval_s``, each rank that is due and not being read is read on a reader
+        thread of its own (``READERS`` at once)."""
         while not self._stop.wait(self.interval_s):
-            self.poll_once(due_only=True)
+            with self._lock:
+                watched = list(self._watched.items())
+            now = self._clock()
+            for key, w in watched:
+                if w.busy or now < w.due:
+                    continue
+                w.busy = True
+                try:
+                    self._readers().submit(self._poll_then_free, key, w)
+                except RuntimeError:  # stopped meanwhile
+                    return
+
+    def _poll_then_free(self, key: int, w: _Watched) -> None:
+        try:
+            with w.lock:
+                self._poll(key, w)
+        except Exception:  # never a reader thread's end
+            log.exception("Flight Recorder read of pid %d failed", w.pid)
+        finally:
+            w.busy = False

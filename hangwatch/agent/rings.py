@@ -40,9 +40,10 @@ HELLO_TIMEOUT_S = 2.0
 MAX_PENDING = 64
 #: Links kept at most (live and recently closed); a new one beyond this is refused.
 MAX_LINKS = 4096
-#: The largest last Flight Recorder dump a rank may hand over (a full 2,000-entry NCCL ring is
-#: about 1 MB of JSON); a larger one is ignored, and the worker server is asked instead.
-LAST_READ_MAX = 32 * 2**20
+#: The largest last Flight Recorder dump a rank may hand over: as large as its worker server may
+#: answer (``flightrecorder.MAX_ANSWER_BYTES``); a larger one is ignored, and the worker server
+#: is asked instead.
+LAST_READ_MAX = 16 << 20
 #: The seals it must carry (``hangwatch.client.workerserver.SEALS``): nothing can change it.
 LAST_READ_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 

@@ -55,6 +55,9 @@ log = logging.getLogger("hangwatch.agent")
 MAX_SLOTS = 8000
 #: How often the shipper looks at its ranks' rings.
 TICK_S = 0.05
+#: How long a rank's last Flight Recorder read, asked of its worker server as it ends, may take
+#: (the rank waits ``client.session.FAREWELL_TIMEOUT_S`` for its farewell).
+LAST_READ_S = 0.5
 #: How often it looks at the ring of a rank in a steady state: whose last batch held only calls
 #: of signatures shown before, each returned without error (``RingEncoder.steady``), and no call
 #: under way held back. Anything else (a new signature, a call under way, an error, a rank
@@ -123,6 +126,8 @@ class _Rank:
     fetched: Fetched | None = None
     read_to: float = float("-inf")
     farewell: bool = False
+    #: when its last Flight Recorder read was asked for, as it ends, where it handed none over
+    last_asked: float | None = None
     unsent: list[r.RankEvent] = field(default_factory=list)
     #: the STEADY_S period (of the monotonic clock) in which a steady rank's ring was last read
     #: or looked at (None: not steady, read every tick)
@@ -444,7 +449,8 @@ class Shipper:
             # farewell's timeout. Ending said during the reads: the wake it made reads it again
             state.farewell = True
             self.server.farewell(link)
-        if closed and not state.gone_reported:
+        # gone, once its last read (on a reader thread) is in: forgetting it first loses that read
+        if closed and not state.gone_reported and (state.flight is None or not ending or state.farewell):
             self._gone(state)
 
     def _read(self, state: _Rank) -> Batch:
@@ -466,10 +472,15 @@ class Shipper:
         ending = link.ending_at is not None and not state.farewell
         if ending:
             assert link.ending_at is not None
-            dump = link.take_last_read()
-            last = self.fetcher.handed(id(link), dump, link.ending_at) if dump is not None else None
-            if last is None and link.alive:
-                last = self.fetcher.fetch_now(id(link))
+            if state.last_asked is None:
+                # read on a reader thread, from the dump it handed over or from its worker
+                # server: this thread serves every rank of the node
+                dump = link.take_last_read()
+                self.fetcher.ask_now(id(link), LAST_READ_S, dump, link.ending_at, lambda: link.alive)
+                state.last_asked = self.mono()
+            done, last = self.fetcher.asked(id(link))
+            if not done and self.mono() - state.last_asked < LAST_READ_S + TICK_S:
+                return  # looked at again next tick (the rank waits for its farewell)
             state.fetched = last or state.fetched
             if not _has_records(state.pending):
                 state.pending = self._read(state)  # read the ring past this last read

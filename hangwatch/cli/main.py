@@ -377,11 +377,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if args.import_:
         from hangwatch.cli.client import import_dumps
 
-        payload = dumps.pack(folder)
-        if len(payload) > dumps.MAX_SEND_BYTES:
+        payload, size = dumps.pack(folder)
+        if len(payload) > dumps.MAX_SEND_BYTES or size > dumps.MAX_IMPORT_BYTES:
             sys.stderr.write(
-                f"hangwatch: {len(payload) >> 20} MiB of dumps to send, more than the coordinator takes in one "
-                f"import ({dumps.MAX_SEND_BYTES >> 20} MiB): import the ranks in parts (--prefix)\n"
+                f"hangwatch: {size >> 20} MiB of dumps to send ({len(payload) >> 20} MiB compressed), more than the "
+                f"coordinator takes in one import ({dumps.MAX_IMPORT_BYTES >> 20} MiB, "
+                f"{dumps.MAX_SEND_BYTES >> 20} MiB compressed): import the ranks in parts (--prefix)\n"
             )
             return 2
         result = import_dumps(_addr(args), payload, token=_token(args), job=args.job)

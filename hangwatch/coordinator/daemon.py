@@ -29,11 +29,11 @@ from hangwatch.coordinator.incidents import Incident
 from hangwatch.coordinator.jobs import Jobs, JobsFull
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.server import BindError, RpcServer
-from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, IntakeError
+from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, ImportBusy, IntakeError
 from hangwatch.coordinator.state import ClaimRefused, JobState, RankState
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.coordinator.views import job_line, status_json
-from hangwatch.postmortem import replay
+from hangwatch.postmortem import dumps, replay
 from hangwatch.postmortem.dumps import Folder
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.serving import host_port, is_loopback
@@ -110,6 +110,7 @@ class Coordinator:
         #: ranks' batches may carry runs of alike calls (``records.CallRun``); ``HANGWATCH_RUNS=0``: not
         self.takes_runs = config.env_flag(config.ENV_RUNS, True)
         self.lock = threading.RLock()
+        self._importing = threading.Lock()  # one import of dumps analysed at a time
         try:
             limits = budget.Budget.of_mb(options.rank_budget_mb, options.job_budget_mb, options.memory_budget_mb)
         except ValueError as e:
@@ -574,6 +575,34 @@ class Coordinator:
         threading.Thread(target=abort_after_stacks, name="hangwatch-abort", daemon=True).start()
 
     # ---- queries --------------------------------------------------------------------------
+
+    def import_payload(self, data: bytes, job_selector: str = "") -> dict[str, Any] | None:
+        """An import's bytes (``hangwatch analyze --import``, ``dumps.pack``): one at a time,
+        inflated within its bound, and what parsing it holds charged to the memory budget while
+        it lasts. ``ImportBusy`` when it cannot be taken now, ``DumpError`` when it is no import;
+        else as :meth:`import_dumps`."""
+        if not self._importing.acquire(blocking=False):
+            raise ImportBusy("another import of dumps is being analysed: send this one when it is done")
+        try:
+            raw = dumps.inflate(data)
+            charge = len(raw) * dumps.IMPORT_PARSE_FACTOR
+            ledger = self.jobs.ledger
+            with self.lock:
+                if ledger.held + charge > ledger.budget.total:
+                    ledger.refuse("total")
+                    raise ImportBusy(
+                        f"the coordinator's memory budget has no room to analyse this import ({charge >> 20} MiB)"
+                    )
+                ledger.held += charge
+            try:
+                folder = dumps.from_json(raw)
+                del raw
+                return self.import_dumps(folder, job_selector)
+            finally:
+                with self.lock:
+                    ledger.held -= charge
+        finally:
+            self._importing.release()
 
     def import_dumps(self, folder: Folder, job_selector: str = "") -> dict[str, Any] | None:
         """A folder of Flight Recorder dumps (``hangwatch analyze --import``) joined to a followed

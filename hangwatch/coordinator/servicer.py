@@ -36,6 +36,10 @@ class IntakeError(ValueError):
     """A registration that cannot be accepted (from an RPC or a node agent); the message says why."""
 
 
+class ImportBusy(Exception):
+    """An import of dumps that cannot be taken now (another is under way, or no room for it)."""
+
+
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     raise Refused(code, message)  # the server's wrapper ends the call with it (serving.py)
 
@@ -215,10 +219,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ImportDumps(self, request: pb.ImportRequest, context: grpc.ServicerContext) -> pb.JsonReply:
         self._auth(request.token, context)
         try:
-            folder = dumps.unpack(request.dumps)
+            result = self.c.import_payload(request.dumps, request.job)
         except dumps.DumpError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        result = self.c.import_dumps(folder, request.job)
+        except ImportBusy as exc:
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if result is None:
             _abort(context, grpc.StatusCode.NOT_FOUND, f"no job {request.job!r} to import the dumps into")
         return pb.JsonReply(json=json.dumps(result))

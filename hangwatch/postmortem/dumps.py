@@ -22,10 +22,13 @@ import json
 import os
 import pickle
 import re
+import stat
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hangwatch import untrusted
 
 #: A file bigger than this is not a Flight Recorder dump (20,000 entries with frames: ~30 MB).
 MAX_DUMP_BYTES = 256 << 20
@@ -159,9 +162,9 @@ def parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
 def _parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
     if data[:1] in (b"{", b"["):
         try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise DumpError(f"not valid JSON: {e}") from None
+            doc = untrusted.loads_json(data, "this JSON")
+        except untrusted.Refused as e:
+            raise DumpError(f"not a Flight Recorder dump torch wrote: {e}") from None
         fmt = "json"
     else:
         try:
@@ -175,6 +178,11 @@ def _parse(data: bytes, path: str, rank: int, written: float) -> RankDump:
         raise DumpError("not a Flight Recorder dump (no list of entries)")
     if len(doc["entries"]) > MAX_ENTRIES:
         raise DumpError(f"{len(doc['entries'])} entries: more than any Flight Recorder ring keeps ({MAX_ENTRIES})")
+    if fmt == "pickle":
+        try:  # its memo can name one object wherever it likes: count it where it is used
+            untrusted.check_size(doc, untrusted.object_limit(len(data)), "this pickle")
+        except untrusted.Refused as e:
+            raise DumpError(f"not a Flight Recorder dump torch wrote: {e}") from None
     entries = [e for e in doc["entries"] if isinstance(e, dict)]
     latest = max((latest_time(e) for e in entries), default=0.0)
     frames = any(e.get("frames") for e in entries)
@@ -212,16 +220,40 @@ def rank_of(name: str, prefix: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def read_file(path: str) -> tuple[bytes, float]:
+    """A dump file's bytes and modification time: a regular file that is not empty, read
+    without waiting (a FIFO, a device or ``/proc/kmsg`` behind a link is refused, never read),
+    at most :data:`MAX_DUMP_BYTES`."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DumpError("not a regular file")
+        if st.st_size == 0:
+            raise DumpError("not a pickle torch wrote: an empty file (as a file of /proc or /sys says it is)")
+        if st.st_size > MAX_DUMP_BYTES:
+            raise DumpError(f"{st.st_size} bytes: bigger than any Flight Recorder dump")
+        chunks = []
+        left = MAX_DUMP_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise DumpError(f"grew past {MAX_DUMP_BYTES} bytes while read")
+        return b"".join(chunks), st.st_mtime
+    finally:
+        os.close(fd)
+
+
 def _read(item: tuple[str, int]) -> RankDump | str:
     """One file, read and parsed: its dump, or why it is not one."""
     path, rank = item
     try:
-        st = os.stat(path)
-        if st.st_size > MAX_DUMP_BYTES:
-            raise DumpError(f"{st.st_size} bytes: bigger than any Flight Recorder dump")
-        with open(path, "rb") as f:
-            data = f.read()
-        return parse(data, path, rank, st.st_mtime)
+        data, written = read_file(path)
+        return parse(data, path, rank, written)
     except DumpError as e:
         return str(e)
     except OSError as e:
@@ -351,7 +383,7 @@ _ENTRY_KEYS = (
 
 
 def _text(value: Any) -> str:
-    return str(value)[:SEND_TEXT]
+    return untrusted.printable(str(value)[:SEND_TEXT], lines=False)
 
 
 def _entry_out(entry: dict[str, Any]) -> dict[str, Any]:
@@ -397,34 +429,52 @@ def compact(folder: Folder) -> dict[str, Any]:
     return {"ranks": ranks}
 
 
-#: An import's bytes: ``compact``'s JSON, zlib-compressed (paths and names repeat in every entry).
-MAX_IMPORT_BYTES = 256 << 20  # decompressed
+#: An import's bytes: ``compact``'s JSON, zlib-compressed (paths and names repeat in every entry),
+#: at most this much once inflated: a bigger folder is imported in parts (``--prefix``).
+MAX_IMPORT_BYTES = 64 << 20
 #: What one import may send: under the coordinator's 16 MiB limit on a message.
 MAX_SEND_BYTES = 15 << 20
+#: What parsing an import holds at its peak, per byte of its JSON (measured: about 5).
+IMPORT_PARSE_FACTOR = 8
 
 
-def pack(folder: Folder) -> bytes:
-    return zlib.compress(json.dumps(compact(folder)).encode(), 6)
+def pack(folder: Folder) -> tuple[bytes, int]:
+    """``compact``'s JSON, compressed, and its size before (both are bounded on receipt)."""
+    raw = json.dumps(compact(folder)).encode()
+    return zlib.compress(raw, 6), len(raw)
+
+
+def inflate(data: bytes) -> bytes:
+    """``pack``'s bytes inflated, at most :data:`MAX_IMPORT_BYTES` (a zip bomb is a
+    :class:`DumpError`, refused before it is inflated past that)."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data, MAX_IMPORT_BYTES)
+    except zlib.error as e:
+        raise DumpError(f"not an import of dumps ({e})") from None
+    if inflater.unconsumed_tail:
+        raise DumpError(f"an import of dumps bigger than {MAX_IMPORT_BYTES >> 20} MiB: import it in parts (--prefix)")
+    return raw
 
 
 def unpack(data: bytes) -> Folder:
-    """``pack``'s bytes back, bounded: a payload that inflates past :data:`MAX_IMPORT_BYTES`
-    (a zip bomb) or is not ``compact``'s JSON is a :class:`DumpError`."""
-    inflate = zlib.decompressobj()
+    """``pack``'s bytes back, bounded: a payload that inflates past :data:`MAX_IMPORT_BYTES`,
+    holds more objects than its size allows, or is not ``compact``'s JSON is a
+    :class:`DumpError`."""
+    return from_json(inflate(data))
+
+
+def from_json(raw: bytes) -> Folder:
+    """``compact``'s JSON as a :class:`Folder` (:func:`from_compact`), bounded as ``unpack`` says."""
     try:
-        raw = inflate.decompress(data, MAX_IMPORT_BYTES)
-    except zlib.error as e:
-        raise DumpError(f"not an import of dumps ({e})") from None
-    if inflate.unconsumed_tail:
-        raise DumpError(f"an import of dumps bigger than {MAX_IMPORT_BYTES >> 20} MiB")
-    try:
-        doc = json.loads(raw)
-        return from_compact(doc)
+        return from_compact(untrusted.loads_json(raw, "an import of dumps"))
     except DumpError:
         raise
+    except untrusted.Refused as e:
+        raise DumpError(str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise DumpError(f"not an import of dumps ({e})") from None
-    except Exception as e:  # nesting past the recursion limit, numbers past a float...
+    except Exception as e:  # numbers past a float...
         raise DumpError(f"not an import of dumps ({type(e).__name__})") from None
 
 

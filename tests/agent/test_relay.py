@@ -193,7 +193,7 @@ def test_a_dumps_import_through_the_relay_reaches_the_coordinator(
 
     c = coordinator_factory(token=TOKEN, embedded_agent=False)
     relay = relays(c.port)
-    empty = dumps.pack(dumps.Folder())
+    empty = dumps.pack(dumps.Folder())[0]
     with pytest.raises(CoordinatorUnreachable, match=r"via relay: .*no job 'nope'"):
         import_dumps(relay.addr, empty, token=TOKEN, job="nope")
     Transport(relay.addr, TOKEN).register(ident(0))

@@ -695,7 +695,10 @@ def test_a_rank_whose_reads_cost_more_than_the_budget_is_read_less_often_and_sta
     assert fetcher._watched[1].every >= 0.05 / READ_BUDGET - 1e-9
     assert "Flight Recorder read every 5.0 s, not every 1 s" in fetcher.note(1)
     assert "about 50 ms" in fetcher.note(1) and fetcher.note(2) == ""
-    assert fetcher.fetch_now(1) is not None  # a rank that is ending is read at once, whatever it costs
+    fetcher.ask_now(1)  # a rank that is ending is read at once, whatever it costs
+    wait_for(lambda: fetcher.asked(1)[0], 5, 0.01, "the last read")
+    assert fetcher.asked(1)[1] is not None
+    fetcher.stop()
 
 
 def test_a_rank_is_read_at_least_every_max_read_every_s_whatever_it_costs() -> None:
