@@ -6,6 +6,7 @@ Configuration: flags, then ``HANGWATCH_*`` environment variables, then defaults.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from hangwatch import __version__, config, gctune, tls
 from hangwatch.cli import render
 from hangwatch.cli.client import CoordinatorUnreachable, query
 from hangwatch.coordinator import budget
+from hangwatch.untrusted import printable
 
 
 def _env_default_float(name: str) -> float | None:
@@ -367,7 +369,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hangwatch: {exc}\n")
         return 2
     for path, why in sorted(folder.refused.items()):
-        sys.stderr.write(f"hangwatch: {path}: skipped: {why}\n")
+        sys.stderr.write(printable(f"hangwatch: {path}: skipped: {why}") + "\n")
     if not folder.dumps:
         prefix = f" starting with {args.prefix!r}" if args.prefix else ""
         sys.stderr.write(
@@ -402,9 +404,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(analysis.incidents_json())
         for note in analysis.notes:
-            sys.stderr.write(f"hangwatch: {note}\n")
+            sys.stderr.write(printable(f"hangwatch: {note}") + "\n")
         return 0
-    render.render_analysis(analysis, folder)
+    text = io.StringIO()
+    render.render_analysis(analysis, folder, text)
+    sys.stdout.write(printable(text.getvalue()))  # names and paths from files: no escape reaches the terminal
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import tracemalloc
 import uuid
 import zlib
 from collections.abc import Callable
@@ -166,3 +167,45 @@ def test_an_import_into_no_job_or_of_too_many_groups_is_refused(
     err = _raw(c, zlib.compress(json.dumps(many).encode()))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than 1024 process groups" in str(err.details())
     assert c.incidents_json() == []
+
+
+def test_an_import_bomb_is_refused_before_it_is_parsed(coordinator_factory: Callable[..., Coordinator]) -> None:
+    """64 KiB of zlib that inflate to tens of MiB of ``{},``: parsed, it made a dict every three
+    bytes and took the coordinator to 1.84 GB, never given back. It is refused on its size and
+    object count before any parse, and the coordinator goes on."""
+    c = coordinator_factory(embedded_agent=False)
+    Transport(f"127.0.0.1:{c.port}", None).register(_ident(0))
+    bomb = zlib.compress(b'{"ranks": {"0": {"entries": [' + b"{}," * (20 << 20) + b"{}]}}}", 9)
+    assert len(bomb) < 128 << 10
+    tracemalloc.start()
+    try:
+        err = _raw(c, bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "objects in" in str(err.details()), err.details()
+    assert peak < 256 << 20, peak  # the inflated bytes, and no parse of them
+    assert _import(c, _skipped())["added"]  # and a real import is still taken
+
+
+def test_imports_are_taken_one_at_a_time_and_within_the_memory_budget(
+    coordinator_factory: Callable[..., Coordinator],
+) -> None:
+    c = coordinator_factory(embedded_agent=False, memory_budget_mb=1)
+    Transport(f"127.0.0.1:{c.port}", None).register(_ident(0))
+    big = _skipped()
+    for dump in big.dumps.values():  # a folder whose parse takes more than the 1 MiB budget holds
+        dump.entries = [
+            {**e, "process_group": (str(g), ""), "call_site": "x" * 500} for e in dump.entries for g in range(64)
+        ]
+    payload, size = dumps.pack(big)
+    assert size * dumps.IMPORT_PARSE_FACTOR > 1 << 20
+    err = _raw(c, payload)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory budget" in str(err.details())
+    assert c.jobs.ledger.held < 1 << 20  # nothing of it stays charged
+    c2 = coordinator_factory(embedded_agent=False)
+    Transport(f"127.0.0.1:{c2.port}", None).register(_ident(0))
+    with c2._importing:  # another import under way
+        err = _raw(c2, dumps.pack(_skipped())[0])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "another import" in str(err.details())
+    assert _import(c2, _skipped())["added"]  # taken once that one is done

@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
+import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +171,67 @@ def test_an_entry_of_foreign_types_is_passed_over_and_the_rest_analysed(tmp_path
     folder = dumps.load(tmp_path)
     assert folder.refused == {} and len(folder.dumps[0].entries) == 2
     replay.analyze(folder)  # no exception
+
+
+def test_a_pickle_whose_memo_names_one_list_everywhere_is_refused_at_once(tmp_path: Path) -> None:
+    """A pickle's memo lets a few bytes name one object many times over: 100 x 100 x 100 sizes
+    from a pickle of under 2 KB. Every reader that visits the entries pays for the tree, not the
+    file (16 KB of such a pickle took 6 s); it is refused before anything visits it."""
+    leaf = [[4]] * 100
+    bomb = [[leaf] * 100] * 100
+    data = pickle.dumps(_dump([{**_entry(1), "input_sizes": bomb}]))
+    assert len(data) < 4096
+    (tmp_path / "nccl_trace_rank_1").write_bytes(data)
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump([_entry(1)])))
+    started = time.monotonic()
+    folder = dumps.load(tmp_path)
+    assert time.monotonic() - started < 2.0
+    assert sorted(folder.dumps) == [0] and "shared parts" in folder.refused[str(tmp_path / "nccl_trace_rank_1")]
+
+
+def test_json_of_more_objects_than_its_size_allows_is_refused_unparsed(tmp_path: Path) -> None:
+    """16 MiB of ``{}`` made 5.6 million dicts (100 MiB of them took analyze to 2.6 GB)."""
+    (tmp_path / "nccl_trace_rank_1").write_bytes(b'{"entries": [' + b"{}," * ((16 << 20) // 3) + b"{}]}")
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump([_entry(1)])))
+    tracemalloc.start()
+    try:
+        folder = dumps.load(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sorted(folder.dumps) == [0] and "objects in" in folder.refused[str(tmp_path / "nccl_trace_rank_1")]
+    assert peak < 64 << 20, peak
+
+
+def test_a_folder_s_links_to_what_never_ends_are_refused_without_waiting(tmp_path: Path) -> None:
+    """A dump that is a link to ``/proc/kmsg`` (reads block until the kernel logs), or a FIFO
+    (its open blocks until a writer comes): ``analyze`` hung on them."""
+    os.symlink("/proc/kmsg", tmp_path / "nccl_trace_rank_1")
+    os.mkfifo(tmp_path / "nccl_trace_rank_2")
+    os.symlink("/dev/zero", tmp_path / "nccl_trace_rank_3")
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(_dump([_entry(1)])))
+    started = time.monotonic()
+    folder = dumps.load(tmp_path)
+    assert time.monotonic() - started < 2.0
+    assert sorted(folder.dumps) == [0]  # the FIFO and the device are not files: passed over
+    why = folder.refused[str(tmp_path / "nccl_trace_rank_1")]
+    assert "empty file" in why or "unreadable" in why, why  # /proc says it is empty: never read
+
+
+def test_analyze_prints_no_control_character_from_a_dump(tmp_path: Path) -> None:
+    """Names in a dump reach the terminal in ``analyze``'s report: an escape sequence there could
+    move the cursor or rewrite a line (the live CLI replaces them at ingest)."""
+    evil = {**_entry(1), "profiling_name": "gloo:all_reduce\x1b[2J\x07", "process_group": ("0", "pg\x1b[31m")}
+    for rank in (0, 1):
+        entries = [_entry(1), {**evil, "collective_seq_id": 2, "retired": False}] if rank == 0 else [_entry(1)]
+        (tmp_path / f"nccl_trace_rank_{rank}").write_bytes(pickle.dumps(_dump(entries)))
+    (tmp_path / "nccl_trace_rank_\x1b[1m7").write_bytes(b"junk")
+    done = subprocess.run(
+        [sys.executable, "-m", "hangwatch.cli.main", "analyze", str(tmp_path), "--stuck-after", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "all_reduce" in done.stdout and "\ufffd" in done.stdout + done.stderr
+    assert not any(c in done.stdout + done.stderr for c in "\x1b\x07\r"), (done.stdout, done.stderr)
