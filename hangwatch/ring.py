@@ -175,6 +175,9 @@ class Batch:
 #: whose header says more is refused, so no header makes a reader map or scan without bound.
 MAX_CAPACITY = 1 << 20
 MAX_BLOB_BYTES = 64 << 20
+#: The highest stamp a writer can reach (2^48 slots: a year at ten million a second); a slot
+#: stamped higher is no writer's and is never taken, nor counted as a lap.
+MAX_POSITION = 1 << 48
 #: Seals a ring's memfd carries from its creation: it can never shrink under a reader's mapping
 #: (an ``ftruncate`` would make the reader's next access a SIGBUS) or grow.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -387,7 +390,8 @@ class RingReader:
         with memoryview(self.mm) as view:
             for at in range(HEADER_SIZE, end, _CHUNK * SLOT_SIZE):
                 chunk = view[at : min(end, at + _CHUNK * SLOT_SIZE)]
-                newest = max(newest, max((rec[0] for rec in SLOT.iter_unpack(chunk) if rec[0] == rec[10]), default=0))
+                stamps = (rec[0] for rec in SLOT.iter_unpack(chunk) if rec[0] == rec[10] <= MAX_POSITION)
+                newest = max(newest, max(stamps, default=0))
                 chunk.release()
         return newest
 
@@ -415,7 +419,7 @@ class RingReader:
                     break
             if stopped is None:
                 continue
-            if stopped[0] == stopped[10] and stopped[0] > p + 1:
+            if stopped[0] == stopped[10] and p + 1 < stopped[0] <= MAX_POSITION:
                 # lapped: go to the oldest slot still there (if it is being overwritten right
                 # now its stamps differ, and the next poll skips again)
                 skip_to = max(p + 1, self.head() - self.capacity)
@@ -443,7 +447,7 @@ class RingReader:
             data = data + got if data else got
             if stopped is None:
                 break  # the budget is spent
-            if stopped[0] == stopped[1] and stopped[0] > p + 1:
+            if stopped[0] == stopped[1] and p + 1 < stopped[0] <= MAX_POSITION:
                 skip_to = max(p + 1, self.head() - self.capacity)  # lapped, as ``poll`` says
                 lost += skip_to - p
                 p = skip_to
@@ -466,7 +470,7 @@ class RingReader:
         slots may be published out of order): for when to read, not for what was written."""
         lo = max(since, self.position)
         if not self._published(lo):
-            return -1 if self._u64(HEADER_SIZE + (lo % self.capacity) * SLOT_SIZE) > lo + 1 else lo
+            return -1 if lo + 1 < self._u64(HEADER_SIZE + (lo % self.capacity) * SLOT_SIZE) <= MAX_POSITION else lo
         hi = lo + self.capacity  # the same slot as ``lo``'s: not published at ``hi``
         while hi - lo > 1:
             mid = (lo + hi) // 2

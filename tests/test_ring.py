@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hangwatch import ring as ring_module
-from hangwatch.ring import HEADER_SIZE, SLOT_SIZE, STATUS_MAX, Kind, RingError, RingReader, RingWriter
+from hangwatch.ring import HEADER_SIZE, SLOT, SLOT_SIZE, STATUS_MAX, Kind, RingError, RingReader, RingWriter
 
 
 def _write_n(w: RingWriter, first: int, n: int) -> None:
@@ -318,4 +318,23 @@ def test_the_scan_in_c_reads_what_the_python_loop_reads(
             written += 1
     native.close()
     python.close()
+    w.close()
+
+
+@pytest.mark.parametrize("stamp", [2**64 - 2, ring_module.MAX_POSITION + 1])
+def test_a_stamp_no_writer_can_reach_is_neither_taken_nor_a_lap(stamp: int) -> None:
+    """A linked process stamped a slot 2^64 - 2 where its reader stood: read as a lap, the
+    reader jumped there, and every batch after it overflowed the wire (the agent registered the
+    rank again 20 times a second). Such a slot stops its own ring's reader, and nothing else."""
+    w = RingWriter(capacity=8, blob_bytes=64)
+    _write_n(w, 0, 3)
+    reader = RingReader(w.fd)
+    assert len(reader.poll().slots) == 3
+    SLOT.pack_into(w.mm, HEADER_SIZE + 3 * SLOT_SIZE, stamp, Kind.STEP, 0, 0, 0, 0, 0, 5, 0, 1.0, stamp)
+    for native in (True, False):
+        reader.native = native
+        batch = reader.poll()
+        assert (list(batch.slots), batch.lost, reader.position, reader.lost) == ([], 0, 3, 0)
+    assert reader.head() == 3 and reader.peek() == 3
+    reader.close()
     w.close()

@@ -103,3 +103,19 @@ def test_without_the_monotonic_clock_a_small_step_is_what_it_was() -> None:
     ranks = [Rank(sim, 0, mono=False), Rank(sim, 1, mono=False)]
     _run(sim, ranks, 20, step_at=T0 + 10.0, step=-3600.0)
     assert sim.states[1].clock_steps == 1
+
+
+def test_without_the_monotonic_clock_a_step_back_of_20_s_raises_no_false_hang() -> None:
+    """A client that sends no ``mono_time`` (an older hook, or one that omits it): a step back
+    under ``CLOCK_STEP_S`` made every later call of the rank look 20 s older, a burst of false
+    hangs. A few batches in a row that late move its offset, later: a judgement can only wait."""
+    sim = SimJob(2)
+    ranks = [Rank(sim, 0, mono=False), Rank(sim, 1, mono=False)]
+    assert _run(sim, ranks, 60, step_at=T0 + 10.0, step=-20.0) == []
+    assert sim.states[1].clock_steps == 1
+
+
+def test_without_the_monotonic_clock_a_real_hang_after_a_step_back_is_found() -> None:
+    sim = SimJob(2)
+    ranks = [Rank(sim, 0, mono=False), Rank(sim, 1, mono=False)]
+    assert _run(sim, ranks, 40, step_at=T0 + 10.0, step=-20.0, stop_rank_1_at=T0 + 25.0) == ["stuck_collective"]

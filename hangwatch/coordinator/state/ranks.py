@@ -18,6 +18,12 @@ CLOCK_STEP_S = 30.0  # a sample this far from the estimate means the rank's cloc
 #: and a sender descheduled between its two clock reads moves it by that gap (well under this on
 #: a loaded host); a smaller step is harmless to thresholds of seconds.
 CLOCK_JUMP_S = 1.0
+#: Without ``mono_time``, this many batches in a row whose samples are ``CLOCK_BACK_S`` above the
+#: estimate mean the rank's clock went back (or its batches are that late to arrive): its times
+#: are mapped later from then on, which only delays a judgement; mapped too early, every later
+#: call of the rank would look that much older.
+CLOCK_BACK_BATCHES = 3
+CLOCK_BACK_S = 2.0
 
 
 #: gloo's monitored_barrier: seqs it takes on every rank but the group's rank 0 (a send, a recv)
@@ -52,6 +58,7 @@ class RankState:
     clock_offset: float = 0.0  # coordinator time minus rank time (see observe_clock)
     wall_skew: float | None = None  # the rank's wall minus monotonic clock at its latest batch
     clock_steps: int = 0  # steps of the rank's wall clock seen
+    late_samples: int = 0  # batches in a row sampled ``CLOCK_BACK_S`` above the estimate (no mono_time)
     offset_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
     step: int = 0
     step_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=64))
@@ -130,7 +137,8 @@ class RankState:
         A step of the rank's wall clock is seen exactly where the batch carries the sender's
         monotonic clock (``mono_time``): ``sent_time - mono_time`` moves by the step, and the
         estimate starts afresh. Without it, only a sample ``CLOCK_STEP_S`` from the estimate is
-        taken for a step. Returns the offset to map this batch's events with: the larger of the
+        taken for a step, or ``CLOCK_BACK_BATCHES`` in a row ``CLOCK_BACK_S`` above it for a step
+        back. Returns the offset to map this batch's events with: the larger of the
         old and new estimates across a step, since its events may have been stamped on either
         side of it, and a time mapped too late only delays a judgement where one mapped too
         early makes a wait look longer than it is."""
@@ -142,6 +150,18 @@ class RankState:
             if self.wall_skew is not None and abs(skew - self.wall_skew) > CLOCK_JUMP_S:
                 stepped = bool(self.offset_samples)
             self.wall_skew = skew
+        elif self.offset_samples and sample > before + CLOCK_BACK_S and not stepped:
+            # its clock went back, or the batch is late: mapped by its own sample, the latest
+            # its events can have happened, until enough such batches say which
+            self.late_samples += 1
+            if self.late_samples < CLOCK_BACK_BATCHES:
+                self.offset_samples.append(sample)
+                return sample
+            stepped = True
+        else:
+            self.late_samples = 0
+        if stepped:
+            self.late_samples = 0
         if stepped:
             self.offset_samples.clear()  # the rank's clock was stepped (or set): start afresh
             self.clock_steps += 1
