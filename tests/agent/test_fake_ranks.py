@@ -214,6 +214,7 @@ def test_a_claim_and_a_link_of_one_session_prove_the_linked_process_not_the_clai
         assert wait_for(rank0, 15, 0.1, "job B's rank 0 proven").pid == attacker.pid
         inc = wait_for(lambda: next((i for i in c.incidents_json() if i["job"] == "b"), None), 15, 0.1, "job B's hang")
         assert inc["culprit_ranks"] == [0]
+
         def outcome() -> dict[str, Any] | None:
             told = (c.incident_json(inc["id"]) or {})["details"].get("abort")
             # rank 1's refusal is written first; rank 0's outcome comes from the agent after
