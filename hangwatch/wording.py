@@ -258,3 +258,81 @@ def in_step(step: int, text: str = " in step {}") -> str:
     """``text`` with the step in it, or nothing where the step is unknown (negative: records made
     from Flight Recorder dumps, which keep no training step)."""
     return text.format(step) if step >= 0 else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Stories of the model (``hangwatch.model``): where a rank's trace parted from the others'
+
+
+def call_at(c: CallRecord) -> str:
+    """``all_reduce at train.py:9 in step`` / ``all_gather issued from C++ (gloo:all_gather)``."""
+    op = catalogue.canonical_op(c.op)
+    if not c.call_site:
+        return op
+    return f"{op} {c.call_site}" if c.call_site.startswith("issued from") else f"{op} at {c.call_site}"
+
+
+def _step(step: int, more: str = "") -> str:
+    parts = [f"step {step}"] if step > 0 else []
+    parts += [more] if more else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def never_called(culprits: Sequence[int], theirs: CallRecord, others: Sequence[int], mine: CallRecord) -> str:
+    """Ranks at one place of the program in another call than the others', nothing yet showing
+    which of the two calls is the program's own: only what is seen."""
+    site = f" ({theirs.call_site})" if theirs.call_site else ""
+    return (
+        f"{ranks_label(culprits)} never called {catalogue.canonical_op(theirs.op)}{site}, which {ranks_label(others)} "
+        f"{'is' if len(set(others)) == 1 else 'are'} in (group {theirs.group}, seq {theirs.seq}); "
+        f"{'it is' if len(set(culprits)) == 1 else 'they are'} in {call_at(mine)}"
+    )
+
+
+def skipped_went_on(culprit: int, skipped: CallRecord, step: int, went_on: CallRecord, seq: int) -> str:
+    """A rank that skipped a call and went on to the next, which met the others' skipped one."""
+    return (
+        f"rank {culprit} skipped {call_at(skipped)}{_step(step)} and went on to its next call, "
+        f"{call_at(went_on)}, which met it (group {skipped.group}, seq {seq})"
+    )
+
+
+def skipped_ran_out(
+    culprit: int, skipped: CallRecord, step: int, forward: int, others: Sequence[int], behind: int
+) -> str:
+    """A rank that skipped a call, carried on with its calls meeting the others' next ones, and
+    ran out of calls before them. A call DDP's backward issues (from C++) skipped after a
+    forward pass is told as that forward pass without its backward."""
+    who = ranks_label(others)
+    count = "one" if behind <= 1 else str(behind)
+    op = catalogue.canonical_op(skipped.op)
+    if forward and skipped.source != "python":
+        return (
+            f"rank {culprit} ran forward pass {forward}{_step(step)} without its backward and carried on: it never "
+            f"made that step's gradient {call_at(skipped)}, so from there on each of its {op}s met {who}'s next one "
+            f"and it ran out of them {count} before {who}"
+        )
+    return (
+        f"rank {culprit} skipped {call_at(skipped)}{in_step(step)} (seq {skipped.seq}) and carried on: from there on "
+        f"each of its calls met {who}'s next one, so it ran out of them {count} before {who}"
+    )
+
+
+def fewer_calls(culprit: int, call: CallRecord, others: Sequence[int], behind: int) -> str:
+    """A rank one call short where every round looks alike: a skip and an early end read the same."""
+    count = "one" if behind <= 1 else str(behind)
+    return (
+        f"rank {culprit} made {count} {catalogue.canonical_op(call.op)} fewer than {ranks_label(others)} "
+        f"({call_at(call)}): it skipped {'one' if behind <= 1 else 'some'}, or left its loop early; where, its calls "
+        f"cannot tell (every round makes the same ones)"
+    )
+
+
+def extra_call(culprit: int, extra: CallRecord, step: int, others: Sequence[int], behind: int) -> str:
+    """A rank that made a call the others did not, its later calls lining up after it."""
+    who = ranks_label(others)
+    count = "one" if behind <= 1 else str(behind)
+    return (
+        f"rank {culprit} made an extra {call_at(extra)}{_step(step, f'seq {extra.seq}')}; every later call "
+        f"on rank {culprit} met {who}'s call before, so {who} ran out of calls {count} before it"
+    )

@@ -21,7 +21,16 @@ from hangwatch import config
 from hangwatch import records as r
 from hangwatch.agent.stacks import summarize
 from hangwatch.coordinator.detectors import Context, Detector, DetectorCache, all_detectors, new_cache
-from hangwatch.coordinator.incidents import Finding, Incident, IncidentKind, KeyFamily, key_family, run_of, scoped
+from hangwatch.coordinator.incidents import (
+    WARNING_KINDS,
+    Finding,
+    Incident,
+    IncidentKind,
+    KeyFamily,
+    key_family,
+    run_of,
+    scoped,
+)
 from hangwatch.coordinator.jobs import Jobs
 from hangwatch.coordinator.state import JobState
 
@@ -33,7 +42,7 @@ MAX_INCIDENTS_IN_MEMORY = 10_000
 #: Hang kinds keyed by a slot, closed once every waiting rank has left that slot.
 SLOT_KINDS = (IncidentKind.STUCK_COLLECTIVE, IncidentKind.EARLY_EXIT, IncidentKind.TRANSPORT_STALL)
 #: Incidents whose ranks' later deaths are their aftermath (torch's watchdog aborts hung ranks).
-HANG_FAMILIES = (KeyFamily.STUCK.value, KeyFamily.EARLY.value, KeyFamily.STALL.value)
+HANG_FAMILIES = (KeyFamily.STUCK.value, KeyFamily.EARLY.value, KeyFamily.STALL.value, KeyFamily.EARLY_END.value)
 
 #: Why a rank that registered itself over the network is never dumped or signalled: only a node
 #: agent's registration (from the rank's own link, ``SO_PEERCRED``) ties a pid to a rank of a job.
@@ -214,10 +223,20 @@ class Engine:
                 incident.summary != summary
                 or incident.waiting_ranks != sorted(finding.waiting_ranks)
                 or incident.culprit_ranks != sorted(finding.culprit_ranks)
+                or incident.kind != finding.kind
             ):
+                # the story told again as more evidence came: a new kind or culprit is a revision
+                # the webhook posts; a clause more (seconds waited) is not
+                revised = incident.kind != finding.kind or incident.culprit_ranks != sorted(finding.culprit_ranks)
                 incident.summary = summary
                 incident.culprit_ranks = sorted(finding.culprit_ranks)
                 incident.waiting_ranks = sorted(finding.waiting_ranks)
+                if revised:
+                    incident.kind, incident.hint = finding.kind, finding.hint or incident.hint
+                    incident.severity = "warning" if finding.kind in WARNING_KINDS else "error"
+                    incident.details["revised"] = int(str(incident.details.get("revised", 0))) + 1
+                    if incident not in self._updated:
+                        self._updated.append(incident)
                 incident.details.update(finding.details)
                 self.persist(incident)
             return incident, False

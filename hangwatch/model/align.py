@@ -73,13 +73,33 @@ def same(a: r.CallRecord, b: r.CallRecord) -> bool:
     return (not a.call_site or not b.call_site or a.call_site == b.call_site) and alike(a, b)
 
 
-def trace(calls: Iterable[r.CallRecord], forwards: Iterable[Forward] = ()) -> list[Mark]:
-    """A rank's calls in the order it made them, each DDP forward pass before the first call it
-    was followed by on its group (at the end where none is yet)."""
-    ordered = sorted(calls, key=lambda c: c.call_id)
+def in_order(calls: Iterable[r.CallRecord]) -> list[r.CallRecord]:
+    """A rank's calls in the order it made them: the hook's by call id; a record made from a
+    Flight Recorder entry (numbered apart) where it began among them. (Times alone would not do:
+    each batch's are mapped by its own clock offset.)"""
+    hooks = sorted((c for c in calls if c.source == "python"), key=lambda c: c.call_id)
+    entries = sorted((c for c in calls if c.source != "python"), key=lambda c: c.enter_time)
+    if not entries:
+        return hooks
+    out: list[r.CallRecord] = []
+    k = 0
+    for c in hooks:
+        while k < len(entries) and entries[k].enter_time < c.enter_time:
+            out.append(entries[k])
+            k += 1
+        out.append(c)
+    out.extend(entries[k:])
+    return out
+
+
+def trace(calls: Iterable[r.CallRecord], forwards: Iterable[Forward] = (), ordered: bool = False) -> list[Mark]:
+    """A rank's calls in the order it made them (:func:`in_order`; ``ordered``: they are), each
+    DDP forward pass before the first call it was followed by on its group (at the end where
+    none is yet)."""
+    ordered_calls = list(calls) if ordered else in_order(calls)
     marks: list[Mark] = []
     pending = sorted(forwards)
-    for c in ordered:
+    for c in ordered_calls:
         while pending and pending[0][1] == c.group and c.seq > pending[0][2]:
             count, _, _, step = pending.pop(0)
             marks.append(Mark(None, count, step))
@@ -114,6 +134,9 @@ class Edit:
     went_on: r.CallRecord | None = None
     behind: int = 0  # calls the reference made past the culprit's end
     ahead: int = 0  # calls the culprit made past the reference's end
+    #: the training step of the edit's call: its own, or where it came from Flight Recorder
+    #: (whose records take the step the rank was at when they were read) the forward pass's before it
+    step: int = -1
 
 
 #: Costs (see the module docstring).
@@ -121,8 +144,18 @@ OTHER_LINE = 0.3
 SUBSTITUTE = 1.0
 INDEL_CALL = 1.0
 INDEL_FORWARD = 1.5
-#: Elements of each trace aligned at most (the newest): a few rounds of a training loop.
-WINDOW = 192
+#: Two forward passes of other counts (the culprit's 8th against the reference's 7th) match at
+#: this cost each: a rank that skipped a backward keeps its forwards in step with the others'
+#: (the n-th of every rank), so lining its later calls up one forward off costs at every one.
+OTHER_FORWARD = 0.2
+#: A call of the culprit's only, from a line its loop makes calls from, costs this more: one call
+#: more of a round is as well one call fewer of another (L L G against L G: the G skipped, or
+#: the L made twice), and a rank skips a call of its loop (a NaN's ``continue``) far more often
+#: than it makes one twice; an extra call is one of a line of its own.
+EXTRA_AGAIN = 0.1
+#: Elements of each trace aligned at most, from where both start (the job state keeps 64 calls a
+#: group: a trace over many groups is long, and its cost grows with it times ``BAND``).
+WINDOW = 2048
 
 _MATCH, _SUB, _DEL, _INS = "match", "sub", "del", "ins"  # del: the reference's only; ins: the culprit's only
 
@@ -137,49 +170,97 @@ def _recurring(marks: Sequence[Mark]) -> set[str]:
     return again
 
 
-def _sub(a: Mark, b: Mark, lines: tuple[set[str], set[str]]) -> float:
-    if a.call is None or b.call is None:
-        return 0.0 if a.call is None and b.call is None else float("inf")
-    if not alike(a.call, b.call):
-        return SUBSTITUTE
-    if same(a.call, b.call):
-        return 0.0
-    # alike from other lines: a branch of the loop issuing it from two lines, where each line
-    # comes back in its trace; a line made once is a call of its own
-    return OTHER_LINE if a.call.call_site in lines[0] and b.call.call_site in lines[1] else SUBSTITUTE
+#: A trace element as the alignment compares it: None for a forward pass, else (its fingerprint's
+#: index among the distinct ones, its line, whether it may stand for an alike call of another
+#: line: a branch of the loop, each side's line coming back in its own trace and never in the
+#: other's).
+_Key = tuple[int, str, bool] | None
 
 
-def _indel(m: Mark) -> float:
-    return INDEL_FORWARD if m.call is None else INDEL_CALL
+def _keys(marks: Sequence[Mark], other: Sequence[Mark], prints: dict[tuple[Hashable, ...], int]) -> list[_Key]:
+    again = _recurring(marks)
+    theirs = {mk.call.call_site for mk in other if mk.call is not None}
+    out: list[_Key] = []
+    for mk in marks:
+        c = mk.call
+        if c is None:
+            out.append(None)
+        else:
+            fp = fingerprint(c)
+            site = c.call_site
+            out.append((prints.setdefault(fp, len(prints)), site, site in again and site not in theirs))
+    return out
+
+
+#: How far from the diagonal the alignment looks: edits more than this many calls apart in the
+#: two traces are not one story.
+BAND = 8
 
 
 def _path(mine: Sequence[Mark], theirs: Sequence[Mark]) -> tuple[list[tuple[str, int, int]], int, int]:
     """The cheapest alignment (both starts fixed, both ends free): the operations in order, and
     where each trace's aligned part ends (what follows is past the other's end)."""
     n, m = len(mine), len(theirs)
-    lines = (_recurring(mine), _recurring(theirs))
+    prints: dict[tuple[Hashable, ...], int] = {}
+    km, kt = _keys(mine, theirs, prints), _keys(theirs, mine, prints)
+    by_index = {index: fp for fp, index in prints.items()}
+    alike_ids: dict[tuple[int, int], bool] = {}
+    subs: dict[tuple[_Key, _Key], float] = {}
+
+    def sub(a: _Key, b: _Key) -> float:
+        cost = subs.get((a, b))
+        if cost is not None:
+            return cost
+        if a is None or b is None:
+            cost = 0.0 if a is None and b is None else inf  # forward passes: see ``_marks``
+        else:
+            pair = (a[0], b[0])
+            ok = alike_ids.get(pair)
+            if ok is None:
+                fa, fb = by_index[a[0]], by_index[b[0]]
+                ok = alike_ids[pair] = len(fa) == len(fb) and all(
+                    x is None or y is None or x == y for x, y in zip(fa, fb, strict=True)
+                )
+            if not ok:
+                cost = SUBSTITUTE
+            elif not a[1] or not b[1] or a[1] == b[1]:
+                cost = 0.0
+            else:  # alike from other lines: a branch of the loop, where each line comes back in its trace
+                cost = OTHER_LINE if a[2] and b[2] else SUBSTITUTE
+        subs[(a, b)] = cost
+        return cost
+
     inf = float("inf")
     cost = [[inf] * (m + 1) for _ in range(n + 1)]
     back: list[list[str]] = [[""] * (m + 1) for _ in range(n + 1)]
     cost[0][0] = 0.0
+    again = _recurring(mine)
+    ins_cost = [
+        INDEL_FORWARD if mk.call is None else INDEL_CALL + (EXTRA_AGAIN if mk.call.call_site in again else 0.0)
+        for mk in mine
+    ]
+    del_cost = [INDEL_FORWARD if k is None else INDEL_CALL for k in kt]
     for i in range(n + 1):
-        row, up = cost[i], cost[i - 1] if i else None
-        for j in range(m + 1):
+        row, brow = cost[i], back[i]
+        up = cost[i - 1] if i else row
+        for j in range(max(0, i - BAND), min(m, i + BAND) + 1):
             if i == 0 and j == 0:
                 continue
             best, how = inf, ""
             if i and j:  # diagonal first: of equal costs, a match or a substitution
-                s = _sub(mine[i - 1], theirs[j - 1], lines)
-                best, how = up[j - 1] + s, (_MATCH if s < SUBSTITUTE else _SUB)  # type: ignore[index]
+                s = sub(km[i - 1], kt[j - 1])
+                if s == 0.0 and km[i - 1] is None and mine[i - 1].forward != theirs[j - 1].forward:
+                    s = OTHER_FORWARD  # forward passes of other counts: one rank ran one more
+                best, how = up[j - 1] + s, (_MATCH if s < SUBSTITUTE else _SUB)
             if j:
-                c = row[j - 1] + _indel(theirs[j - 1])
+                c = row[j - 1] + del_cost[j - 1]
                 if c < best:
                     best, how = c, _DEL
             if i:
-                c = up[j] + _indel(mine[i - 1])  # type: ignore[index]
+                c = up[j] + ins_cost[i - 1]
                 if c < best:
                     best, how = c, _INS
-            row[j], back[i][j] = best, how
+            row[j], brow[j] = best, how
     # free ends: the cheapest cell of the last row or column; of equal costs, the one that aligns
     # the most (the traces start at a place known to agree: an edit is put as late as it can be)
     ends = [(cost[n][j], -(n + j), n, j) for j in range(m + 1)] + [(cost[i][m], -(i + m), i, m) for i in range(n + 1)]
@@ -214,15 +295,19 @@ def align(mine: Sequence[Mark], theirs: Sequence[Mark]) -> Edit:
         later = sum(1 for h, a, _ in ops[k + 1 :] if h == _MATCH and mine[a].call is not None)
         forward = _forward_before(theirs, j)
         if how == _DEL:
+            went_on = _next_call(mine, i)
             return Edit(
                 EditKind.SKIPPED,
                 theirs=theirs[j].call,
                 forward=forward,
                 pinned=_pinned(theirs, j),
-                confirmed=later > 0,
-                went_on=_next_call(mine, i),
+                # its later calls are the reference's, or (none yet) the program's earlier rounds
+                # make its next call right after the one it lacks
+                confirmed=later > 0 or (went_on is not None and _follows(theirs, j, went_on)),
+                went_on=went_on,
                 behind=behind,
                 ahead=ahead,
+                step=_step_of(theirs, j, theirs[j].call),
             )
         if how == _INS:
             return Edit(
@@ -233,6 +318,7 @@ def align(mine: Sequence[Mark], theirs: Sequence[Mark]) -> Edit:
                 confirmed=later > 0,
                 behind=behind,
                 ahead=ahead,
+                step=_step_of(mine, i, mine[i].call),
             )
         mine_call, theirs_call = mine[i].call, theirs[j].call
         assert mine_call is not None and theirs_call is not None
@@ -250,19 +336,44 @@ def align(mine: Sequence[Mark], theirs: Sequence[Mark]) -> Edit:
                 went_on=mine_call,
                 behind=behind,
                 ahead=ahead,
+                step=_step_of(theirs, j, theirs_call),
             )
-        return Edit(EditKind.DIFFERENT, mine=mine_call, theirs=theirs_call, forward=forward, behind=behind, ahead=ahead)
+        step = _step_of(theirs, j, theirs_call)
+        return Edit(
+            EditKind.DIFFERENT,
+            mine=mine_call,
+            theirs=theirs_call,
+            forward=forward,
+            behind=behind,
+            ahead=ahead,
+            step=step,
+        )
     if behind:
         nxt = next(mk.call for mk in theirs[theirs_end:] if mk.call is not None)
-        return Edit(EditKind.SHORT, theirs=nxt, forward=_forward_before(theirs, theirs_end), behind=behind)
+        step = _step_of(theirs, theirs_end, nxt)
+        return Edit(EditKind.SHORT, theirs=nxt, forward=_forward_before(theirs, theirs_end), behind=behind, step=step)
     return Edit(EditKind.SAME, ahead=ahead)
 
 
 def _forward_before(marks: Sequence[Mark], j: int) -> int:
+    mark = _marker_before(marks, j)
+    return 0 if mark is None else mark.forward
+
+
+def _marker_before(marks: Sequence[Mark], j: int) -> Mark | None:
     for mk in reversed(marks[:j]):
         if mk.call is None:
-            return mk.forward
-    return 0
+            return mk
+    return None
+
+
+def _step_of(marks: Sequence[Mark], j: int, call: r.CallRecord | None) -> int:
+    if call is None:
+        return -1
+    if call.source == "python":
+        return call.step
+    mark = _marker_before(marks, j)
+    return mark.step if mark is not None else -1
 
 
 def _next_call(marks: Sequence[Mark], i: int) -> r.CallRecord | None:
@@ -287,3 +398,21 @@ def _follows(marks: Sequence[Mark], j: int, call: r.CallRecord) -> bool:
     assert skipped is not None
     calls = [mk.call for mk in marks[:j] if mk.call is not None]
     return any(same(a, skipped) and same(b, call) for a, b in itertools.pairwise(calls))
+
+
+def precedented(marks: Sequence[Mark], call: r.CallRecord, context: int = 2) -> bool:
+    """Whether ``call`` follows the ``context`` calls before it in ``marks`` the way some earlier
+    place of the trace did: the program's own rounds have made this call after those. True where
+    the trace holds too little to tell (no earlier place with that context)."""
+    calls = [mk.call for mk in marks if mk.call is not None]
+    at = next((k for k, c in enumerate(calls) if c.call_id == call.call_id), -1)
+    if at < context:
+        return True
+    before = calls[at - context : at]
+    seen = False
+    for k in range(context, at):
+        if all(same(a, b) for a, b in zip(calls[k - context : k], before, strict=True)):
+            seen = True
+            if same(calls[k], call):
+                return True
+    return not seen

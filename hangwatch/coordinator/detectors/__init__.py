@@ -31,6 +31,7 @@ from hangwatch.coordinator.state import Changes, JobState
 if TYPE_CHECKING:
     from hangwatch.coordinator.detectors.mismatch import MismatchCache
     from hangwatch.coordinator.detectors.p2p import P2PCache
+    from hangwatch.coordinator.explain import Stories
 
 #: A slot: (group, seq).
 SlotId = tuple[str, int]
@@ -42,13 +43,15 @@ class DetectorCache:
 
     mismatch: MismatchCache
     p2p: P2PCache
+    stories: Stories
 
 
 def new_cache() -> DetectorCache:
     from hangwatch.coordinator.detectors.mismatch import MismatchCache
     from hangwatch.coordinator.detectors.p2p import P2PCache
+    from hangwatch.coordinator.explain import Stories
 
-    return DetectorCache(MismatchCache(), P2PCache())
+    return DetectorCache(MismatchCache(), P2PCache(), Stories())
 
 
 @dataclass

@@ -17,9 +17,8 @@ import signal
 
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context, SlotId
-from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT, SKIPPED_HINT
+from hangwatch.coordinator.detectors.stuck import EARLY_EXIT_HINT, EXTRA_HINT, SKIPPED_HINT
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.rules import explain_skipped_backward
 from hangwatch.coordinator.state import JobState, RankState
 from hangwatch.wording import describe_call, format_ranks, gpu_faults
 
@@ -266,7 +265,14 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     running = [st for st in job.ranks.values() if _end_time(st) is None]
     clean = first.end is not None and first.end.kind in CLEAN
     if clean:
-        return _early_exit(job, ctx, first, first_time, ended)
+        # the ranks that left cleanly, in turn: one whose group-mates went on without it (a
+        # rank that finished its program first, its work done, may not be the one they wait for)
+        for t, st in ended:
+            if st.end is not None and st.end.kind in CLEAN:
+                findings = _early_exit(job, ctx, st, t, ended)
+                if findings:
+                    return findings
+        return []
     if ctx.now - first_time < SETTLE_S:
         return []  # undecided yet: a stop's other ends, a mismatch's records, are on their way
     cause = _cause(first)
@@ -416,12 +422,7 @@ def _early_exit(
     assert end is not None
     where = f" at {end.call_site}" if end.call_site else ""
     action = "called destroy_process_group()" if end.kind is r.EndKind.DESTROYED else "exited"
-    skip = explain_skipped_backward(
-        {rk: list(ranked.forwards) for rk in [first.rank, *waiting] if (ranked := job.ranks.get(rk))},
-        first.rank,
-        sorted(waiting),
-        group,
-    )
+    why = ctx.cache.stories.absent(job, group, first.rank, sorted(waiting), len(job.members(group)))
     waiters = format_ranks(sorted(waiting))
     details: dict[str, object] = {"exit": {"kind": end.kind.value, "call_site": end.call_site, "step": first.step}}
     kind, hint, step = IncidentKind.EARLY_EXIT, EARLY_EXIT_HINT, first.step
@@ -430,21 +431,24 @@ def _early_exit(
         f"rank{'s' if len(waiting) > 1 else ''} {waiters} entered {op} "
         f"(group {group}, seq {seq}) of the next step and never got an answer"
     )
-    if skip is not None:  # it did not leave the loop: it skipped a backward and ran out of calls
-        text, skipped = skip
-        kind, hint, step = IncidentKind.STUCK_COLLECTIVE, SKIPPED_HINT, skipped["step"]
-        details["skipped"] = {"rank": first.rank, "op": "all_reduce", "group": group, **skipped}
+    culprits, others = [first.rank], sorted(waiting)
+    if why is not None:  # it did not leave the loop: it skipped a call and ran out, or they made one more
+        kind, hint = IncidentKind.STUCK_COLLECTIVE, SKIPPED_HINT if why.skipped else EXTRA_HINT
+        step = int(str(why.facts.get("step", step)))
+        details["skipped" if why.skipped else "edit"] = why.facts
+        if not why.skipped:
+            culprits, others = why.culprits, [first.rank]
         summary = (
             f"rank{'s' if len(waiting) > 1 else ''} {waiters} wait{'' if len(waiting) > 1 else 's'} in {op} "
-            f"(group {group}, seq {seq}) and rank {first.rank} will never make it: {text}; rank {first.rank} "
+            f"(group {group}, seq {seq}) and rank {first.rank} will never make it: {why.clause}; rank {first.rank} "
             f"then {action}{where}"
         )
     return [
         Finding(
             kind=kind,
             key=incident_key(KeyFamily.EARLY_END, session=first.identity.session),
-            culprit_ranks=[first.rank],
-            waiting_ranks=sorted(waiting),
+            culprit_ranks=culprits,
+            waiting_ranks=others,
             summary=summary,
             hint=hint,
             onset_time=first_time,

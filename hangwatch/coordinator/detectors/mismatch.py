@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.rules import compare_collective, explain_extra_call
+from hangwatch.coordinator.rules import compare_collective
 from hangwatch.coordinator.state import JobState, Slot
 from hangwatch.wording import format_ranks, in_step
 
@@ -120,15 +120,19 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             continue
         ctx.claimed.add((group, seq))
         ctx.mismatched.add((group, seq))
-        culprit = list(mismatch.culprit_ranks)
-        agreeing = list(mismatch.agreeing_ranks)
+        # where no majority says which side is wrong, the program's own rounds may; and where
+        # the culprits' traces part from the others' says what happened
+        detail = mismatch.summary.partition(": ")[2]
+        culprit, agreeing, decided, story = ctx.cache.stories.slot(
+            job, slot, mismatch.culprit_ranks, mismatch.agreeing_ranks, detail
+        )
         step = max(c.step for c in slot.calls.values())
         details: dict[str, object] = {
             "calls": {str(k): v for k, v in sorted(mismatch.details.items())},
             "provisional": False,
         }
         summary, hint, kind = mismatch.summary, mismatch.hint, mismatch.kind
-        if size and len(slot.calls) < size and len(agreeing) * 2 <= size:
+        if size and len(slot.calls) < size and len(agreeing) * 2 <= size and not decided:
             # Not every rank has arrived and the side taken for right is no majority of the group
             # yet. The others' batches may be on their way (a node agent reads a steady rank that
             # keeps writing every 0.4 s; remote agents and relays add their transit): wait for them a
@@ -148,12 +152,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 f" ({len(slot.calls)} of {size} ranks have arrived: which side is wrong is not known yet, "
                 "it is told as the others arrive)"
             )
-        if kind == IncidentKind.OP_MISMATCH:
-            history = {rk: list(st.history.get(group, ())) for rk, st in job.ranks.items()}
-            extra = explain_extra_call(history, seq)
-            if extra:
-                summary = f"{summary}; {extra}"
-                details["extra_call"] = extra
+        if story is not None and agreeing:
+            summary = story.summary
+            details["edit"] = story.facts
+        if kind == IncidentKind.OP_MISMATCH and (story is None or not agreeing):
             in_barrier = [rk for rk, c in slot.calls.items() if c.op in BARRIERS]
             others = [rk for rk in slot.calls if rk not in in_barrier]
             if in_barrier and others:

@@ -24,7 +24,6 @@ from hangwatch import catalogue, config
 from hangwatch import records as r
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
-from hangwatch.coordinator.rules import explain_skipped_backward, explain_skipped_call
 from hangwatch.coordinator.state import JobState, RankState, Slot
 from hangwatch.wording import describe_call, doing, format_ranks, gpu_load
 
@@ -40,6 +39,11 @@ SKIPPED_HINT = (
     "Every rank must make the same collectives in the same order. A rank that skips a step on its own "
     "(a NaN or inf loss, an empty batch, a condition only it sees) must agree on the skip with the others: "
     "all_reduce the skip flag (ReduceOp.MAX) and let every rank skip together, or skip only local work."
+)
+
+EXTRA_HINT = (
+    "Every rank must make the same collectives in the same order. A collective only some ranks make (a "
+    "metric or a norm logged on one rank, a debug check) must be made by every rank of its group, or by none."
 )
 
 #: Heartbeats come every second; a rank silent this long may be frozen (the frozen detector
@@ -229,6 +233,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         hint: str,
         stack_ranks: list[int],
         native: bool = False,
+        others: list[int] | None = None,
     ) -> Finding:
         # built only for a finding: a slot of thousands of calls is examined every tick
         details["calls"] = {str(rk): describe_call(c) for rk, c in sorted(slot.calls.items())}
@@ -236,7 +241,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             kind=kind,
             key=incident_key(KEY_FAMILY[kind], group=slot.group, seq=slot.seq),
             culprit_ranks=culprits,
-            waiting_ranks=sorted(waiting + inside),
+            waiting_ranks=sorted(waiting + inside) if others is None else others,
             summary=summary + clause,
             hint=hint,
             onset_time=slot.last_enter if not absent else entered,
@@ -349,36 +354,20 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     who = format_ranks(absent)
     stack_ranks = absent + waiting[:1]
     if len(absent) == 1 and absent[0] in present:
-        history = {
-            rk: list(st.history.get(slot.group, ())) for rk in [absent[0], *waiting] if (st := job.ranks.get(rk))
-        }
-        skip = explain_skipped_call(history, absent[0], waiting)
-        backward = None
-        if skip is None and present[absent[0]].end is not None:  # it ran out of calls: not merely busy
-            forwards = {rk: list(st.forwards) for rk in [absent[0], *waiting] if (st := job.ranks.get(rk))}
-            backward = explain_skipped_backward(forwards, absent[0], waiting, slot.group)
-        if skip is not None or backward is not None:
-            if skip is not None:
-                text, skipped = skip
-                details["skipped"] = {
-                    "rank": absent[0],
-                    "op": skipped.op,
-                    "call_site": skipped.call_site,
-                    "step": skipped.step,
-                    "seq": skipped.seq,
-                }
-            else:
-                assert backward is not None
-                text, facts = backward
-                details["skipped"] = {"rank": absent[0], "op": "all_reduce", "group": slot.group, **facts}
+        # where its trace parts from theirs: a skip it ran out after, or their extra call
+        why = ctx.cache.stories.absent(job, slot.group, absent[0], waiting, len(members))
+        if why is not None:
+            details["skipped" if why.skipped else "edit"] = why.facts
             return finding(
                 IncidentKind.STUCK_COLLECTIVE,
-                absent,
+                why.culprits,
                 f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait"
                 f"{'' if len(waiting) > 1 else 's'} in {where} for {waited:.0f} s and rank {absent[0]} will "
-                f"never make it: {text}; rank {absent[0]} {doings[absent[0]]}" + (f"; {device[0]}" if device else ""),
-                SKIPPED_HINT,
+                f"never make it: {why.clause}; rank {absent[0]} {doings[absent[0]]}"
+                + (f"; {device[0]}" if device else ""),
+                SKIPPED_HINT if why.skipped else EXTRA_HINT,
                 stack_ranks,
+                others=None if why.skipped else absent,  # their extra call: the absent rank did right
             )
     if all(_left_the_loop(st, op) for st in present.values()):
         steps = ", ".join(str(step) for step in sorted({st.step for st in present.values()}))

@@ -93,6 +93,10 @@ NEW_NUMBERING_SEQS = 64
 ON_DEVICE_RUNS = 64
 
 
+#: Events that change a rank's trace (a DDP forward pass is a marker: counted too, harmlessly).
+_TRACED = frozenset((r.CallRecord, r.CallRun, r.MarkerEvent))
+
+
 def _same_process(claimed: r.RankIdentity, proven: r.RankIdentity) -> bool:
     """Whether a claim names the process an agent proved (a pid seen from inside a container
     differs from the agent's, so there only the host and start time are compared)."""
@@ -398,6 +402,8 @@ class JobState:
     def apply(self, state: RankState, event: r.RankEvent, now: float) -> None:
         if state.end is not None and state.end.kind is r.EndKind.DESTROYED and _active(event, state.end.time):
             state.end = None  # destroy_process_group(), then init_process_group() again: it goes on
+        if type(event) in _TRACED:
+            state.traced += 1
         if isinstance(event, r.CallRecord):
             run = self._continues_run(state, event)
             if run is not None:

@@ -70,6 +70,13 @@ class RunSlice:
             return costs[0] * (hi - lo)
         return sum(costs[i % len(costs)] for i in range(lo, hi))
 
+    def calls(self) -> Iterator[r.CallRecord]:
+        """Its calls, made for a reader that keeps none (the slice stays as it is)."""
+        run = self.run
+        for i in range(self.lo, len(run.enters) - 1):
+            yield run.call(i, run.offset)
+        yield self.last
+
     def whole(self) -> list[r.CallRecord]:
         """Its calls, as records with the run's clock offset, each held once (by the history)."""
         run = self.run
@@ -115,6 +122,24 @@ class History:
 
     def __repr__(self) -> str:
         return f"History({len(self)} calls, {self._slices} runs not made whole)"
+
+    def view(self) -> Iterator[r.CallRecord]:
+        """Its calls in order, a run's made for the reader only: read so, the history is left as
+        it is (a detector reads the state and never writes it)."""
+        for item in self._items:
+            if isinstance(item, RunSlice):
+                yield from item.calls()
+            else:
+                yield item
+
+    def first_enter(self) -> float:
+        """When its oldest call began (0: none)."""
+        if not self._items:
+            return 0.0
+        first = self._items[0]
+        if isinstance(first, RunSlice):
+            return first.run.enters[first.lo] + first.run.offset
+        return first.enter_time
 
     def last_run(self) -> r.CallRun | None:
         """The run its latest call came in (as kept: from the slice's first call), if it did."""

@@ -96,6 +96,9 @@ class RankState:
         default_factory=lambda: collections.deque(maxlen=FORWARDS_KEPT)
     )
     forward_count: int = 0
+    #: calls, runs and forward passes applied: the rank's trace changed when this did (the model's
+    #: stories are kept until it does: ``coordinator.explain``)
+    traced: int = 0
     #: the highest call id of the rank's own numbering received (an agent taking over its ring
     #: resumes after it), and per group the highest seq of records an agent made from Flight
     #: Recorder entries (made again by a new agent, they are the same records: dropped)
