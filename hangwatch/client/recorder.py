@@ -23,7 +23,8 @@ from typing import Any
 from hangwatch import records as r
 from hangwatch.client.ops import OpSpec
 from hangwatch.client.ringsink import RingSink
-from hangwatch.ring import HEADER_SIZE, SLOT_SIZE, Kind
+from hangwatch.native import foreign
+from hangwatch.ring import Kind
 
 _now = time.time
 _SUM = "sum"  # the reduce op when the caller passes none
@@ -78,19 +79,27 @@ class GroupTable:
             return known, False
         try:
             name = str(pg.group_name)
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             name = str(id(pg))
         try:
             members = tuple(sorted(c10d._world.pg_group_ranks[pg].keys()))
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             members = ()
         try:
             backend = str(c10d.get_backend(pg))
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             backend = ""
         try:
             desc = str(getattr(pg, "group_desc", "") or "")
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             desc = ""
         info = r.GroupInfo(name=name, ranks=members, backend=backend, index=self._next_index, desc=desc)
         self._next_index += 1
@@ -187,8 +196,9 @@ class Recorder:
 
     # ---- the hot path --------------------------------------------------------------------
 
-    def enter(self, spec: OpSpec, params: dict[str, Any]) -> tuple[RawCall, Any, int]:
-        """Record a call about to be issued. Returns the raw record, its group and the op count.
+    def enter(self, spec: OpSpec, params: dict[str, Any], call_id: int | None = None) -> tuple[RawCall, Any, int]:
+        """Record a call about to be issued (as ``call_id``, taken from ``next_id`` by a caller that
+        must know it whatever interrupts this). Returns the raw record, its group and the op count.
 
         Only raw values are captured here (``torch.Size``/``torch.dtype`` objects, the code location
         of the caller); they become a :class:`CallRecord` (``materialize``) only the first time
@@ -221,7 +231,8 @@ class Recorder:
         outs = _raw_metas(spec, spec.outputs, params) if spec.outputs else ()
         async_op = spec.always_async or bool(params.get("async_op", False))
         site = self.call_site(3)
-        call_id = next(self._ids)
+        if call_id is None:
+            call_id = next(self._ids)
         step = self.step
         now = _now()
         raw: RawCall = (call_id, spec, name, seq, ins, outs, reduce_raw, root, peer, async_op, step, site, now, extra)
@@ -233,9 +244,7 @@ class Recorder:
             self.novel += 1
             ref = sink.intern(key, self.materialize(raw))
         self.last_ref = ref
-        h = next(sink.positions)
-        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, _ENTER, async_op, 0, ref,
-                  call_id & _MASK, seq & _MASK, step & _MASK, 0, now, h + 1)  # fmt: skip
+        sink.put_slot(sink.mm, sink.positions, sink.capacity, _ENTER, async_op, 0, ref, call_id, seq, step, 0, now)
         return raw, pg, ops_before
 
     def remember(
@@ -285,7 +294,9 @@ class Recorder:
         group = raw[2]
         try:
             issued = pg._get_sequence_number_for_group() - ops_before
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             issued = 0 if spec.p2p else 1
         if spec.p2p:
             # what the group's counter moved by: gloo counts each send/recv there, NCCL keeps p2p
@@ -312,9 +323,19 @@ class Recorder:
             return
         sink = self.sink
         ref = 0 if error is None else sink.text(f"{type(error).__name__}: {error}")
-        h = next(sink.positions)
-        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, _EXIT, 0, issued & 0xFFFF, ref,
-                  raw[0] & _MASK, 0, 0, 0, _now(), h + 1)  # fmt: skip
+        sink.put_slot(sink.mm, sink.positions, sink.capacity, _EXIT, 0, issued, ref, raw[0], 0, 0, 0, _now())
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def abandon(self, call_id: int, error: BaseException) -> None:
+        """The call ``call_id`` was interrupted before or right after it was issued (a signal
+        handler's exception, a KeyboardInterrupt), and ``error`` goes on to the program: its exit,
+        with that error, so that no call entered stays open. Written also where the interruption
+        came before its entry, or after its exit (an exit of no open call is ignored)."""
+        ref = self.sink.text(f"{type(error).__name__}: {error}")
+        sink = self.sink
+        sink.put_slot(sink.mm, sink.positions, sink.capacity, _EXIT, 0, 1, ref, call_id, 0, 0, 0, _now())
 
     def poll_pending(self) -> None:
         """Record completion of async works that finished (called from the sender thread)."""
@@ -324,7 +345,9 @@ class Recorder:
             call_id, issued, works = self.pending.popleft()
             try:
                 done = all(w.is_completed() for w in works)
-            except Exception:
+            except Exception as exc:
+                if foreign(exc):  # the program's (a signal handler's): never swallowed
+                    raise
                 done = True
             if done:
                 self.sink.put(r.CallExit(self.rank, call_id, _now(), None, issued))
@@ -364,7 +387,9 @@ class Recorder:
         if spec.name == "all_to_all" or spec.splits:
             try:
                 extra["group_rank"] = str(self.c10d.get_group_rank(pg, self.rank))
-            except Exception:
+            except Exception as exc:
+                if foreign(exc):  # the program's (a signal handler's): never swallowed
+                    raise
                 pass
         return extra
 
@@ -378,7 +403,9 @@ class Recorder:
         if local is not None:
             try:
                 return int(self.c10d.get_global_rank(pg, int(local)))
-            except Exception:
+            except Exception as exc:
+                if foreign(exc):  # the program's (a signal handler's): never swallowed
+                    raise
                 return int(local)
         return 0 if spec.root in ("src", "dst") else None
 
@@ -390,7 +417,9 @@ class Recorder:
         if local is not None:
             try:
                 return int(self.c10d.get_global_rank(pg, int(local)))
-            except Exception:
+            except Exception as exc:
+                if foreign(exc):  # the program's (a signal handler's): never swallowed
+                    raise
                 return int(local)
         return None
 
@@ -470,7 +499,9 @@ def _cook(raw: tuple[RawMeta, ...]) -> tuple[r.TensorMeta, ...]:
 def _raw(t: Any) -> RawMeta:
     try:
         return (t.shape, t.dtype, t.is_cuda)
-    except Exception:
+    except Exception as exc:
+        if foreign(exc):  # the program's (a signal handler's): never swallowed
+            raise
         return ((), type(t).__name__, False)
 
 

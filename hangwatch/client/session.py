@@ -25,6 +25,7 @@ from hangwatch import records as r
 from hangwatch.client import capture, workerserver
 from hangwatch.client.recorder import Recorder
 from hangwatch.client.ringsink import RingSink
+from hangwatch.native import foreign
 
 log = logging.getLogger("hangwatch.client")
 
@@ -102,7 +103,10 @@ class Session:
         }
 
     def fail(self, what: str, exc: BaseException) -> None:
-        """An internal error: log it once, and stop recording calls (the job goes on)."""
+        """An internal error: log it once, say so in the ring (``status`` shows it), and stop
+        recording calls (the job goes on)."""
+        was_on = capture.active_session() is self
+        capture.set_session(None)
         if what not in self._failures:
             self._failures.add(what)
             log.warning(
@@ -111,7 +115,14 @@ class Session:
                 type(exc).__name__,
                 exc,
             )
-        capture.set_session(None)
+        if was_on:
+            detail = f"internal error while {what} ({type(exc).__name__}: {exc})"[:500]
+            try:
+                self.sink.put(r.MarkerEvent(self.identity.rank, r.CAPTURE_OFF, time.time(), detail))
+            except Exception as inner:  # the ring itself failing: the log said it
+                if foreign(inner):
+                    raise
+                log.debug("hangwatch: could not record that capture is off: %s", inner)
 
     def end(
         self,
