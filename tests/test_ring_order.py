@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -180,3 +181,72 @@ def test_a_reader_process_never_gets_a_torn_slot_from_a_writer_thread(native_rea
     found = json.loads(done.stdout)
     assert found["torn"] == 0 and found["disorder"] == 0, found
     assert found["got"] > 1000 and found["got"] + found["lost"] <= written
+
+
+@pytest.mark.parametrize("side", ["C", "Python"])
+def test_blobs_written_from_many_threads_each_get_an_id_of_their_own(
+    side: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if side == "C" and EXT is None:
+        pytest.skip("the C extension is not built here")
+    ring._bind()
+    if side == "Python":
+        monkeypatch.setattr(ring, "_put_blob", ring._put_blob_python)
+    w = RingWriter(capacity=4, blob_bytes=1 << 20)
+    reader = RingReader(w.fd)
+    got: list[tuple[int, bytes]] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes they can
+
+    def write(thread: int) -> None:
+        for i in range(300):
+            data = f"thread {thread} blob {i} ".encode() * (1 + i % 3)
+            got.append((w.blob(data), data))
+
+    try:
+        threads = [threading.Thread(target=write, args=(n,)) for n in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    finally:
+        sys.setswitchinterval(interval)
+    ids = [blob_id for blob_id, _ in got]
+    assert sorted(ids) == list(range(1, 8 * 300 + 1))  # one id each, none shared, none skipped
+    assert reader.poll().blobs == dict(got)  # and each one's bytes under it
+    reader.close()
+    w.close()
+
+
+@pytest.mark.parametrize("native_reader", [True, False], ids=["C reader", "Python reader"])
+def test_a_slot_claimed_and_never_written_is_stepped_over_once_later_ones_are_published(
+    native_reader: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the C extension a writer interrupted between its claim and its write leaves a
+    hole: the reader steps over it (counted as lost) once a later slot is published and the hole
+    stayed one for ``HOLE_WAIT_S``; a slot being written is waited for."""
+    if native_reader and EXT is None:
+        pytest.skip("the C extension is not built here")
+    monkeypatch.setattr(ring, "HOLE_WAIT_S", 0.05)
+    w = RingWriter(capacity=16, blob_bytes=64)
+    reader = RingReader(w.fd)
+    reader.native = native_reader
+    for p in range(3):
+        w.write(Kind.STEP, 0, 0, 0, 0, 0, p, 0, float(p))
+    next(w.positions)  # claimed, never written
+    for p in range(4, 7):
+        w.write(Kind.STEP, 0, 0, 0, 0, 0, p, 0, float(p))
+    assert [s.position for s in reader.poll().slots] == [0, 1, 2]
+    assert len(reader.poll().slots) == 0  # not yet: it may be written still
+    time.sleep(0.1)
+    batch = reader.poll()
+    assert [s.position for s in batch.slots] == [4, 5, 6]
+    assert batch.lost == reader.lost == reader.holes == 1
+    h = next(w.positions)  # a slot being written: its front stamp only
+    w.pack_slot(w.mm, HEADER_SIZE + (h % 16) * SLOT_SIZE, h + 1, Kind.STEP, 0, 0, 0, 0, 0, 0, 0, 0.0, 0)
+    w.write(Kind.STEP, 0, 0, 0, 0, 0, 8, 0, 8.0)
+    assert len(reader.poll().slots) == 0
+    time.sleep(0.1)
+    assert len(reader.poll().slots) == 0 and reader.holes == 1  # waited for, never stepped over
+    reader.close()
+    w.close()

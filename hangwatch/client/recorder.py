@@ -21,6 +21,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from hangwatch import records as r
+from hangwatch.catalogue import INPUT_SPLITS, OUTPUT_SPLITS, SPLITS_VARY
 from hangwatch.client.ops import OpSpec
 from hangwatch.client.ringsink import RingSink
 from hangwatch.native import foreign
@@ -141,6 +142,9 @@ class Recorder:
         #: past its poll interval: an async work's completion is polled for from then on)
         self.async_calls = 0
         self.on_pending: Callable[[], object] | None = None
+        self._polling = threading.RLock()  # one poller of ``pending`` at a time
+        self.pending_dropped = 0  # async works let go unpolled (``_shed_pending``)
+        self._poll_above = MAX_PENDING
         self.default_pg: Any = None  # cached: looking it up costs more than the rest of a record
         self.lock = threading.Lock()  # only for rare paths (groups); never held by the hot path
         self.novel = 0  # signatures first seen so far (a new one is flushed where no agent reads the ring)
@@ -151,6 +155,8 @@ class Recorder:
         #: is_cuda), process group, its name, signature ref, async); see ``capture``'s fast path
         self.memo: dict[int, Memo] = {}
         self.last_ref = 0  # the signature ref of the call ``enter`` recorded last
+        #: call site -> the split sizes it passed first, or ``_VARIES`` once they changed there
+        self._split_sites: dict[str, tuple[str | None, str | None]] = {}
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -231,6 +237,8 @@ class Recorder:
         outs = _raw_metas(spec, spec.outputs, params) if spec.outputs else ()
         async_op = spec.always_async or bool(params.get("async_op", False))
         site = self.call_site(3)
+        if extra and spec.splits:
+            extra = self._vary_splits(site, extra)
         if call_id is None:
             call_id = next(self._ids)
         step = self.step
@@ -317,6 +325,11 @@ class Recorder:
             works = result if isinstance(result, list) else [result]
             self.pending.append((raw[0], issued, [w for w in works if w is not None]))
             self.async_calls += 1
+            if len(self.pending) > self._poll_above:
+                self._shed_pending()
+            while len(self.pending) > 2 * MAX_PENDING:  # never complete, or not polled: let go
+                self.pending.popleft()
+                self.pending_dropped += 1
             wake = self.on_pending  # set while the sender thread sleeps long (after the append)
             if wake is not None:
                 wake()
@@ -338,21 +351,37 @@ class Recorder:
         sink.put_slot(sink.mm, sink.positions, sink.capacity, _EXIT, 0, 1, ref, call_id, 0, 0, 0, _now())
 
     def poll_pending(self) -> None:
-        """Record completion of async works that finished (called from the sender thread)."""
+        """Record completion of async works that finished (called from the sender thread, and
+        from a calling thread where too many wait: ``_shed_pending``)."""
         if not self.pending:
             return
-        for _ in range(len(self.pending)):
-            call_id, issued, works = self.pending.popleft()
+        with self._polling:
+            for _ in range(len(self.pending)):
+                item = self.pending.popleft()
+                call_id, issued, works = item
+                try:
+                    done = all(w.is_completed() for w in works)
+                except Exception as exc:
+                    if foreign(exc):  # the program's (a signal handler's): the work polled again
+                        self.pending.appendleft(item)
+                        raise
+                    done = True
+                if done:
+                    self.sink.put(r.CallExit(self.rank, call_id, _now(), None, issued))
+                else:
+                    self.pending.append(item)
+
+    def _shed_pending(self) -> None:
+        """More async works wait to be polled than ``MAX_PENDING``: the sender thread is gone or
+        far behind. Poll them here (unless it is polling now); again once a quarter as many more
+        wait. Past twice the bound the oldest are let go (``exit``): their calls stay open where
+        they are read, and their tensors are freed."""
+        if self._polling.acquire(blocking=False):
             try:
-                done = all(w.is_completed() for w in works)
-            except Exception as exc:
-                if foreign(exc):  # the program's (a signal handler's): never swallowed
-                    raise
-                done = True
-            if done:
-                self.sink.put(r.CallExit(self.rank, call_id, _now(), None, issued))
-            else:
-                self.pending.append((call_id, issued, works))
+                self.poll_pending()
+            finally:
+                self._polling.release()
+        self._poll_above = max(MAX_PENDING, len(self.pending) + MAX_PENDING // 4)
 
     def materialize(self, item: RawCall) -> r.CallRecord:
         """Turn a raw call into a typed record (once per signature: its blob is made from it)."""
@@ -392,6 +421,25 @@ class Recorder:
                     raise
                 pass
         return extra
+
+    def _vary_splits(self, site: str, extra: dict[str, str]) -> dict[str, str]:
+        """``all_to_all_single``'s split sizes stay in its signature while its call site repeats
+        them; once they change there, that site's calls say they vary instead of what they are:
+        sizes that change at every call (an MoE layer's) would make every call a signature of its
+        own, filling the signature table (calls then go unnamed) and the blob area."""
+        sizes = (extra.get(INPUT_SPLITS), extra.get(OUTPUT_SPLITS))
+        if sizes == (None, None):
+            return extra
+        seen = self._split_sites.get(site)
+        if seen is None:
+            if len(self._split_sites) < MAX_MEMO:
+                self._split_sites[site] = sizes
+            return extra
+        if seen != sizes:
+            self._split_sites[site] = seen = _VARIES
+        if seen is not _VARIES:
+            return extra
+        return {key: SPLITS_VARY if key in (INPUT_SPLITS, OUTPUT_SPLITS) else value for key, value in extra.items()}
 
     # ---- argument helpers ----------------------------------------------------------------
 
@@ -448,6 +496,12 @@ _ENTER, _EXIT = Kind.ENTER, Kind.EXIT  # module constants: no class lookup per c
 def _frozen(extra: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(extra.items()))
 
+
+_VARIES: tuple[str | None, str | None] = (SPLITS_VARY, SPLITS_VARY)
+
+#: Async works waiting for the sender thread to poll them, beyond which the calling thread polls
+#: them itself (the sender thread may be gone) and, past twice as many, lets the oldest go.
+MAX_PENDING = 1024
 
 #: Call sites remembered for the fast path, at most.
 MAX_MEMO = 4096
