@@ -20,7 +20,7 @@ import uuid
 from types import TracebackType
 from typing import Any
 
-from hangwatch import __version__, config, link
+from hangwatch import __version__, config, link, native
 from hangwatch import records as r
 from hangwatch.client import capture, workerserver
 from hangwatch.client.recorder import Recorder
@@ -35,6 +35,12 @@ FAREWELL_TIMEOUT_S = 0.5
 
 #: Settings for the next Session, from ``attach()`` or the environment.
 _settings: dict[str, Any] = {}
+
+
+def hook_version() -> str:
+    """What a rank says of its hook when it registers: its version, and whether it records calls
+    in C or in Python and why (``hangwatch status`` shows it per rank): ``0.1.0 (native)``."""
+    return f"{__version__} ({native.describe()})"
 
 
 class Session:
@@ -206,7 +212,7 @@ def after_init(params: dict[str, Any]) -> None:
             session=uuid.uuid4().hex,
             backend=str(c10d.get_backend()),
             torch_version=str(torch.__version__),
-            hook_version=__version__,
+            hook_version=hook_version(),
             pid_namespace=_pid_namespace(),
             launch=config.launch_from_env(),
             attempt=config.attempt_from_env(),

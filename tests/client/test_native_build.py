@@ -87,3 +87,15 @@ def test_a_required_native_build_that_fails_fails_the_install(
     monkeypatch.setenv(config.ENV_REQUIRE_NATIVE, "1")
     with pytest.raises(hatch_build.NativeBuildError, match="compile failed"):
         hatch_build.compile_extension(str(broken_root), str(broken_root / "out"))
+
+
+def test_a_free_threaded_interpreter_installs_without_the_c_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The extension relies on the GIL; loaded on a free-threaded interpreter it would turn the
+    GIL back on for the whole process. The install says so and leaves it out."""
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda n: 1 if n == "Py_GIL_DISABLED" else real(n))
+    monkeypatch.delenv(config.ENV_REQUIRE_NATIVE, raising=False)
+    built, why = hatch_build.compile_extension(str(ROOT), str(tmp_path))
+    assert built is None and "free-threaded" in why and "free-threaded" in capfd.readouterr().err
