@@ -11,9 +11,13 @@
  * ``capture.py`` stays the reference (and the fallback where this extension is not built);
  * ``tests/client/test_fastpath.py`` checks that both write the same slots.
  *
- * Nothing here raises into the user's code: a failure before the user's call falls back to
- * ``general``; a failure after it is reported to the session (``on_exit_error``), and the
- * user's result or exception passes through untouched.
+ * Nothing of the hook's own raises into the user's code: a failure before the user's call falls
+ * back to ``general``; a failure after it is reported to the session (``on_exit_error``), and the
+ * user's result or exception passes through untouched. What the program raises meanwhile (a
+ * KeyboardInterrupt, what a signal handler raised in a callback: ``foreign_of``) is never
+ * swallowed: it goes on to the program. The ring's slots are claimed and published in one step
+ * (``claim_slot``), as a seqlock that holds on every CPU (``slot_publish``, ``slot_take``).
+ * Everything here relies on the GIL: on a free-threaded interpreter the module refuses to load.
  *
  * The node agent's side lives here too (one extension, one build): ``scan_packed``, the loop over
  * a ring's slots of ``RingReader.poll``, and ``gather_packed``, ``RingEncoder._gather``'s
