@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import sysconfig
 from pathlib import Path
@@ -25,6 +26,7 @@ from hangwatch import config
 log = logging.getLogger("hangwatch.client")
 
 _PACKAGE = Path(__file__).resolve().parent
+_OWN = os.path.dirname(__file__) + os.sep  # the hook's own files, as its code objects name them
 #: Where the build leaves why it could not build the extension (``hatch_build.WHY``).
 WHY_FILE = _PACKAGE / "client" / "_fastpath.why"
 
@@ -102,15 +104,16 @@ def foreign(exc: BaseException) -> bool:
     try:
         if not isinstance(exc, Exception):
             return True
+        frames = []
         tb = exc.__traceback__
-        if tb is None:
+        while tb is not None:
+            if not tb.tb_frame.f_code.co_filename.startswith(_OWN):  # a handler's is never the hook's
+                frames.append(tb.tb_frame.f_code)
+            tb = tb.tb_next
+        if not frames:
             return False
         codes = _handler_codes()
-        while tb is not None:
-            if tb.tb_frame.f_code in codes:
-                return True
-            tb = tb.tb_next
-        return False
+        return any(code in codes for code in frames)
     except Exception:
         return False
 
