@@ -3,6 +3,7 @@
     .venv/bin/python bench/allin.py              # about 3 minutes on 2 cores
     .venv/bin/python bench/allin.py --quick      # a smoke run, well under a minute
     .venv/bin/python bench/allin.py --ranks 1 --rates 1000 --pairs 5 --calls 20000
+    .venv/bin/python bench/allin.py --ranks 1 --baseline /tmp/before   # a change's before and after
 
 ``bench/overhead.py`` measures the calling thread's share in isolation (``Recorder.enter`` +
 ``exit``, the wrapper around a no-op). This script measures everything the hook adds, the way a
@@ -80,6 +81,9 @@ BEFORE_MODE = "before"
 #: every rank's ring every tick and its Flight Recorder ring at every poll (``HANGWATCH_READ_LESS=0``)
 EVERY_READ_MODE = "every read"
 DEAD_MODES = ("refused", "black hole")
+#: the hook of another checkout (``--baseline DIR``: its extension built in place), C and Python
+#: fast paths, against the same coordinator: this change's before and after in one run
+BASE_ON, BASE_PYTHON = "on, baseline", "python, baseline"
 #: the tight loop over two lines that alternate (a cycle of two signatures)
 TWO_LINES = "tight, two lines"
 
@@ -263,11 +267,13 @@ def _worker(spec: dict[str, Any]) -> None:
         )
         if not rate:
             max_rate = _slowest(dist, torch, calls / (w1 - w0))
-    if mode in ("on", PYTHON_MODE, BEFORE_MODE, EVERY_READ_MODE):  # the variant measured served the calls
+    if mode in ("on", PYTHON_MODE, BEFORE_MODE, EVERY_READ_MODE, BASE_ON, BASE_PYTHON):  # it served the calls
+        import hangwatch
         from hangwatch.client import capture
 
+        results[-1]["hook_file"] = hangwatch.__file__
         served = getattr(all_reduce, "served", None)
-        if mode in (PYTHON_MODE, BEFORE_MODE):
+        if mode in (PYTHON_MODE, BEFORE_MODE, BASE_PYTHON):
             assert served is None, "HANGWATCH_NATIVE=0, yet the C fast path wrapped all_reduce"
         elif capture._native is not None:
             assert served, "the C fast path is built, yet it served no call"
@@ -317,9 +323,11 @@ def _run_job(
     from hangwatch.testing import free_port, job_env
 
     port = free_port()
-    native_off = {"HANGWATCH_NATIVE": "0"} if mode in (PYTHON_MODE, BEFORE_MODE) else {}
+    native_off = {"HANGWATCH_NATIVE": "0"} if mode in (PYTHON_MODE, BEFORE_MODE, BASE_PYTHON) else {}
     extra = {**args.hook_env, **native_off} if addr else {}
     env = job_env(addr, {"HANGWATCH_JOB_ID": job_id, **extra})
+    if mode in (BASE_ON, BASE_PYTHON):  # the baseline's package first on the ranks' path
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.baseline, env.get("PYTHONPATH")) if p)
     procs: list[tuple[subprocess.Popen[str], str]] = []
     with tempfile.TemporaryDirectory() as d:
         for rank in range(world):
@@ -354,6 +362,9 @@ def _run_job(
                     p.kill()
                 raise AssertionError(f"{mode} rank of {world} failed ({proc.returncode}):\n{output[-4000:]}")
             results.append(json.loads(Path(out).read_text()))
+        if mode in (BASE_ON, BASE_PYTHON):
+            hooks = {w["hook_file"] for rank in results for w in rank if "hook_file" in w}
+            assert hooks and all(h.startswith(str(args.baseline)) for h in hooks), f"baseline ranks imported {hooks}"
         return results
 
 
@@ -414,7 +425,7 @@ def _report(
             if not off:
                 continue
             idle = statistics.median(f["coordinator_s"] / f["window_s"] for f in off)  # CPU s per s
-            for mode in (BEFORE_MODE, EVERY_READ_MODE, "on", PYTHON_MODE, *DEAD_MODES):
+            for mode in (BEFORE_MODE, EVERY_READ_MODE, BASE_ON, "on", BASE_PYTHON, PYTHON_MODE, *DEAD_MODES):
                 on = results.get((world, mode, name), [])
                 if not on:
                     continue
@@ -436,6 +447,8 @@ def _report(
                     PYTHON_MODE: f"{name}, fast path in Python (HANGWATCH_NATIVE=0)",
                     BEFORE_MODE: f"{name}, before: fast path in Python, no runs, every read",
                     EVERY_READ_MODE: f"{name}, every read (HANGWATCH_READ_LESS=0)",
+                    BASE_ON: f"{name}, baseline",
+                    BASE_PYTHON: f"{name}, baseline, fast path in Python (HANGWATCH_NATIVE=0)",
                 }.get(mode, name)
                 reachable = results.get((world, "on", name), [])
                 if mode in DEAD_MODES and reachable:  # what the outage adds to the hook's usual cost
@@ -493,6 +506,12 @@ def _parse() -> argparse.Namespace:
         action="store_true",
         help="skip the hook as now against an agent that reads every ring every time (HANGWATCH_READ_LESS=0)",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also the hook of another checkout (its extension built in place), C and Python, e.g. the "
+        "commit before a change: `git worktree add DIR REV` then `python hatch_build.py` there",
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 pair, fewer calls, shorter loops")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -541,6 +560,8 @@ def main() -> None:
                         modes.append(BEFORE_MODE)
                     if not args.no_every_read:
                         modes.append(EVERY_READ_MODE)
+                    if args.baseline:
+                        modes += [BASE_ON, BASE_PYTHON]
                     if world == 1 and not args.no_unreachable:
                         modes += DEAD_MODES
                     if pair % 2:
@@ -550,6 +571,8 @@ def main() -> None:
                             "off": None,
                             "on": coordinator.addr,
                             PYTHON_MODE: coordinator.addr,
+                            BASE_ON: coordinator.addr,
+                            BASE_PYTHON: coordinator.addr,
                             BEFORE_MODE: before.addr,
                             EVERY_READ_MODE: every.addr,
                             "refused": refused,

@@ -47,7 +47,6 @@ def main() -> None:
     from hangwatch.client import recorder as rec_mod
     from hangwatch.client.ops import OPS_BY_NAME
     from hangwatch.client.ringsink import RingSink
-    from hangwatch.ring import HEADER_SIZE, SLOT_SIZE
 
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -73,8 +72,7 @@ def main() -> None:
             sink.signatures.get((spec, "0", ins, ins, "sum", None, None, False, "train.py:1", None))
 
         def pack(params: dict[str, Any]) -> None:
-            h = next(sink.positions)
-            sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, 1, 0, 0, 5, 1, 1, 1, 0, 0.0, h + 1)
+            sink.put_slot(sink.mm, sink.positions, sink.capacity, 1, 0, 0, 5, 1, 1, 1, 0, 0.0)
 
         def seq(params: dict[str, Any]) -> None:
             pg._get_sequence_number_for_group()

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hangwatch.ring import HEADER_SIZE, SLOT, SLOT_SIZE, Kind, RingReader, RingWriter
+from hangwatch.ring import SLOT, Kind, RingReader, RingWriter
 
 
 def time_deque(calls: int) -> float:
@@ -49,15 +49,12 @@ def time_deque(calls: int) -> float:
 
 def time_ring(calls: int) -> float:
     w = RingWriter(capacity=16384, blob_bytes=4096)
-    pack, mm, cap, size, base = w.pack_slot, w.mm, w.capacity, SLOT_SIZE, HEADER_SIZE
+    put, mm, positions, cap = w.put_slot, w.mm, w.positions, w.capacity
     now = time.time
-    head = 0
     t0 = time.perf_counter()
-    for i in range(calls):  # as the hook writes: pack_into directly, no method call per record
-        head += 1
-        pack(mm, base + ((head - 1) % cap) * size, head, Kind.ENTER, 0, 0, 1, i, i, 0, 0, now(), head)
-        head += 1
-        pack(mm, base + ((head - 1) % cap) * size, head, Kind.EXIT, 0, 1, 0, i, 0, 0, 0, now(), head)
+    for i in range(calls):  # as the hook writes: a slot claimed and published in one call
+        put(mm, positions, cap, Kind.ENTER, 0, 0, 1, i, i, 0, 0, now())
+        put(mm, positions, cap, Kind.EXIT, 0, 1, 0, i, 0, 0, 0, now())
     elapsed = (time.perf_counter() - t0) / calls
     w.close()
     return elapsed

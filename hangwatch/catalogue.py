@@ -388,6 +388,9 @@ def record_names(kinds: Iterable[Kind], direction: Direction | None = None) -> t
 
 INPUT_SPLITS = "input_split_sizes"  # all_to_all_single
 OUTPUT_SPLITS = "output_split_sizes"
+#: Said for split sizes a call site changes from call to call (an MoE layer's): they are not
+#: recorded (each call would be a signature of its own), and not compared.
+SPLITS_VARY = "varies"
 GROUP_RANK = "group_rank"  # the caller's index in the group (all-to-all pairing)
 GROUP_RANKS = "group_ranks"  # the group's members, where recorded
 

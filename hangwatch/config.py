@@ -60,6 +60,9 @@ ENV_RANK_PID = "HANGWATCH_RANK_PID"
 #: their C build (``client/_fastpath.c``) is installed (for A/B measurements and to rule it out);
 #: default: C where built.
 ENV_NATIVE = "HANGWATCH_NATIVE"
+#: ``pip install``: ``1`` makes an install that cannot compile the C fast path fail, instead of
+#: installing pure Python (``hatch_build.py``, which spells the name itself).
+ENV_REQUIRE_NATIVE = "HANGWATCH_REQUIRE_NATIVE"
 #: Coordinator: ``0`` takes every call one by one, no runs of alike calls (``records.CallRun``):
 #: for A/B measurements and to rule runs out; default: runs.
 ENV_RUNS = "HANGWATCH_RUNS"

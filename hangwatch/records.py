@@ -143,6 +143,9 @@ class StepEvent:
 #: number on it when the forward began. A rank whose forward passes keep pace with the others'
 #: while its gradient all-reduces fall behind skipped a backward (``rules.shift``).
 DDP_FORWARD = "ddp.forward"
+#: Marker a rank's hook writes as it turns its call capture off after an internal error (its
+#: detail: what it was doing, and the error): calls after it are not recorded.
+CAPTURE_OFF = "hangwatch.capture_off"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,18 +19,34 @@ Layout (little endian)::
              oldest: what matters about a rank is what it did last)
     blobs    blob_bytes: append-only variable-size entries (a call signature's fixed part, an
              error text, a group) that slots refer to by id; when full, new blobs are counted
-             as dropped and the slots that need them carry id 0
+             as dropped and the slots that need them carry id 0. The last ``blob_reserve`` bytes
+             are kept for error texts and the rank's end, which signatures never fill
 
 Ordering: each slot carries its own position (plus one, so an empty slot reads as 0) at both
-ends, written in one copy; a reader takes the slot at position ``p`` only when both stamps say
-``p + 1``, so a slot being written (stamps differ) or not yet written (older stamp) is left for
-the next poll, and a newer stamp means the writer lapped the reader: the skipped slots are
-counted as lost, never returned torn. There is no shared head counter to update per record: one
-``pack_into`` per record is the whole cost. A blob's bytes are in place before ``blob_used``
-covers them, and before any slot names it. One writer per ring (the rank's calling threads hold
-the GIL while they write); any number of readers. The stamps at both ends rely on stores
-becoming visible in order (x86-64's rule); on weakly ordered CPUs a torn slot is still caught by
-the stamps in nearly every case, not provably every one.
+ends, and is published as a seqlock: the writer stores the front stamp, then a release fence,
+then the body, then the end stamp by a store-release; the reader loads the end stamp by a
+load-acquire, copies the body, then an acquire fence, then loads the front stamp, and takes the
+slot at position ``p`` only when both stamps it loaded say ``p + 1``. Why that is safe: an end
+stamp of ``p + 1`` seen first means the whole body of lap ``p`` was stored before it (release,
+acquire); a writer that began the next lap of that slot before the copy ended stored its front
+stamp before any of its body (release fence), so a copy that saw any of that body sees the new
+front stamp after it (acquire fence) and is refused. Both stamps new around an old body cannot
+be seen, as they could when both sides went front to end in one copy. So a slot being written
+(stamps differ), not yet written (an older stamp) or overwritten during the copy is left for the
+next poll, and a newer stamp means the writer lapped the reader: the skipped slots are counted
+as lost, never returned torn. There is no shared head counter to update per record. Writers
+claim a slot and publish it in one step (``RingWriter.put_slot``): the claim is ``next()`` on an
+``itertools.count`` and, where the C extension is built, nothing runs between the claim and the
+write, so threads that write at once never share a slot and no signal handler leaves a claimed
+slot unwritten; any number of readers. Without the extension a slot claimed and never written
+(an exception between the two) is skipped once later slots are published and it stayed a hole
+for ``HOLE_WAIT_S`` (counted as lost). Blobs: a blob's bytes are in place before a store-release
+of ``blob_used`` covers them, and before any slot names it; readers load ``blob_used`` by a
+load-acquire, after the slots. The status is a seqlock too. The fences and atomic accesses are
+C11's, in ``client/_fastpath.c``, wherever the extension is loaded (``hangwatch.native``);
+without it the writes and reads are the interpreter's own copies, in the same order, which
+x86-64 keeps in order and weakly ordered CPUs do not: there, build the extension
+(``HANGWATCH_REQUIRE_NATIVE=1``).
 
 Measured here (CPython 3.11, ``bench/ring_micro.py``): writing one record costs about as much as
 appending a tuple to the deque the hook used before, and leaves no object for the garbage
@@ -45,11 +61,13 @@ import mmap
 import os
 import stat
 import struct
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, overload
 
-from hangwatch import config
+from hangwatch import config, native
 
 MAGIC = b"HWRING01"
 VERSION = 1
@@ -76,6 +94,124 @@ SLOT_SIZE = SLOT.size
 _BLOB_HEAD = struct.Struct("<II")  # an entry's id and length, then its bytes
 
 assert _HEADER.size <= HEADER_SIZE and _HEADER.size == _BLOB_COUNT_OFFSET + 16 and SLOT_SIZE == 48
+_STATUS_BODY = struct.Struct("<dI")  # the status's time and length, after its sequence
+
+#: A slot claimed and never written (possible only without the C extension: an exception between
+#: the claim and the write) is skipped, and counted as lost, once one of the next
+#: ``_HOLE_LOOKAHEAD`` slots is published and it has stayed unwritten this long (a thread
+#: preempted between the two writes it within a few milliseconds).
+HOLE_WAIT_S = 1.0
+_HOLE_LOOKAHEAD = 2
+_BLOB_RESERVE_MAX = 64 << 10
+
+
+def blob_reserve(blob_bytes: int) -> int:
+    """Bytes at the end of a blob area that only reserved blobs (error texts, the rank's end) use."""
+    return min(_BLOB_RESERVE_MAX, blob_bytes // 8)
+
+
+#: ``put(mm, positions, capacity, kind, flags, aux, ref, call_id, seq, step, arg, time)``: claims
+#: the next slot and publishes a record there, in one step; returns its position.
+PutSlot = Callable[[mmap.mmap, Iterator[int], int, int, int, int, int, int, int, int, int, float], int]
+
+
+# ---- the publication protocol: C where the extension is loaded (``_bind``), Python otherwise ----
+
+
+def _put_python(
+    mm: mmap.mmap,
+    positions: Iterator[int],
+    capacity: int,
+    kind: int,
+    flags: int,
+    aux: int,
+    ref: int,
+    call_id: int,
+    seq: int,
+    step: int,
+    arg: int,
+    t: float,
+) -> int:
+    h = next(positions)
+    SLOT.pack_into(mm, HEADER_SIZE + (h % capacity) * SLOT_SIZE, h + 1, kind & 0xFF, flags & 0xFF, aux & 0xFFFF,
+                   ref & _MASK, call_id & _MASK, seq & _MASK, step & _MASK, arg & _MASK, t, h + 1)  # fmt: skip
+    return h
+
+
+def _store_python(mm: mmap.mmap, offset: int, value: int) -> None:
+    _U64.pack_into(mm, offset, value & 0xFFFFFFFFFFFFFFFF)
+
+
+def _load_python(mm: mmap.mmap, offset: int) -> int:
+    value: int = _U64.unpack_from(mm, offset)[0]
+    return value
+
+
+def _fence_python() -> None:
+    return None
+
+
+_blob_lock = threading.RLock()
+_blob_busy = False
+
+
+def _put_blob_python(mm: mmap.mmap, blobs_at: int, limit: int, data: bytes) -> int:
+    """A blob appended and published (``blob_used`` last); its id, or 0 where there is no room
+    (counted). Under a lock: any thread may write one. A blob asked for while another is half
+    written in the same thread (by a signal handler that ran in between) is dropped, counted."""
+    global _blob_busy
+    with _blob_lock:
+        if _blob_busy:
+            _store_python(mm, _BLOBS_DROPPED_OFFSET, _load_python(mm, _BLOBS_DROPPED_OFFSET) + 1)
+            return 0
+        _blob_busy = True
+        try:
+            used, count = _load_python(mm, _BLOB_USED_OFFSET), _load_python(mm, _BLOB_COUNT_OFFSET)
+            need = _BLOB_HEAD.size + len(data)
+            if used + need > limit:
+                _store_python(mm, _BLOBS_DROPPED_OFFSET, _load_python(mm, _BLOBS_DROPPED_OFFSET) + 1)
+                return 0
+            at = blobs_at + used
+            _BLOB_HEAD.pack_into(mm, at, count + 1, len(data))
+            mm[at + _BLOB_HEAD.size : at + need] = data
+            _store_python(mm, _BLOB_COUNT_OFFSET, count + 1)
+            _store_python(mm, _BLOB_USED_OFFSET, used + need)  # published last
+            return count + 1
+        finally:
+            _blob_busy = False
+
+
+_put: PutSlot = _put_python
+#: a word stored after what it publishes (a blob's ``blob_used``, a status's even sequence)
+_store_release: Callable[[mmap.mmap, int, int], None] = _store_python
+#: a word stored before what it guards is written (a status's odd sequence)
+_store_begin: Callable[[mmap.mmap, int, int], None] = _store_python
+#: a word loaded before what it covers is read (``blob_used``, a status's sequence)
+_load_acquire: Callable[[mmap.mmap, int], int] = _load_python
+#: a word loaded again after what it guards was read (a status's sequence)
+_load_after: Callable[[mmap.mmap, int], int] = _load_python
+_fence_acquire: Callable[[], None] = _fence_python
+_put_blob: Callable[[mmap.mmap, int, int, bytes], int] = _put_blob_python
+_native_scan: Callable[..., tuple[bytes, int, tuple[int, int] | None]] | None = None
+_bound = False
+
+
+def _bind() -> None:
+    """The protocol's C functions in place of the Python ones, where the extension is loaded
+    (once; never at import: the extension's package imports this module)."""
+    global _bound, _put, _store_release, _store_begin, _load_acquire, _load_after, _fence_acquire, _put_blob
+    global _native_scan
+    if _bound:
+        return
+    _bound = True
+    ext = native.module()
+    if ext is None:
+        return
+    if (ext.HEADER_SIZE, ext.SLOT_SIZE, ext.BLOB_USED_OFFSET) != (HEADER_SIZE, SLOT_SIZE, _BLOB_USED_OFFSET):
+        raise RuntimeError("hangwatch: the C extension was built for another ring layout")
+    _put, _store_release, _store_begin, _put_blob = ext.put_slot, ext.store_release, ext.store_begin, ext.put_blob
+    _load_acquire, _load_after, _fence_acquire = ext.load_acquire, ext.load_after, ext.fence_acquire
+    _native_scan = ext.scan_packed
 
 
 class Kind:
@@ -218,40 +354,50 @@ class RingWriter:
         self.slots_base = HEADER_SIZE
         self._pack_u64 = _U64.pack_into
 
+    @property
+    def put_slot(self) -> PutSlot:
+        """``put(mm, positions, capacity, kind, flags, aux, ref, call_id, seq, step, arg, time)``:
+        claims the next slot of a ring from ``positions`` and publishes a record there in one
+        step (no slot claimed and left unwritten, whatever interrupts the writer); returns its
+        position. The hook's hot paths call it directly, with this writer's ``mm``, ``positions``
+        and ``capacity``."""
+        _bind()
+        return _put
+
     def write(
         self, kind: int, flags: int, aux: int, ref: int, call_id: int, seq: int, step: int, arg: int, t: float
     ) -> None:
         """Append one slot. Never blocks, never fails for lack of room (the oldest is overwritten)."""
-        head = next(self.positions)
-        self.pack_slot(self.mm, HEADER_SIZE + (head % self.capacity) * SLOT_SIZE, head + 1, kind, flags, aux, ref,
-                       call_id & _MASK, seq & _MASK, step & _MASK, arg & _MASK, t, head + 1)  # fmt: skip
+        self.put_slot(self.mm, self.positions, self.capacity, kind, flags, aux, ref, call_id, seq, step, arg, t)
 
     def set_status(self, text: str, t: float) -> None:
         """Publish ``text`` (cut to :data:`STATUS_MAX` bytes) as the rank's current status."""
+        _bind()
         data = text.encode("utf-8", "replace")[:STATUS_MAX]
         seq = self._status_seq
-        self._pack_u64(self.mm, _STATUS_OFFSET, seq + 1)  # odd: readers wait or retry
-        _STATUS.pack_into(self.mm, _STATUS_OFFSET, seq + 1, t, len(data))
+        _store_begin(self.mm, _STATUS_OFFSET, seq + 1)  # odd: readers retry
+        _STATUS_BODY.pack_into(self.mm, _STATUS_OFFSET + 8, t, len(data))
         start = _STATUS_OFFSET + _STATUS.size
         self.mm[start : start + len(data)] = data
         self._status_seq = seq + 2
-        self._pack_u64(self.mm, _STATUS_OFFSET, seq + 2)
+        _store_release(self.mm, _STATUS_OFFSET, seq + 2)
 
-    def blob(self, data: bytes) -> int:
-        """Store ``data``; returns its id (from 1), or 0 when the blob area is full (counted)."""
-        need = _BLOB_HEAD.size + len(data)
-        if self.blob_used + need > self.blob_bytes:
-            self.blobs_dropped += 1
-            self._pack_u64(self.mm, _BLOBS_DROPPED_OFFSET, self.blobs_dropped)
-            return 0
-        blob_id = self.blob_count + 1
-        at = self._blobs + self.blob_used
-        _BLOB_HEAD.pack_into(self.mm, at, blob_id, len(data))
-        self.mm[at + _BLOB_HEAD.size : at + need] = data
-        self.blob_count = blob_id
-        self.blob_used += need
-        self._pack_u64(self.mm, _BLOB_COUNT_OFFSET, blob_id)
-        self._pack_u64(self.mm, _BLOB_USED_OFFSET, self.blob_used)  # published last
+    @property
+    def blob_reserve(self) -> int:
+        return blob_reserve(self.blob_bytes)
+
+    def blob(self, data: bytes, reserved: bool = False) -> int:
+        """Store ``data``; returns its id (from 1), or 0 when the blob area is full (counted).
+        Only a ``reserved`` blob (an error text, the rank's end) may use the area's last
+        :attr:`blob_reserve` bytes. Safe from any thread."""
+        _bind()
+        limit = self.blob_bytes - (0 if reserved else self.blob_reserve)
+        blob_id = _put_blob(self.mm, self._blobs, limit, data)
+        self.blob_used, self.blob_count, self.blobs_dropped = (
+            _load_python(self.mm, _BLOB_USED_OFFSET),
+            _load_python(self.mm, _BLOB_COUNT_OFFSET),
+            _load_python(self.mm, _BLOBS_DROPPED_OFFSET),
+        )
         return blob_id
 
     def close(self) -> None:
@@ -292,19 +438,9 @@ def read_geometry(buf: bytes | mmap.mmap) -> Geometry:
     return Geometry(capacity, blob_bytes, pid, rank)
 
 
-_native_scan: Callable[..., tuple[bytes, int, tuple[int, int] | None]] | None = None
-
-
 def _load_scan() -> None:
-    """The slot scan in C, where the extension was built (imported on first use: the extension's
-    package imports this module)."""
-    global _native_scan
-    if _native_scan is None:
-        try:
-            from hangwatch.client._fastpath import scan_packed
-        except ImportError:  # pragma: no cover - depends on the install
-            return
-        _native_scan = scan_packed
+    """The slot scan in C, where the extension is loaded (see ``_bind``)."""
+    _bind()
 
 
 class RingReader:
@@ -355,18 +491,20 @@ class RingReader:
 
     def status(self) -> tuple[float, str] | None:
         """The rank's latest status and when it was written; None if none (or it is mid-write)."""
+        _bind()
         for _ in range(3):
-            seq, t, length = _STATUS.unpack_from(self.mm, _STATUS_OFFSET)
+            seq = _load_acquire(self.mm, _STATUS_OFFSET)
             if seq == 0:
                 return None
+            t, length = _STATUS_BODY.unpack_from(self.mm, _STATUS_OFFSET + 8)
             start = _STATUS_OFFSET + _STATUS.size
             data = bytes(self.mm[start : start + min(length, STATUS_MAX)])
-            if seq % 2 == 0 and _U64.unpack_from(self.mm, _STATUS_OFFSET)[0] == seq:
+            if seq % 2 == 0 and _load_after(self.mm, _STATUS_OFFSET) == seq:
                 return t, data.decode("utf-8", "replace")
         return None
 
     def _new_blobs(self) -> dict[int, bytes]:
-        used = min(self._u64(_BLOB_USED_OFFSET), self.geometry.blob_bytes)
+        used = min(_load_acquire(self.mm, _BLOB_USED_OFFSET), self.geometry.blob_bytes)
         out: dict[int, bytes] = {}
         at = self.blob_position
         while at + _BLOB_HEAD.size <= used:
@@ -378,6 +516,26 @@ class RingReader:
             at = end
         self.blob_position = at
         return out
+
+    #: a hole (a slot claimed and never written) met at this position, and since when
+    _hole_at = -1
+    _hole_since = 0.0
+    #: holes skipped so far (counted in ``lost`` too)
+    holes = 0
+
+    def _skip_hole(self, p: int, stopped: tuple[int, int]) -> bool:
+        """Whether the slot at ``p``, which stopped a read unwritten, is a hole to step over: a
+        slot after it is published, and it has been unwritten for ``HOLE_WAIT_S``."""
+        if max(stopped) >= p + 1 or not any(self._published(q) for q in range(p + 1, p + 1 + _HOLE_LOOKAHEAD)):
+            return False
+        now = time.monotonic()
+        if self._hole_at != p:
+            self._hole_at, self._hole_since = p, now
+            return False
+        if now - self._hole_since < HOLE_WAIT_S:
+            return False
+        self.holes += 1
+        return True
 
     def _read(self, position: int) -> Slot:
         return Slot._make(SLOT.unpack_from(self.mm, HEADER_SIZE + (position % self.capacity) * SLOT_SIZE))
@@ -397,6 +555,7 @@ class RingReader:
 
     def poll(self, limit: int | None = None) -> Batch:
         """Everything published since the last poll (at most ``limit`` slots, oldest first)."""
+        _bind()
         budget = self.capacity if limit is None else limit
         if self.native and _native_scan is not None:
             return self._poll_native(budget)
@@ -404,27 +563,40 @@ class RingReader:
         lost = 0
         p = self.position
         make = Slot._make
+        end_at, mm, fence = SLOT_SIZE - 8, self.mm, _fence_acquire
         while len(out) < budget:
-            # a contiguous run of slots at a time, up to the ring's end
+            # a contiguous run of slots at a time, up to the ring's end, read in the protocol's
+            # order: every end stamp, then every body, then every front stamp, a copy each
             index = p % self.capacity
             n = min(self.capacity - index, budget - len(out), _CHUNK)
             at = HEADER_SIZE + index * SLOT_SIZE
-            stopped: tuple[int, ...] | None = None
-            for rec in SLOT.iter_unpack(self.mm[at : at + n * SLOT_SIZE]):
-                if rec[0] == rec[10] == p + 1:
-                    out.append(make(rec))
+            ends = mm[at : at + n * SLOT_SIZE]
+            fence()
+            bodies = mm[at : at + n * SLOT_SIZE]
+            fence()
+            fronts = mm[at : at + n * SLOT_SIZE]
+            stopped: tuple[int, int] | None = None
+            for i, rec in enumerate(SLOT.iter_unpack(bodies)):
+                end = _U64.unpack_from(ends, i * SLOT_SIZE + end_at)[0]
+                front = _U64.unpack_from(fronts, i * SLOT_SIZE)[0]
+                if front == end == p + 1:
+                    out.append(make((front, *rec[1:10], end)))
                     p += 1
                 else:
-                    stopped = rec
+                    stopped = (front, end)
                     break
             if stopped is None:
                 continue
-            if stopped[0] == stopped[10] and p + 1 < stopped[0] <= MAX_POSITION:
+            if stopped[0] == stopped[1] and p + 1 < stopped[0] <= MAX_POSITION:
                 # lapped: go to the oldest slot still there (if it is being overwritten right
                 # now its stamps differ, and the next poll skips again)
                 skip_to = max(p + 1, self.head() - self.capacity)
                 lost += skip_to - p
                 p = skip_to
+                continue
+            if self._skip_hole(p, stopped):
+                lost += 1
+                p += 1
                 continue
             break  # not written yet, or being written right now: the next poll takes it
         self.lost += lost
@@ -452,6 +624,10 @@ class RingReader:
                 lost += skip_to - p
                 p = skip_to
                 continue
+            if self._skip_hole(p, stopped):
+                lost += 1
+                p += 1
+                continue
             break
         self.lost += lost
         self.position = p
@@ -460,7 +636,7 @@ class RingReader:
 
     def _published(self, p: int) -> bool:
         at = HEADER_SIZE + (p % self.capacity) * SLOT_SIZE
-        return self._u64(at) == self._u64(at + SLOT_SIZE - 8) == p + 1
+        return self._u64(at + SLOT_SIZE - 8) == p + 1 and self._u64(at) == p + 1  # end stamp first
 
     def peek(self, since: int = 0) -> int:
         """Where the published slots end now (the position after the newest), looked up from

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -288,3 +289,38 @@ def fr_dump_job(
     finally:
         job.kill()
     return out
+
+
+#: The Pythons the hook's C fast path is checked on (``scripts/check_native.py``), oldest first;
+#: a ``t`` build (free-threaded) is looked for beside each from 3.13 on.
+PYTHON_VERSIONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
+
+
+def pythons(versions: Sequence[str] = PYTHON_VERSIONS) -> dict[str, Path | None]:
+    """Each version's interpreter on this machine (pyenv's, under ``$PYENV_ROOT`` or ``~/.pyenv``,
+    then ``pythonX.Y`` on ``PATH``), None where it has none; free-threaded builds as ``X.Yt``."""
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    installed = sorted(root.iterdir()) if root.is_dir() else []
+    found: dict[str, Path | None] = {}
+    for version in versions:
+        free_threaded = tuple(int(x) for x in version.split(".")) >= (3, 13)
+        wanted = [version] + ([version + "t"] if free_threaded else [])
+        for name in wanted:
+            free = name.endswith("t")
+            path: Path | None = None
+            for folder in reversed(installed):  # the newest patch release first
+                base = folder.name
+                if base.endswith("t") != free or not base.rstrip("t").startswith(version + "."):
+                    continue
+                exe = folder / "bin" / f"python{name}"
+                if not exe.exists() and not free:
+                    exe = folder / "bin" / "python"
+                if exe.exists():
+                    path = exe
+                    break
+            if path is None:
+                on_path = shutil.which(f"python{name}")
+                path = Path(on_path) if on_path else None
+            if path is not None or not free:
+                found[name] = path
+    return found

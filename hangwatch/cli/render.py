@@ -83,6 +83,18 @@ def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
             budgets.setdefault(str(rank["budget"]), []).append(rank["rank"])
     for note, ranks in sorted(budgets.items(), key=lambda kv: kv[1][0]):
         out.write(f"budget: {ranks_label(sorted(ranks))}: {note}\n")
+    hooks: dict[str, list[int]] = {}  # ranks whose hook records in Python, by why
+    offs: dict[str, list[int]] = {}  # ranks whose hook stopped recording calls, by why
+    for rank in data["ranks"]:
+        hook = str(rank.get("hook") or "")
+        if hook.startswith("python"):
+            hooks.setdefault(hook.removeprefix("python").lstrip(": ") or "unknown", []).append(rank["rank"])
+        if rank.get("capture_off"):
+            offs.setdefault(str(rank["capture_off"]), []).append(rank["rank"])
+    for why, ranks in sorted(hooks.items(), key=lambda kv: kv[1][0]):
+        out.write(f"hook: {ranks_label(sorted(ranks))} record calls in Python, not C: {why}\n")
+    for why, ranks in sorted(offs.items(), key=lambda kv: kv[1][0]):
+        out.write(_c(f"capture off: {ranks_label(sorted(ranks))} stopped recording calls: {why}", "31", colour) + "\n")
     groups: dict[str, list[int]] = {}
     for rank in data["ranks"]:
         groups.setdefault(_rank_line(rank, now), []).append(rank["rank"])

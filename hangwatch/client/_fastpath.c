@@ -11,9 +11,13 @@
  * ``capture.py`` stays the reference (and the fallback where this extension is not built);
  * ``tests/client/test_fastpath.py`` checks that both write the same slots.
  *
- * Nothing here raises into the user's code: a failure before the user's call falls back to
- * ``general``; a failure after it is reported to the session (``on_exit_error``), and the
- * user's result or exception passes through untouched.
+ * Nothing of the hook's own raises into the user's code: a failure before the user's call falls
+ * back to ``general``; a failure after it is reported to the session (``on_exit_error``), and the
+ * user's result or exception passes through untouched. What the program raises meanwhile (a
+ * KeyboardInterrupt, what a signal handler raised in a callback: ``foreign_of``) is never
+ * swallowed: it goes on to the program. The ring's slots are claimed and published in one step
+ * (``claim_slot``), as a seqlock that holds on every CPU (``slot_publish``, ``slot_take``).
+ * Everything here relies on the GIL: on a free-threaded interpreter the module refuses to load.
  *
  * The node agent's side lives here too (one extension, one build): ``scan_packed``, the loop over
  * a ring's slots of ``RingReader.poll``, and ``gather_packed``, ``RingEncoder._gather``'s
@@ -21,6 +25,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -64,6 +69,12 @@ _Static_assert(sizeof(slot_t) == 48, "a ring slot is 48 bytes");
  * ``depth`` (a threading.local lookup, about a tenth of this path's cost) is not read. */
 static Py_ssize_t general_inside = 0;
 
+/* ``hangwatch.ring.HEADER_SIZE``: where the slots begin (``ring.py`` checks it is the same). */
+#define RING_HEADER 1024
+/* ``hangwatch.ring._BLOB_USED_OFFSET``: blob_used, then blobs_dropped, then blob_count (u64 each). */
+#define BLOB_USED_AT 40
+
+static PyObject *s_zero, *s_one; /* what ``general_leave`` and ``general_enter`` set ``depth`` to */
 static PyObject *s_active, *s_depth, *s_recorder, *s_memo, *s_covers, *s_sink, *s_mm, *s_positions,
     *s_capacity, *s_groups, *s_p2p_ops, *s_ids, *s_step, *s_shape, *s_dtype, *s_is_cuda;
 
@@ -114,22 +125,77 @@ static int next_ll(PyObject *it, long long *out) {
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* Write one slot at position h of the ring held by ``mm``; -1 with an exception on failure. */
-static int put_slot(PyObject *mm, Py_ssize_t header, long long capacity, long long h, slot_t *slot) {
+/* ---- the ring's publication protocol: a seqlock per slot (``hangwatch/ring.py`` says why) ----
+ *
+ * Writer: the front stamp, a release fence, the body, then the end stamp by a store-release.
+ * Reader: the end stamp by a load-acquire, the body, an acquire fence, then the front stamp; the
+ * slot is whole when both stamps are the one it wants. Every word is an atomic access of its own
+ * (relaxed where no order is asked), so neither the compiler nor a weakly ordered CPU may move
+ * one across the fences. On x86-64 the fences and the acquire/release accesses are plain moves. */
+
+/* Between two steps of the reader (tests only: they play interleavings by hand); NULL otherwise. */
+typedef void (*step_fn)(void *arg, int step);
+
+static inline void slot_publish(char *dst, const slot_t *slot) {
+    uint64_t w[6];
+    memcpy(w, slot, sizeof w);
+    uint64_t *q = (uint64_t *)(void *)dst;
+    __atomic_store_n(&q[0], w[0], __ATOMIC_RELAXED); /* front stamp: the slot is being written */
+    __atomic_thread_fence(__ATOMIC_RELEASE);         /* ... before any of its body is */
+    for (int i = 1; i < 5; i++) __atomic_store_n(&q[i], w[i], __ATOMIC_RELAXED);
+    __atomic_store_n(&q[5], w[5], __ATOMIC_RELEASE); /* end stamp: after the whole body */
+}
+
+/* The slot at ``src`` into ``out``; 1 where both its stamps are ``want`` (whole), else 0. */
+static inline int slot_take(const char *src, uint64_t want, slot_t *out, step_fn between, void *arg) {
+    const uint64_t *q = (const uint64_t *)(const void *)src;
+    uint64_t w[6];
+    w[5] = __atomic_load_n(&q[5], __ATOMIC_ACQUIRE); /* end stamp first: the body it closes is seen */
+    if (between != NULL) between(arg, 0);
+    for (int i = 1; i < 5; i++) w[i] = __atomic_load_n(&q[i], __ATOMIC_RELAXED);
+    if (between != NULL) between(arg, 1);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the body's loads before the front stamp's */
+    w[0] = __atomic_load_n(&q[0], __ATOMIC_RELAXED); /* a writer that began since shows here */
+    memcpy(out, w, sizeof w);
+    return w[0] == want && w[5] == want;
+}
+
+/* The ring's slot area in ``view`` (8-byte aligned, as the protocol's words must be); NULL with
+ * an exception where the mapping is smaller than the ring. */
+static char *ring_slots(Py_buffer *view, Py_ssize_t header, long long capacity) {
+    if (capacity <= 0 || header < 0 || capacity > (PY_SSIZE_T_MAX - header) / (Py_ssize_t)sizeof(slot_t) ||
+        header + (Py_ssize_t)capacity * (Py_ssize_t)sizeof(slot_t) > view->len) {
+        PyErr_SetString(PyExc_ValueError, "the ring is larger than its mapping");
+        return NULL;
+    }
+    char *base = (char *)view->buf + header;
+    if (((uintptr_t)base & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "the ring's slots are not 8-byte aligned");
+        return NULL;
+    }
+    return base;
+}
+
+/* Claim the next slot from ``positions`` and publish ``slot`` there, in one step: nothing that can
+ * fail comes between the claim and the write, and no Python code runs there (no signal handler
+ * can leave a claimed slot unwritten). The position is ``*h``. -1 with an exception on failure,
+ * before anything was claimed. */
+static int claim_slot(PyObject *mm, PyObject *positions, Py_ssize_t header, long long capacity, slot_t *slot,
+                      long long *h) {
     Py_buffer view;
-    if (capacity <= 0 || h < 0) {
+    if (PyObject_GetBuffer(mm, &view, PyBUF_WRITABLE) < 0) return -1;
+    char *base = ring_slots(&view, header, capacity);
+    if (base == NULL || next_ll(positions, h) < 0) {
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    if (*h < 0) { /* a counter moved by hand: nothing written */
+        PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "bad ring position");
         return -1;
     }
-    if (PyObject_GetBuffer(mm, &view, PyBUF_WRITABLE) < 0) return -1;
-    Py_ssize_t at = header + (Py_ssize_t)(h % capacity) * (Py_ssize_t)sizeof(slot_t);
-    if (at < 0 || at + (Py_ssize_t)sizeof(slot_t) > view.len) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "ring slot out of range");
-        return -1;
-    }
-    slot->stamp = slot->stamp_end = (uint64_t)h + 1;
-    memcpy((char *)view.buf + at, slot, sizeof(slot_t)); /* one copy, both stamps in it */
+    slot->stamp = slot->stamp_end = (uint64_t)*h + 1;
+    slot_publish(base + (Py_ssize_t)(*h % capacity) * (Py_ssize_t)sizeof(slot_t), slot);
     PyBuffer_Release(&view);
     return 0;
 }
@@ -156,6 +222,29 @@ static void give_exception(PyObject *exc) { /* steals ``exc`` */
     if (exc == NULL) return;
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
 #endif
+}
+
+/* ``hangwatch.native.foreign``: whether an exception is the program's (set by ``set_foreign``). */
+static PyObject *foreign_fn = NULL;
+
+/* The exception to pass on to the program where ``exc`` (borrowed, none set) is not the hook's
+ * own (a KeyboardInterrupt, what a signal handler raised), or a newer one a signal handler raised
+ * while this was asked, with ``exc`` as its context: a new reference. NULL where ``exc`` is the
+ * hook's own, to swallow (the hook copes, or turns itself off and says so). */
+static PyObject *foreign_of(PyObject *exc) {
+    if (exc == NULL) return NULL;
+    if (!PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_Exception)) return Py_NewRef(exc);
+    if (foreign_fn == NULL) return NULL;
+    PyObject *r = PyObject_CallOneArg(foreign_fn, exc);
+    if (r == NULL) { /* ``foreign`` never raises: a signal handler did, inside it */
+        PyObject *newer = take_exception();
+        if (newer != NULL && newer != exc) PyException_SetContext(newer, Py_NewRef(exc));
+        return newer;
+    }
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (t < 0) PyErr_Clear();
+    return t > 0 ? Py_NewRef(exc) : NULL;
 }
 
 static int truthy_attr(PyObject *obj, PyObject *name) {
@@ -286,7 +375,12 @@ static PyObject *fastop_vectorcall(PyObject *op, PyObject *const *args, size_t n
     }
     if (nargs < self->k) return call_general(self, args, nargsf, kwnames);
     if (session != self->session && learn_session(self, session) < 0) {
-        PyErr_Clear();
+        PyObject *exc = take_exception(), *pass = foreign_of(exc);
+        Py_XDECREF(exc);
+        if (pass != NULL) {
+            give_exception(pass);
+            return NULL;
+        }
         return call_general(self, args, nargsf, kwnames);
     }
     /* held for the call: the cache may be refilled by a nested or concurrent call meanwhile */
@@ -336,7 +430,6 @@ static PyObject *fastop_vectorcall(PyObject *op, PyObject *const *args, size_t n
     if (ref == -1 && PyErr_Occurred()) goto done;
     if (attr_ll(recorder, s_step, &step) < 0) goto done;
     if (next_ll(ids, &call_id) < 0) goto done;
-    if (next_ll(positions, &h) < 0) goto done;
     slot_t slot = {0};
     slot.kind = KIND_ENTER;
     slot.ref = (uint32_t)ref;
@@ -344,7 +437,7 @@ static PyObject *fastop_vectorcall(PyObject *op, PyObject *const *args, size_t n
     slot.seq = (uint32_t)seq;
     slot.step = (uint32_t)step;
     slot.time = now_s();
-    if (put_slot(mm, self->header, capacity, h, &slot) < 0) goto done;
+    if (claim_slot(mm, positions, self->header, capacity, &slot, &h) < 0) goto done;
     served = 1;
 
 done:
@@ -353,21 +446,42 @@ done:
     Py_DECREF(ids);
     Py_DECREF(p2p);
     if (!served) {
-        PyErr_Clear(); /* the general path records the call, or fails once and says so */
+        /* the general path records the call, or fails once and says so; but what a signal
+         * handler raised in a callback above (or a KeyboardInterrupt) is the program's */
+        PyObject *pass = NULL;
+        if (PyErr_Occurred()) {
+            PyObject *exc = take_exception();
+            pass = foreign_of(exc);
+            Py_XDECREF(exc);
+        }
         Py_XDECREF(memo);
         Py_DECREF(recorder);
         Py_DECREF(mm);
         Py_DECREF(positions);
         Py_DECREF(session);
+        if (pass != NULL) {
+            give_exception(pass);
+            return NULL;
+        }
         return call_general(self, args, nargsf, kwnames);
     }
     self->served++;
     PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
     if (result == NULL) {
-        /* the user's call raised: its exit recorded with the error, then the error passes on */
+        /* the user's call raised: its exit recorded with the error, then the error passes on
+         * (or what a signal handler raised meanwhile, with the call's error as its context) */
         PyObject *exc = take_exception();
         PyObject *r = PyObject_CallFunction(self->on_error, "OOOLLO", session, self->spec, memo, call_id, seq, exc);
-        if (r == NULL) PyErr_Clear();
+        if (r == NULL) {
+            PyObject *inner = take_exception();
+            PyObject *pass = foreign_of(inner);
+            Py_XDECREF(inner);
+            if (pass != NULL) {
+                if (pass != exc) PyException_SetContext(pass, exc); /* steals exc */
+                else Py_DECREF(exc);
+                exc = pass;
+            }
+        }
         Py_XDECREF(r);
         give_exception(exc);
     } else {
@@ -376,12 +490,21 @@ done:
         out.kind = KIND_EXIT;
         out.aux = 1;
         out.call_id = (uint32_t)call_id;
-        if (next_ll(positions, &h2) < 0 || (out.time = now_s(), put_slot(mm, self->header, capacity, h2, &out)) < 0) {
+        out.time = now_s();
+        if (claim_slot(mm, positions, self->header, capacity, &out, &h2) < 0) {
             PyObject *exc = take_exception();
             PyObject *r = PyObject_CallFunctionObjArgs(self->on_exit_error, session, exc, NULL);
-            if (r == NULL) PyErr_Clear();
-            Py_XDECREF(r);
             Py_XDECREF(exc);
+            if (r == NULL) {
+                PyObject *inner = take_exception();
+                PyObject *pass = foreign_of(inner);
+                Py_XDECREF(inner);
+                if (pass != NULL) { /* a signal handler's exception while it was said: the program's */
+                    Py_CLEAR(result);
+                    give_exception(pass);
+                }
+            }
+            Py_XDECREF(r);
         }
     }
     Py_DECREF(memo);
@@ -574,7 +697,7 @@ static Py_ssize_t best_cycle(const unsigned long *refs, Py_ssize_t i, Py_ssize_t
  * (SLOT_SIZE bytes each, as the ring lays them out); ``stopped`` is None where the budget ended
  * the scan, else the (stamp, stamp_end) of the slot that did: not written yet, being written,
  * or lapped (the caller skips ahead). A slot is taken when both its stamps say ``position + 1``
- * (published whole); each is copied out of the shared region before its stamps are compared. */
+ * as the protocol reads them (``slot_take``): published whole, and not overwritten meanwhile. */
 static PyObject *scan_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "scan_packed(mm, header, capacity, position, budget)");
@@ -591,13 +714,11 @@ static PyObject *scan_packed(PyObject *module, PyObject *const *args, Py_ssize_t
     }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    if (capacity > (PY_SSIZE_T_MAX - header) / (Py_ssize_t)sizeof(slot_t) ||
-        (Py_ssize_t)header + (Py_ssize_t)capacity * (Py_ssize_t)sizeof(slot_t) > view.len) {
+    const char *base = ring_slots(&view, header, capacity);
+    if (base == NULL) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "scan_packed: the ring is larger than its mapping");
         return NULL;
     }
-    const char *base = (const char *)view.buf + header;
     Py_ssize_t room = budget < 256 ? budget : 256, n = 0;
     slot_t *buf = PyMem_Malloc(sizeof(slot_t) * (size_t)(room > 0 ? room : 1));
     PyObject *stopped = NULL, *data = NULL;
@@ -617,8 +738,8 @@ static PyObject *scan_packed(PyObject *module, PyObject *const *args, Py_ssize_t
             room = more;
         }
         slot_t *s = &buf[n];
-        memcpy(s, base + (Py_ssize_t)(p % capacity) * (Py_ssize_t)sizeof(slot_t), sizeof(slot_t));
-        if (s->stamp != (uint64_t)p + 1 || s->stamp_end != (uint64_t)p + 1) {
+        if (!slot_take(base + (Py_ssize_t)(p % capacity) * (Py_ssize_t)sizeof(slot_t), (uint64_t)p + 1, s, NULL,
+                       NULL)) {
             stopped = Py_BuildValue("(KK)", (unsigned long long)s->stamp, (unsigned long long)s->stamp_end);
             if (stopped == NULL) goto fail;
             break;
@@ -1070,13 +1191,214 @@ done:
     return Py_BuildValue("(NO)", items, steady ? Py_True : Py_False);
 }
 
-static PyObject *general_entered(PyObject *module, PyObject *unused) {
+/* general_enter(tls): the calling thread enters a call the Python wrapper records: ``tls.depth``
+ * set and the count of such threads up, in one step (no Python code between them, so no signal
+ * handler's exception leaves one done without the other). */
+static PyObject *general_enter(PyObject *module, PyObject *tls) {
+    if (PyObject_SetAttr(tls, s_depth, s_one) < 0) return NULL;
     general_inside++;
     Py_RETURN_NONE;
 }
 
-static PyObject *general_left(PyObject *module, PyObject *unused) {
+/* general_leave(tls): the calling thread left it (once: a second call does nothing). */
+static PyObject *general_leave(PyObject *module, PyObject *tls) {
+    int inside = truthy_attr(tls, s_depth);
+    if (inside < 0) return NULL;
+    if (!inside) Py_RETURN_NONE;
+    if (PyObject_SetAttr(tls, s_depth, s_zero) < 0) return NULL;
     if (general_inside > 0) general_inside--;
+    Py_RETURN_NONE;
+}
+
+static int ll_args(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, unsigned long long *out) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsUnsignedLongLongMask(args[from + i]);
+        if (out[i] == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* put_slot(mm, positions, capacity, kind, flags, aux, ref, call_id, seq, step, arg, time) -> position:
+ * the Python writers' way into the ring (``RingWriter.put``): the slot claimed from ``positions``
+ * and published in one step, as the fast path here does. Integers are kept to their fields' widths. */
+static PyObject *put_slot_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError,
+                        "put_slot(mm, positions, capacity, kind, flags, aux, ref, call_id, seq, step, arg, time)");
+        return NULL;
+    }
+    long long capacity = PyLong_AsLongLong(args[2]), h = 0;
+    unsigned long long v[8];
+    if ((capacity == -1 && PyErr_Occurred()) || ll_args(args, 3, 8, v) < 0) return NULL;
+    double t = PyFloat_AsDouble(args[11]);
+    if (t == -1.0 && PyErr_Occurred()) return NULL;
+    slot_t slot = {0};
+    slot.kind = (uint8_t)v[0];
+    slot.flags = (uint8_t)v[1];
+    slot.aux = (uint16_t)v[2];
+    slot.ref = (uint32_t)v[3];
+    slot.call_id = (uint32_t)v[4];
+    slot.seq = (uint32_t)v[5];
+    slot.step = (uint32_t)v[6];
+    slot.arg = (uint32_t)v[7];
+    slot.time = t;
+    if (claim_slot(args[0], args[1], RING_HEADER, capacity, &slot, &h) < 0) return NULL;
+    return PyLong_FromLongLong(h);
+}
+
+/* A u64 word of the ring's header (8-byte aligned, inside the mapping): its address. */
+static uint64_t *header_word(Py_buffer *view, PyObject *offset_obj) {
+    Py_ssize_t offset = PyLong_AsSsize_t(offset_obj);
+    if (offset == -1 && PyErr_Occurred()) return NULL;
+    char *at = (char *)view->buf + offset;
+    if (offset < 0 || offset + 8 > view->len || ((uintptr_t)at & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "not an aligned word of the ring");
+        return NULL;
+    }
+    return (uint64_t *)(void *)at;
+}
+
+#define WORD_OP(name, writable, body)                                                   \
+    static PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {  \
+        if (nargs != 2 + (writable)) {                                                  \
+            PyErr_SetString(PyExc_TypeError, #name ": wrong number of arguments");     \
+            return NULL;                                                                \
+        }                                                                               \
+        Py_buffer view;                                                                 \
+        if (PyObject_GetBuffer(args[0], &view, (writable) ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) \
+            return NULL;                                                                \
+        uint64_t *word = header_word(&view, args[1]);                                   \
+        PyObject *out = NULL;                                                           \
+        if (word != NULL) {                                                             \
+            body                                                                        \
+        }                                                                               \
+        PyBuffer_Release(&view);                                                        \
+        return out;                                                                     \
+    }
+
+/* store_release(mm, offset, value): publishes what was written before (a blob under blob_used,
+ * a status under its even sequence). */
+WORD_OP(store_release, 1, {
+    unsigned long long value = PyLong_AsUnsignedLongLongMask(args[2]);
+    if (!(value == (unsigned long long)-1 && PyErr_Occurred())) {
+        __atomic_store_n(word, (uint64_t)value, __ATOMIC_RELEASE);
+        out = Py_NewRef(Py_None);
+    }
+})
+
+/* store_begin(mm, offset, value): the store, then a release fence: what is written after it
+ * (a status's text under its odd sequence) is seen only with it. */
+WORD_OP(store_begin, 1, {
+    unsigned long long value = PyLong_AsUnsignedLongLongMask(args[2]);
+    if (!(value == (unsigned long long)-1 && PyErr_Occurred())) {
+        __atomic_store_n(word, (uint64_t)value, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        out = Py_NewRef(Py_None);
+    }
+})
+
+/* load_acquire(mm, offset) -> value: what it covers may be read after it. */
+WORD_OP(load_acquire, 0, { out = PyLong_FromUnsignedLongLong(__atomic_load_n(word, __ATOMIC_ACQUIRE)); })
+
+/* load_after(mm, offset) -> value: an acquire fence, then the load (a status's sequence again,
+ * after its text was copied). */
+WORD_OP(load_after, 0, {
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    out = PyLong_FromUnsignedLongLong(__atomic_load_n(word, __ATOMIC_RELAXED));
+})
+
+/* Tests: the reader's steps interleaved by hand with a writer's. ``between(step)`` is called
+ * between the reader's protocol steps; what it raises is raised when the reader is done. */
+typedef struct {
+    PyObject *fn;
+    int failed;
+} stepper_t;
+
+static void call_between(void *arg, int step) {
+    stepper_t *st = arg;
+    if (st->failed) return;
+    PyObject *r = PyObject_CallFunction(st->fn, "i", step);
+    if (r == NULL) st->failed = 1;
+    Py_XDECREF(r);
+}
+
+/* _take_steps(mm, capacity, position, between) -> (whole, slot_bytes): the slot at ``position``
+ * as ``scan_packed`` takes it, ``between`` between its steps. */
+static PyObject *take_steps(PyObject *module, PyObject *args) {
+    PyObject *mm, *fn;
+    long long capacity, p;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OLLO", &mm, &capacity, &p, &fn)) return NULL;
+    if (p < 0) {
+        PyErr_SetString(PyExc_ValueError, "_take_steps: bad position");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const char *base = ring_slots(&view, RING_HEADER, capacity);
+    stepper_t st = {fn, 0};
+    slot_t slot;
+    int whole = 0;
+    if (base != NULL)
+        whole = slot_take(base + (Py_ssize_t)(p % capacity) * (Py_ssize_t)sizeof(slot_t), (uint64_t)p + 1, &slot,
+                          call_between, &st);
+    PyBuffer_Release(&view);
+    if (base == NULL || st.failed) return NULL;
+    return Py_BuildValue("(Ny#)", PyBool_FromLong(whole), (const char *)&slot, (Py_ssize_t)sizeof slot);
+}
+
+static PyObject *fence_acquire(PyObject *module, PyObject *unused) {
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    Py_RETURN_NONE;
+}
+
+/* put_blob(mm, blobs_at, limit, data) -> id: ``data`` appended to the ring's blob area (which
+ * begins at ``blobs_at``; it may fill up to ``limit`` bytes) and published: its bytes, then the
+ * blob count, then ``blob_used`` by a store-release. 0 where there is no room (counted in
+ * ``blobs_dropped``). One step under the GIL: safe from any thread, and no signal handler runs
+ * inside it. */
+static PyObject *put_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "put_blob(mm, blobs_at, limit, data)");
+        return NULL;
+    }
+    Py_ssize_t blobs_at = PyLong_AsSsize_t(args[1]), limit = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer view, data;
+    if (PyObject_GetBuffer(args[3], &data, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (blobs_at < RING_HEADER || limit < 0 || blobs_at > view.len - limit || data.len > UINT32_MAX ||
+        ((uintptr_t)view.buf & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "put_blob: the blob area is outside the mapping");
+        goto done;
+    }
+    uint64_t *used_w = (uint64_t *)(void *)((char *)view.buf + BLOB_USED_AT);
+    uint64_t *dropped_w = used_w + 1, *count_w = used_w + 2;
+    uint64_t used = __atomic_load_n(used_w, __ATOMIC_RELAXED), count = __atomic_load_n(count_w, __ATOMIC_RELAXED);
+    uint64_t need = 8 + (uint64_t)data.len;
+    if (used > (uint64_t)limit || need > (uint64_t)limit - used) {
+        __atomic_store_n(dropped_w, __atomic_load_n(dropped_w, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+        out = PyLong_FromLong(0);
+        goto done;
+    }
+    char *at = (char *)view.buf + blobs_at + used;
+    uint32_t head[2] = {(uint32_t)(count + 1), (uint32_t)data.len};
+    memcpy(at, head, sizeof head);
+    memcpy(at + sizeof head, data.buf, (size_t)data.len);
+    __atomic_store_n(count_w, count + 1, __ATOMIC_RELAXED);
+    __atomic_store_n(used_w, used + need, __ATOMIC_RELEASE); /* published last */
+    out = PyLong_FromUnsignedLongLong(count + 1);
+done:
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&data);
+    return out;
+}
+
+static PyObject *set_foreign(PyObject *module, PyObject *fn) {
+    Py_XSETREF(foreign_fn, Py_NewRef(fn));
     Py_RETURN_NONE;
 }
 
@@ -1085,8 +1407,18 @@ static PyObject *general_count(PyObject *module, PyObject *unused) {
 }
 
 static PyMethodDef module_methods[] = {
-    {"general_entered", general_entered, METH_NOARGS, "A thread entered a call the Python wrapper records."},
-    {"general_left", general_left, METH_NOARGS, "A thread left a call the Python wrapper records."},
+    {"general_enter", general_enter, METH_O, "The calling thread enters a call the Python wrapper records."},
+    {"general_leave", general_leave, METH_O, "The calling thread left a call the Python wrapper records."},
+    {"put_slot", (PyCFunction)(void (*)(void))put_slot_py, METH_FASTCALL,
+     "put_slot(mm, positions, capacity, kind, flags, aux, ref, call_id, seq, step, arg, time) -> position."},
+    {"store_release", (PyCFunction)(void (*)(void))store_release, METH_FASTCALL, "store_release(mm, offset, value)."},
+    {"store_begin", (PyCFunction)(void (*)(void))store_begin, METH_FASTCALL, "store_begin(mm, offset, value)."},
+    {"load_acquire", (PyCFunction)(void (*)(void))load_acquire, METH_FASTCALL, "load_acquire(mm, offset) -> value."},
+    {"load_after", (PyCFunction)(void (*)(void))load_after, METH_FASTCALL, "load_after(mm, offset) -> value."},
+    {"fence_acquire", fence_acquire, METH_NOARGS, "An acquire fence (between a reader's copies)."},
+    {"put_blob", (PyCFunction)(void (*)(void))put_blob, METH_FASTCALL, "put_blob(mm, blobs_at, limit, data) -> id."},
+    {"_take_steps", take_steps, METH_VARARGS, "Tests: a slot taken step by step."},
+    {"set_foreign", set_foreign, METH_O, "The function that tells the program's exceptions from the hook's."},
     {"general_inside", general_count, METH_NOARGS, "Threads inside a call the Python wrapper records."},
     {"scan_packed", (PyCFunction)(void (*)(void))scan_packed, METH_FASTCALL,
      "scan_packed(mm, header, capacity, position, budget) -> (data, position, stopped)."},
@@ -1110,6 +1442,11 @@ static struct PyModuleDef module = {
     } while (0)
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
+#ifdef Py_GIL_DISABLED
+    /* everything here relies on the GIL: refused, rather than turn it back on for the process */
+    PyErr_SetString(PyExc_ImportError, "hangwatch's C fast path relies on the GIL: not on a free-threaded interpreter");
+    return NULL;
+#endif
     INTERN(s_active, "_active");
     INTERN(s_depth, "depth");
     INTERN(s_recorder, "recorder");
@@ -1126,6 +1463,8 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     INTERN(s_shape, "shape");
     INTERN(s_dtype, "dtype");
     INTERN(s_is_cuda, "is_cuda");
+    if (s_zero == NULL && (s_zero = PyLong_FromLong(0)) == NULL) return NULL;
+    if (s_one == NULL && (s_one = PyLong_FromLong(1)) == NULL) return NULL;
     if (PyType_Ready(&FastOpType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -1135,7 +1474,9 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "SLOT_SIZE", (long)sizeof(slot_t)) < 0) {
+    if (PyModule_AddIntConstant(m, "SLOT_SIZE", (long)sizeof(slot_t)) < 0 ||
+        PyModule_AddIntConstant(m, "HEADER_SIZE", RING_HEADER) < 0 ||
+        PyModule_AddIntConstant(m, "BLOB_USED_OFFSET", BLOB_USED_AT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

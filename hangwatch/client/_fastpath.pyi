@@ -4,11 +4,45 @@ from collections.abc import Callable
 from typing import Any
 
 SLOT_SIZE: int
+HEADER_SIZE: int
+BLOB_USED_OFFSET: int
 
-def general_entered() -> None:
-    """A thread entered a call the Python wrapper records (its fast paths skip ``depth`` otherwise)."""
+def general_enter(tls: Any, /) -> None:
+    """The calling thread enters a call the Python wrapper records: ``tls.depth`` set and the
+    count (its fast path skips ``depth`` where none is inside) up, in one step."""
 
-def general_left() -> None: ...
+def general_leave(tls: Any, /) -> None:
+    """It left (a second call does nothing)."""
+
+def put_slot(
+    mm: Any,
+    positions: Any,
+    capacity: int,
+    kind: int,
+    flags: int,
+    aux: int,
+    ref: int,
+    call_id: int,
+    seq: int,
+    step: int,
+    arg: int,
+    time: float,
+    /,
+) -> int:
+    """Claims the next slot from ``positions`` and publishes the record there, in one step; its position."""
+
+def put_blob(mm: Any, blobs_at: int, limit: int, data: bytes, /) -> int:
+    """Appends and publishes a blob; its id, or 0 where there is no room (counted)."""
+
+def store_release(mm: Any, offset: int, value: int, /) -> None: ...
+def store_begin(mm: Any, offset: int, value: int, /) -> None: ...
+def load_acquire(mm: Any, offset: int, /) -> int: ...
+def load_after(mm: Any, offset: int, /) -> int: ...
+def fence_acquire() -> None: ...
+def set_foreign(fn: Callable[[BaseException], bool], /) -> None: ...
+def _take_steps(mm: Any, capacity: int, position: int, between: Callable[[int], None], /) -> tuple[bool, bytes]:
+    """Tests: the slot at ``position`` taken as ``scan_packed`` takes it, ``between`` between its steps."""
+
 def scan_packed(
     mm: Any, header: int, capacity: int, position: int, budget: int, /
 ) -> tuple[bytes, int, tuple[int, int] | None]:

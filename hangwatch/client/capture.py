@@ -4,7 +4,10 @@ Every public collective and p2p function is replaced, in both ``torch.distribute
 ``torch.distributed.distributed_c10d``, by a wrapper that records enter and exit around the
 original. Nested calls (an object collective calling ``all_gather`` inside) are recorded once,
 at the outermost level. Any failure inside the hook disables the hook and is logged once; the
-user's call always runs, and its own exceptions pass through untouched.
+user's call always runs, and its own exceptions pass through untouched. So do the program's
+exceptions that arrive while the hook's code runs (what a signal handler raises, a
+``KeyboardInterrupt``: ``native.foreign``): they reach the program unchanged, a call whose
+entry was written gets its exit (with that error), and capture stays on.
 """
 
 from __future__ import annotations
@@ -18,18 +21,16 @@ from collections.abc import Callable
 from types import FrameType, ModuleType
 from typing import Any
 
-from hangwatch import catalogue, config
+from hangwatch import catalogue, config, native
 from hangwatch.client.ops import OPS, OpSpec
-from hangwatch.client.recorder import _ENTER, _EXIT, _MASK, _now
-from hangwatch.ring import HEADER_SIZE, SLOT_SIZE
+from hangwatch.client.recorder import _ENTER, _EXIT, _now
+from hangwatch.native import foreign
+from hangwatch.ring import HEADER_SIZE
 
 log = logging.getLogger("hangwatch.client")
 
-_native: ModuleType | None
-try:  # the fast path in C, where it was built at install (``_fastpath.c``); Python otherwise
-    from hangwatch.client import _fastpath as _native
-except ImportError:  # pragma: no cover - depends on the install
-    _native = None
+#: the fast path in C, where it was built at install (``_fastpath.c``) and may be loaded; Python otherwise
+_native: ModuleType | None = native.module()
 
 #: The longest a call with a new signature waits for its record to reach the coordinator.
 NOVEL_FLUSH_TIMEOUT_S = 0.5
@@ -42,15 +43,20 @@ _active: Any = None  # the Session that receives records, or None
 _natives: list[Any] = []  # the C wrappers made: each holds the session it last served
 
 
-def _nothing() -> None:
-    return None
+def _enter_python(tls: Any) -> None:
+    tls.depth = 1
+
+
+def _leave_python(tls: Any) -> None:
+    tls.depth = 0
 
 
 #: A thread enters and leaves a call the Python wrapper records (``_tls.depth`` set): the C fast
 #: path reads ``depth``, a threading.local lookup that was a tenth of its cost, only while some
-#: thread is inside one.
-_general_entered: Callable[[], None] = _native.general_entered if _native is not None else _nothing
-_general_left: Callable[[], None] = _native.general_left if _native is not None else _nothing
+#: thread is inside one (counted in C, in the same step as ``depth`` is set: nothing can come
+#: between them). Leaving twice is leaving once.
+_general_enter: Callable[[Any], None] = _native.general_enter if _native is not None else _enter_python
+_general_leave: Callable[[Any], None] = _native.general_leave if _native is not None else _leave_python
 
 
 def set_session(session: Any) -> None:
@@ -88,19 +94,20 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
     names = _param_names(original)
     k = fast_tensors(spec, names)
     getframe = sys._getframe
-    positions: Any = None  # the fast path's: its session's ring, bound on first use
-    pack: Any = None
+    put: Any = None  # the fast path's: its session's ring, bound on first use
+    positions: Any = None
     mm: Any = None
     capacity = 1
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal positions, pack, mm, capacity
+        nonlocal put, positions, mm, capacity
         session = _active
         depth: int = getattr(_tls, "depth", 0)
         if session is None or depth:
             return original(*args, **kwargs)
         frame: FrameType | None = None
+        call_id = -1
         if k is not None and len(args) >= k:
             # The fast path. A call site that makes the same call again (same other arguments,
             # tensors of the same shapes, dtypes and devices, same group) is recorded from what
@@ -127,31 +134,29 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
                 ):
                     sink = recorder.sink
                     if sink.mm is not mm:
-                        positions, pack, mm, capacity = sink.positions, sink.pack, sink.mm, sink.capacity
+                        put, positions, mm, capacity = sink.put_slot, sink.positions, sink.mm, sink.capacity
                     seq = memo[9]() - recorder.groups.p2p_ops.get(memo[5], 0) + 1
                     call_id = next(recorder._ids)
-                    h = next(positions)
-                    pack(mm, HEADER_SIZE + (h % capacity) * SLOT_SIZE, h + 1, _ENTER, False, 0, memo[6],
-                         call_id & _MASK, seq & _MASK, recorder.step & _MASK, 0, _now(), h + 1)  # fmt: skip
+                    put(mm, positions, capacity, _ENTER, 0, 0, memo[6], call_id, seq, recorder.step, 0, _now())
                 else:
                     memo = None
-            except Exception:  # never into the user's code: the general path copes, or fails once
+            except BaseException as exc:  # the hook's own error: the general path copes, or fails once
+                if foreign(exc):
+                    _abandon(session, call_id, exc)
+                    raise
                 memo = None
             if memo is not None:
                 try:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
-                    try:
-                        raw = (call_id, spec, memo[5], seq, None, None, None, None, None, False)
-                        session.recorder.exit(raw, memo[4], memo[4]._get_sequence_number_for_group() - 1, exc)
-                    except Exception as inner:
-                        session.fail("recording a call's exit", inner)
+                    _fast_error(session, spec, memo, call_id, seq, exc)
                     raise
                 try:
-                    h = next(positions)
-                    pack(mm, HEADER_SIZE + (h % capacity) * SLOT_SIZE, h + 1, _EXIT, 0, 1, 0,
-                         call_id & _MASK, 0, 0, 0, _now(), h + 1)  # fmt: skip
-                except Exception as exc:
+                    put(mm, positions, capacity, _EXIT, 0, 1, 0, call_id, 0, 0, 0, _now())
+                except BaseException as exc:
+                    if foreign(exc):
+                        _abandon(session, call_id, exc)
+                        raise
                     session.fail("recording a call's exit", exc)
                 return result
         try:
@@ -159,7 +164,8 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
             if kwargs:
                 params.update(kwargs)
             recorder = session.recorder
-            entered = recorder.enter(spec, params)
+            call_id = recorder.next_id()
+            entered = recorder.enter(spec, params, call_id)
             if frame is not None:
                 recorder.remember(frame, entered[0], entered[1], args, kwargs, k)
             # Where the rank ships its own records (no agent reads its ring), the backend may kill
@@ -173,26 +179,32 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
                 and not session.sender.flush(NOVEL_FLUSH_TIMEOUT_S)
             ):
                 recorder.flush_novel = False
-        except Exception as exc:
+        except BaseException as exc:
+            if foreign(exc):
+                _abandon(session, call_id, exc)
+                raise
             session.fail("recording a call", exc)
             return original(*args, **kwargs)
-        _tls.depth = 1
-        _general_entered()
         try:
+            _general_enter(_tls)
             result = original(*args, **kwargs)
         except BaseException as exc:
-            _tls.depth = 0
-            _general_left()
+            _general_leave(_tls)
             try:
                 session.recorder.exit(*entered, exc)
             except Exception as inner:
+                if foreign(inner):
+                    raise
                 session.fail("recording a call's exit", inner)
             raise
-        _tls.depth = 0
-        _general_left()
         try:
+            _general_leave(_tls)
             session.recorder.exit(*entered, None, result)
-        except Exception as exc:
+        except BaseException as exc:
+            if foreign(exc):
+                _general_leave(_tls)
+                _abandon(session, call_id, exc)
+                raise
             session.fail("recording a call's exit", exc)
         return result
 
@@ -220,12 +232,29 @@ def native_enabled() -> bool:
     return _native is not None and config.env_flag(config.ENV_NATIVE, True)
 
 
+def _abandon(session: Any, call_id: int, exc: BaseException) -> None:
+    """The program's ``exc`` came while the hook recorded call ``call_id`` (-1: none numbered
+    yet): the call's exit with that error, so that no call entered stays open; ``exc`` then goes
+    on to the program."""
+    if call_id < 0:
+        return
+    try:
+        session.recorder.abandon(call_id, exc)
+    except Exception as inner:
+        if foreign(inner):
+            raise
+        session.fail("recording a call's exit", inner)
+
+
 def _fast_error(session: Any, spec: OpSpec, memo: Any, call_id: int, seq: int, exc: BaseException) -> None:
-    """The C fast path's call raised: its exit recorded with the error, as the Python fast path does."""
+    """The fast path's call raised: its exit recorded with the error (both fast paths call it).
+    What the program raises meanwhile goes on to it, the call's error as its context."""
     try:
         raw = (call_id, spec, memo[5], seq, None, None, None, None, None, False)
         session.recorder.exit(raw, memo[4], memo[4]._get_sequence_number_for_group() - 1, exc)
     except Exception as inner:
+        if foreign(inner):
+            raise
         session.fail("recording a call's exit", inner)
 
 
@@ -255,6 +284,8 @@ def _wrap_lifecycle(name: str, original: Callable[..., Any]) -> Callable[..., An
             try:
                 before = session_mod.before_destroy(params.get("group"))
             except Exception as exc:
+                if foreign(exc):
+                    raise
                 log.debug("hangwatch: destroy hook failed: %s", exc)
         result = original(*args, **kwargs)
         try:
@@ -264,7 +295,9 @@ def _wrap_lifecycle(name: str, original: Callable[..., Any]) -> Callable[..., An
                 session_mod.after_new_group(result, params)
             elif name == "destroy_process_group":
                 session_mod.after_destroy(before)
-        except Exception as exc:  # never into user code
+        except Exception as exc:  # never into user code: the hook's own
+            if foreign(exc):
+                raise
             log.warning("hangwatch: %s hook failed, hook disabled for it: %s", name, exc)
         return result
 

@@ -21,9 +21,11 @@ from types import CodeType, FrameType
 from typing import Any
 
 from hangwatch import records as r
+from hangwatch.catalogue import INPUT_SPLITS, OUTPUT_SPLITS, SPLITS_VARY
 from hangwatch.client.ops import OpSpec
 from hangwatch.client.ringsink import RingSink
-from hangwatch.ring import HEADER_SIZE, SLOT_SIZE, Kind
+from hangwatch.native import foreign
+from hangwatch.ring import Kind
 
 _now = time.time
 _SUM = "sum"  # the reduce op when the caller passes none
@@ -78,19 +80,27 @@ class GroupTable:
             return known, False
         try:
             name = str(pg.group_name)
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             name = str(id(pg))
         try:
             members = tuple(sorted(c10d._world.pg_group_ranks[pg].keys()))
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             members = ()
         try:
             backend = str(c10d.get_backend(pg))
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             backend = ""
         try:
             desc = str(getattr(pg, "group_desc", "") or "")
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             desc = ""
         info = r.GroupInfo(name=name, ranks=members, backend=backend, index=self._next_index, desc=desc)
         self._next_index += 1
@@ -132,6 +142,9 @@ class Recorder:
         #: past its poll interval: an async work's completion is polled for from then on)
         self.async_calls = 0
         self.on_pending: Callable[[], object] | None = None
+        self._polling = threading.RLock()  # one poller of ``pending`` at a time
+        self.pending_dropped = 0  # async works let go unpolled (``_shed_pending``)
+        self._poll_above = MAX_PENDING
         self.default_pg: Any = None  # cached: looking it up costs more than the rest of a record
         self.lock = threading.Lock()  # only for rare paths (groups); never held by the hot path
         self.novel = 0  # signatures first seen so far (a new one is flushed where no agent reads the ring)
@@ -142,6 +155,8 @@ class Recorder:
         #: is_cuda), process group, its name, signature ref, async); see ``capture``'s fast path
         self.memo: dict[int, Memo] = {}
         self.last_ref = 0  # the signature ref of the call ``enter`` recorded last
+        #: call site -> the split sizes it passed first, or ``_VARIES`` once they changed there
+        self._split_sites: dict[str, tuple[str | None, str | None]] = {}
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -187,8 +202,9 @@ class Recorder:
 
     # ---- the hot path --------------------------------------------------------------------
 
-    def enter(self, spec: OpSpec, params: dict[str, Any]) -> tuple[RawCall, Any, int]:
-        """Record a call about to be issued. Returns the raw record, its group and the op count.
+    def enter(self, spec: OpSpec, params: dict[str, Any], call_id: int | None = None) -> tuple[RawCall, Any, int]:
+        """Record a call about to be issued (as ``call_id``, taken from ``next_id`` by a caller that
+        must know it whatever interrupts this). Returns the raw record, its group and the op count.
 
         Only raw values are captured here (``torch.Size``/``torch.dtype`` objects, the code location
         of the caller); they become a :class:`CallRecord` (``materialize``) only the first time
@@ -221,7 +237,10 @@ class Recorder:
         outs = _raw_metas(spec, spec.outputs, params) if spec.outputs else ()
         async_op = spec.always_async or bool(params.get("async_op", False))
         site = self.call_site(3)
-        call_id = next(self._ids)
+        if extra and spec.splits:
+            extra = self._vary_splits(site, extra)
+        if call_id is None:
+            call_id = next(self._ids)
         step = self.step
         now = _now()
         raw: RawCall = (call_id, spec, name, seq, ins, outs, reduce_raw, root, peer, async_op, step, site, now, extra)
@@ -233,9 +252,7 @@ class Recorder:
             self.novel += 1
             ref = sink.intern(key, self.materialize(raw))
         self.last_ref = ref
-        h = next(sink.positions)
-        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, _ENTER, async_op, 0, ref,
-                  call_id & _MASK, seq & _MASK, step & _MASK, 0, now, h + 1)  # fmt: skip
+        sink.put_slot(sink.mm, sink.positions, sink.capacity, _ENTER, async_op, 0, ref, call_id, seq, step, 0, now)
         return raw, pg, ops_before
 
     def remember(
@@ -285,7 +302,9 @@ class Recorder:
         group = raw[2]
         try:
             issued = pg._get_sequence_number_for_group() - ops_before
-        except Exception:
+        except Exception as exc:
+            if foreign(exc):  # the program's (a signal handler's): never swallowed
+                raise
             issued = 0 if spec.p2p else 1
         if spec.p2p:
             # what the group's counter moved by: gloo counts each send/recv there, NCCL keeps p2p
@@ -306,30 +325,63 @@ class Recorder:
             works = result if isinstance(result, list) else [result]
             self.pending.append((raw[0], issued, [w for w in works if w is not None]))
             self.async_calls += 1
+            if len(self.pending) > self._poll_above:
+                self._shed_pending()
+            while len(self.pending) > 2 * MAX_PENDING:  # never complete, or not polled: let go
+                self.pending.popleft()
+                self.pending_dropped += 1
             wake = self.on_pending  # set while the sender thread sleeps long (after the append)
             if wake is not None:
                 wake()
             return
         sink = self.sink
         ref = 0 if error is None else sink.text(f"{type(error).__name__}: {error}")
-        h = next(sink.positions)
-        sink.pack(sink.mm, HEADER_SIZE + (h % sink.capacity) * SLOT_SIZE, h + 1, _EXIT, 0, issued & 0xFFFF, ref,
-                  raw[0] & _MASK, 0, 0, 0, _now(), h + 1)  # fmt: skip
+        sink.put_slot(sink.mm, sink.positions, sink.capacity, _EXIT, 0, issued, ref, raw[0], 0, 0, 0, _now())
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def abandon(self, call_id: int, error: BaseException) -> None:
+        """The call ``call_id`` was interrupted before or right after it was issued (a signal
+        handler's exception, a KeyboardInterrupt), and ``error`` goes on to the program: its exit,
+        with that error, so that no call entered stays open. Written also where the interruption
+        came before its entry, or after its exit (an exit of no open call is ignored)."""
+        ref = self.sink.text(f"{type(error).__name__}: {error}")
+        sink = self.sink
+        sink.put_slot(sink.mm, sink.positions, sink.capacity, _EXIT, 0, 1, ref, call_id, 0, 0, 0, _now())
 
     def poll_pending(self) -> None:
-        """Record completion of async works that finished (called from the sender thread)."""
+        """Record completion of async works that finished (called from the sender thread, and
+        from a calling thread where too many wait: ``_shed_pending``)."""
         if not self.pending:
             return
-        for _ in range(len(self.pending)):
-            call_id, issued, works = self.pending.popleft()
+        with self._polling:
+            for _ in range(len(self.pending)):
+                item = self.pending.popleft()
+                call_id, issued, works = item
+                try:
+                    done = all(w.is_completed() for w in works)
+                except Exception as exc:
+                    if foreign(exc):  # the program's (a signal handler's): the work polled again
+                        self.pending.appendleft(item)
+                        raise
+                    done = True
+                if done:
+                    self.sink.put(r.CallExit(self.rank, call_id, _now(), None, issued))
+                else:
+                    self.pending.append(item)
+
+    def _shed_pending(self) -> None:
+        """More async works wait to be polled than ``MAX_PENDING``: the sender thread is gone or
+        far behind. Poll them here (unless it is polling now); again once a quarter as many more
+        wait. Past twice the bound the oldest are let go (``exit``): their calls stay open where
+        they are read, and their tensors are freed."""
+        if self._polling.acquire(blocking=False):
             try:
-                done = all(w.is_completed() for w in works)
-            except Exception:
-                done = True
-            if done:
-                self.sink.put(r.CallExit(self.rank, call_id, _now(), None, issued))
-            else:
-                self.pending.append((call_id, issued, works))
+                self.poll_pending()
+            finally:
+                self._polling.release()
+        self._poll_above = max(MAX_PENDING, len(self.pending) + MAX_PENDING // 4)
 
     def materialize(self, item: RawCall) -> r.CallRecord:
         """Turn a raw call into a typed record (once per signature: its blob is made from it)."""
@@ -364,9 +416,30 @@ class Recorder:
         if spec.name == "all_to_all" or spec.splits:
             try:
                 extra["group_rank"] = str(self.c10d.get_group_rank(pg, self.rank))
-            except Exception:
+            except Exception as exc:
+                if foreign(exc):  # the program's (a signal handler's): never swallowed
+                    raise
                 pass
         return extra
+
+    def _vary_splits(self, site: str, extra: dict[str, str]) -> dict[str, str]:
+        """``all_to_all_single``'s split sizes stay in its signature while its call site repeats
+        them; once they change there, that site's calls say they vary instead of what they are:
+        sizes that change at every call (an MoE layer's) would make every call a signature of its
+        own, filling the signature table (calls then go unnamed) and the blob area."""
+        sizes = (extra.get(INPUT_SPLITS), extra.get(OUTPUT_SPLITS))
+        if sizes == (None, None):
+            return extra
+        seen = self._split_sites.get(site)
+        if seen is None:
+            if len(self._split_sites) < MAX_MEMO:
+                self._split_sites[site] = sizes
+            return extra
+        if seen != sizes:
+            self._split_sites[site] = seen = _VARIES
+        if seen is not _VARIES:
+            return extra
+        return {key: SPLITS_VARY if key in (INPUT_SPLITS, OUTPUT_SPLITS) else value for key, value in extra.items()}
 
     # ---- argument helpers ----------------------------------------------------------------
 
@@ -378,7 +451,9 @@ class Recorder:
         if local is not None:
             try:
                 return int(self.c10d.get_global_rank(pg, int(local)))
-            except Exception:
+            except Exception as exc:
+                if foreign(exc):  # the program's (a signal handler's): never swallowed
+                    raise
                 return int(local)
         return 0 if spec.root in ("src", "dst") else None
 
@@ -390,7 +465,9 @@ class Recorder:
         if local is not None:
             try:
                 return int(self.c10d.get_global_rank(pg, int(local)))
-            except Exception:
+            except Exception as exc:
+                if foreign(exc):  # the program's (a signal handler's): never swallowed
+                    raise
                 return int(local)
         return None
 
@@ -419,6 +496,12 @@ _ENTER, _EXIT = Kind.ENTER, Kind.EXIT  # module constants: no class lookup per c
 def _frozen(extra: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(extra.items()))
 
+
+_VARIES: tuple[str | None, str | None] = (SPLITS_VARY, SPLITS_VARY)
+
+#: Async works waiting for the sender thread to poll them, beyond which the calling thread polls
+#: them itself (the sender thread may be gone) and, past twice as many, lets the oldest go.
+MAX_PENDING = 1024
 
 #: Call sites remembered for the fast path, at most.
 MAX_MEMO = 4096
@@ -470,7 +553,9 @@ def _cook(raw: tuple[RawMeta, ...]) -> tuple[r.TensorMeta, ...]:
 def _raw(t: Any) -> RawMeta:
     try:
         return (t.shape, t.dtype, t.is_cuda)
-    except Exception:
+    except Exception as exc:
+        if foreign(exc):  # the program's (a signal handler's): never swallowed
+            raise
         return ((), type(t).__name__, False)
 
 

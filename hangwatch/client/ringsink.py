@@ -7,8 +7,9 @@ module is the rest: interning call signatures as blobs (once per signature), and
 events that are rare (steps, group changes, markers, the rank's end, Flight Recorder records,
 async completions), written from any thread.
 
-Slots are claimed with ``next()`` on the writer's ``itertools.count``, which is atomic under the
-GIL, so threads that issue collectives concurrently never share a slot.
+Slots are claimed with ``next()`` on the writer's ``itertools.count`` and written in the same
+step (``RingWriter.put_slot``), so threads that issue collectives concurrently never share a slot, and
+nothing that interrupts a thread leaves one claimed and unwritten.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ class RingSink:
         self.writer = RingWriter(capacity=capacity, blob_bytes=blob_bytes, rank=rank)
         self.capacity = capacity
         self.mm = self.writer.mm
-        self.pack = self.writer.pack_slot
-        self.positions = self.writer.positions  # the hot path claims its slots here directly
+        #: claims a slot and publishes a record there in one step (``RingWriter.put_slot``): the
+        #: hot path calls it directly, with ``mm``, ``positions`` and ``capacity``
+        self.put_slot = self.writer.put_slot
+        self.positions = self.writer.positions
         self.signatures: dict[Hashable, int] = {}  # signature key -> blob id (0: could not store)
 
     @property
@@ -56,7 +59,8 @@ class RingSink:
         return ref
 
     def text(self, text: str) -> int:
-        return self.writer.blob(text_blob(text[:2000]))
+        """An error text's blob id: from the area's reserve, which signatures never fill."""
+        return self.writer.blob(text_blob(text[:2000]), reserved=True)
 
     def put(self, event: r.RankEvent) -> None:
         """Write a typed event (not the hot path: steps, groups, markers, ends, records read
@@ -74,7 +78,9 @@ class RingSink:
         elif isinstance(event, r.StepEvent):
             self.slot(Kind.STEP, 0, 0, 0, 0, 0, event.step, event.time)
         elif isinstance(event, (r.GroupEvent, r.MarkerEvent, r.RankEnd)):
-            ref = self.writer.blob(event_blob(event))
+            # the rank's end and the hook's own say-so from the reserve, as error texts
+            reserved = isinstance(event, r.RankEnd) or getattr(event, "name", "") == r.CAPTURE_OFF
+            ref = self.writer.blob(event_blob(event), reserved=reserved)
             self.slot(Kind.EVENT, 0, 0, ref, 0, 0, 0, event.time)
 
     def set_status(self, text: str, t: float) -> None:

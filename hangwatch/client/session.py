@@ -20,11 +20,12 @@ import uuid
 from types import TracebackType
 from typing import Any
 
-from hangwatch import __version__, config, link
+from hangwatch import __version__, config, link, native
 from hangwatch import records as r
 from hangwatch.client import capture, workerserver
 from hangwatch.client.recorder import Recorder
 from hangwatch.client.ringsink import RingSink
+from hangwatch.native import foreign
 
 log = logging.getLogger("hangwatch.client")
 
@@ -34,6 +35,12 @@ FAREWELL_TIMEOUT_S = 0.5
 
 #: Settings for the next Session, from ``attach()`` or the environment.
 _settings: dict[str, Any] = {}
+
+
+def hook_version() -> str:
+    """What a rank says of its hook when it registers: its version, and whether it records calls
+    in C or in Python and why (``hangwatch status`` shows it per rank): ``0.1.0 (native)``."""
+    return f"{__version__} ({native.describe()})"
 
 
 class Session:
@@ -102,7 +109,10 @@ class Session:
         }
 
     def fail(self, what: str, exc: BaseException) -> None:
-        """An internal error: log it once, and stop recording calls (the job goes on)."""
+        """An internal error: log it once, say so in the ring (``status`` shows it), and stop
+        recording calls (the job goes on)."""
+        was_on = capture.active_session() is self
+        capture.set_session(None)
         if what not in self._failures:
             self._failures.add(what)
             log.warning(
@@ -111,7 +121,14 @@ class Session:
                 type(exc).__name__,
                 exc,
             )
-        capture.set_session(None)
+        if was_on:
+            detail = f"internal error while {what} ({type(exc).__name__}: {exc})"[:500]
+            try:
+                self.sink.put(r.MarkerEvent(self.identity.rank, r.CAPTURE_OFF, time.time(), detail))
+            except Exception as inner:  # the ring itself failing: the log said it
+                if foreign(inner):
+                    raise
+                log.debug("hangwatch: could not record that capture is off: %s", inner)
 
     def end(
         self,
@@ -195,7 +212,7 @@ def after_init(params: dict[str, Any]) -> None:
             session=uuid.uuid4().hex,
             backend=str(c10d.get_backend()),
             torch_version=str(torch.__version__),
-            hook_version=__version__,
+            hook_version=hook_version(),
             pid_namespace=_pid_namespace(),
             launch=config.launch_from_env(),
             attempt=config.attempt_from_env(),

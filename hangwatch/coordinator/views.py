@@ -29,6 +29,13 @@ def rank_state(st: RankState, now: float, silence_after: float) -> tuple[str, fl
     return "running", st.last_progress
 
 
+def hook_path(hook_version: str) -> str | None:
+    """``native`` or ``python: why`` from a registration's ``hook_version`` (``0.1.0 (native)``:
+    ``session.hook_version``); None where the hook does not say."""
+    _, paren, path = hook_version.partition(" (")
+    return path.removesuffix(")") or None if paren else None
+
+
 def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]:
     state, since = rank_state(st, now, silence_after)
     blocked = st.oldest_open()
@@ -54,6 +61,10 @@ def rank_json(st: RankState, now: float, silence_after: float) -> dict[str, Any]
         "via": st.via,
         # what its hook or node agent slowed down to stay within its CPU budget (None: nothing)
         "budget": st.budget_note or None,
+        # how its hook records calls: "native", or "python: why" (None: a hook that does not say)
+        "hook": hook_path(st.identity.hook_version),
+        # why its hook stopped recording calls (None: it records them)
+        "capture_off": next((m.detail or "off" for m in reversed(st.markers) if m.name == r.CAPTURE_OFF), None),
         "end": (
             {"kind": st.end.kind.value, "detail": st.end.detail, "call_site": st.end.call_site} if st.end else None
         ),

@@ -4,6 +4,9 @@
   group's name and sequence number; its members, backend and rank translation). Injected through
   ``Recorder(rank, sink, c10d)`` and the ``group=`` argument, as ``capture`` does.
 - :class:`FakeWork`: an async work handle (``is_completed``).
+- :class:`FakeTensor` (``ones``), :class:`FakeDtype`, :class:`FakeReduceOp`: what the hook reads of
+  tensors and reduce ops, so that the hook's own tests need no torch (``scripts/check_native.py``
+  runs them on every Python, where torch is not installed).
 - :func:`make_session`: a real ``Session`` (real ring and recorder) over :class:`FakeC10d`.
 - :class:`RingTap`: reads a rank's ring back as typed events, one per record (a call and its
   exit apart), as a reader outside the rank would find them.
@@ -73,6 +76,43 @@ class FakeC10d:
 
     def get_group_rank(self, pg: Any, global_rank: int) -> int:
         return self._world.pg_group_ranks[pg][global_rank]
+
+
+class FakeDtype:
+    """A tensor dtype as torch spells it (``torch.float32``); one object per dtype, compared by
+    identity, as torch's are."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+FLOAT32, FLOAT64 = FakeDtype("float32"), FakeDtype("float64")
+
+
+class FakeTensor:
+    """What the hook reads of a tensor: its shape, dtype and device (``ones(4)``, ``ones(2, 3)``)."""
+
+    def __init__(self, *shape: int, dtype: FakeDtype = FLOAT32) -> None:
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.is_cuda = False
+
+
+def ones(*shape: int, dtype: FakeDtype = FLOAT32) -> FakeTensor:
+    return FakeTensor(*shape, dtype=dtype)
+
+
+class FakeReduceOp:
+    """A reduce op, as torch's ``ReduceOp.MAX`` reads: its ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+REDUCE_MAX = FakeReduceOp("MAX")
 
 
 class FakeWork:

@@ -4,9 +4,11 @@ that differs (a shape, a dtype, another argument, another group, an error) must 
 test runs with the fast path in C (``_fastpath.c``, where built) and in Python
 (``HANGWATCH_NATIVE=0``); the C one must write the Python one's slots byte for byte.
 
-Seams faked as in ``test_recorder``: torch's c10d (``FakeC10d``) and the backend call (a
-function that advances the group's sequence number as the backend would). The real wrapper, the
-real ``Recorder`` and its ring, read back through ``recorded``.
+Seams faked as in ``test_recorder``: torch's c10d (``FakeC10d``), its tensors and reduce ops
+(``ones``, ``REDUCE_MAX``) and the backend call (a function that advances the group's sequence
+number as the backend would). The real wrapper, the real ``Recorder`` and its ring, read back
+through ``recorded``. No torch: ``scripts/check_native.py`` runs these on every Python the machine
+has; the one test that instruments torch itself skips without it.
 """
 
 from __future__ import annotations
@@ -16,14 +18,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from hangwatch import records as r
 from hangwatch.client import capture
 from hangwatch.client.ops import OPS_BY_NAME
 from hangwatch.client.session import Session
-from tests.client.fakes import FakeC10d, make_session, recorded
+from tests.client.fakes import FLOAT64, REDUCE_MAX, FakeC10d, make_session, ones, recorded
 
 NATIVE = [True, False] if capture._native is not None else [False]
 
@@ -69,7 +69,7 @@ def _exits(events: list[r.RankEvent]) -> list[tuple[int, str | None]]:
 
 def test_a_repeated_call_is_recorded_as_the_general_path_records_it(linked: Session) -> None:
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     line = sys._getframe().f_lineno + 2
     for _ in range(5):
         wrapped(t)  # one call site: the first call is remembered, the next four take the fast path
@@ -90,17 +90,17 @@ def test_a_repeated_call_is_recorded_as_the_general_path_records_it(linked: Sess
 @pytest.mark.parametrize(
     "change",
     [
-        lambda t: ((torch.ones(5),), {}),  # another shape
-        lambda t: ((torch.ones(4, dtype=torch.float64),), {}),  # another dtype
-        lambda t: ((t,), {"op": dist.ReduceOp.MAX}),  # another argument
-        lambda t: ((t, dist.ReduceOp.MAX), {}),  # the same, positional
+        lambda t: ((ones(5),), {}),  # another shape
+        lambda t: ((ones(4, dtype=FLOAT64),), {}),  # another dtype
+        lambda t: ((t,), {"op": REDUCE_MAX}),  # another argument
+        lambda t: ((t, REDUCE_MAX), {}),  # the same, positional
     ],
 )
 def test_a_call_that_differs_is_seen(
     linked: Session, change: Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]]
 ) -> None:
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     calls = []
     for i in range(4):
         args, kwargs = ((t,), {}) if i < 3 else change(t)
@@ -120,7 +120,7 @@ def test_another_group_at_the_same_call_site_is_seen(linked: Session) -> None:
     c10d = linked.recorder.c10d
     pair = c10d.new_group("1", [0, 1], desc="pair")
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     for group in (None, None, pair, pair, None):
         wrapped(t, group=group)
     groups = [(e.group, e.seq) for e in recorded(linked.recorder) if isinstance(e, r.CallRecord)]
@@ -130,7 +130,7 @@ def test_another_group_at_the_same_call_site_is_seen(linked: Session) -> None:
 def test_an_error_on_the_fast_path_is_recorded_and_raised(linked: Session) -> None:
     ok = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
     failing = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked, fail=True))
-    t = torch.ones(4)
+    t = ones(4)
     for fn in (ok, ok, failing):
         try:
             fn(t)  # one call site: the third call takes the fast path into a failing backend
@@ -145,7 +145,7 @@ def test_the_memo_is_forgotten_when_a_group_is_destroyed(linked: Session) -> Non
     from hangwatch.client import session as session_mod
 
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    wrapped(torch.ones(4))
+    wrapped(ones(4))
     assert linked.recorder.memo
     previous, session_mod._session = session_mod._session, linked
     try:
@@ -157,7 +157,7 @@ def test_the_memo_is_forgotten_when_a_group_is_destroyed(linked: Session) -> Non
 
 def test_a_broken_memo_never_reaches_the_callers_code(linked: Session) -> None:
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     wrapped(t)
     ((key, _),) = linked.recorder.memo.items()
     linked.recorder.memo[key] = ("garbage",)  # type: ignore[assignment]
@@ -168,7 +168,7 @@ def test_a_broken_memo_never_reaches_the_callers_code(linked: Session) -> None:
 def test_a_rank_reading_flight_recorder_itself_keeps_the_general_path(linked: Session) -> None:
     linked.recorder.covers = True  # no agent reads its Flight Recorder: its Python seqs are kept
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     for _ in range(3):
         wrapped(t)
     assert [hi for _, hi in linked.recorder.python_seqs["0"]] == [1, 2, 3]
@@ -195,13 +195,13 @@ def _program(wrapped: Callable[..., Any], session: Session) -> None:
     """A loop a user could write: one call site, steps, a group that changes, a new shape."""
     c10d = session.recorder.c10d
     pair = c10d.new_group("1", [0, 1], desc="pair")
-    t, u = torch.ones(4), torch.ones(2, 3)
+    t, u = ones(4), ones(2, 3)
     for step in range(6):
         session.recorder.step = step
         group = pair if step == 3 else None
         tensor = u if step == 4 else t
         wrapped(tensor, group=group)
-        wrapped(tensor, op=dist.ReduceOp.MAX, group=group)
+        wrapped(tensor, op=REDUCE_MAX, group=group)
 
 
 @needs_native
@@ -227,7 +227,7 @@ def test_the_c_fast_path_writes_the_python_fast_paths_slots_byte_for_byte(monkey
 @needs_native
 def test_the_c_fast_path_serves_the_repeats(linked: Session, native: bool) -> None:
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     for _ in range(10):
         wrapped(t)
     assert getattr(wrapped, "served", None) == (9 if native else None)  # all but the first
@@ -236,7 +236,6 @@ def test_the_c_fast_path_serves_the_repeats(linked: Session, native: bool) -> No
 @needs_native
 def test_the_c_wrapper_passes_for_the_function_it_wraps(linked: Session, native: bool) -> None:
     import inspect
-    import pickle
 
     original = _backend(linked)
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], original)
@@ -252,6 +251,13 @@ def test_the_c_wrapper_passes_for_the_function_it_wraps(linked: Session, native:
     bound = holder.reduce
     assert bound.__self__ is holder and bound.__func__ is wrapped  # bound like a function
     assert Holder.reduce is wrapped  # not bound on the class
+
+
+@needs_native
+def test_an_instrumented_torch_function_pickles_by_name(native: bool) -> None:
+    import pickle
+
+    dist = pytest.importorskip("torch.distributed")
     capture.uninstrument()
     try:
         assert capture.instrument()
@@ -265,7 +271,7 @@ def test_the_c_wrapper_passes_for_the_function_it_wraps(linked: Session, native:
 @needs_native
 def test_a_call_nested_in_a_recorded_call_is_not_recorded_again(linked: Session) -> None:
     inner = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     for _ in range(3):
         inner(t)  # remembered, and served fast
     recorded(linked.recorder)
@@ -291,7 +297,7 @@ def test_a_nested_call_from_a_remembered_call_site_is_not_recorded_again(linked:
     import threading
 
     inner = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
 
     def step() -> None:
         inner(t)  # one call site, remembered below
@@ -333,7 +339,7 @@ def test_calls_from_two_threads_each_get_their_own_slots(linked: Session) -> Non
     import threading
 
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     errors: list[BaseException] = []
 
     def loop() -> None:
@@ -363,13 +369,13 @@ def test_a_memo_of_another_code_object_is_never_used(linked: Session) -> None:
     """A memo key holds a code object's id; a code object freed and another made at its address
     would share it. The memo keeps its code object and both fast paths check it."""
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(linked))
-    t = torch.ones(4)
+    t = ones(4)
     wrapped(t)
     ((key, memo),) = linked.recorder.memo.items()
     other = compile("pass", "elsewhere.py", "exec")
     linked.recorder.memo[key] = (*memo[:8], other, memo[9])
     recorded(linked.recorder)
-    wrapped(torch.ones(7))  # were the stale memo used, the call would be recorded with 4 elements
+    wrapped(ones(7))  # were the stale memo used, the call would be recorded with 4 elements
     (call,) = [e for e in recorded(linked.recorder) if isinstance(e, r.CallRecord)]
     assert call.inputs[0].shape == (7,)
     assert getattr(wrapped, "served", 0) == 0
@@ -391,11 +397,11 @@ def test_a_session_that_ends_is_let_go_by_the_c_wrappers(native: bool) -> None:
 
     wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], backend)
     for _ in range(3):
-        wrapped(torch.ones(4))
+        wrapped(ones(4))
     gone = weakref.ref(session)
     capture.set_session(None)
     del session
     gc.collect()
     assert gone() is None
-    wrapped(torch.ones(4))  # no session: the call runs, unrecorded
+    wrapped(ones(4))  # no session: the call runs, unrecorded
     assert pg.seq == 4

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hangwatch.catalogue import GROUP_RANK, INPUT_SPLITS, OUTPUT_SPLITS, parse_ints
+from hangwatch.catalogue import GROUP_RANK, INPUT_SPLITS, OUTPUT_SPLITS, SPLITS_VARY, parse_ints
 from hangwatch.coordinator.rules.checks import numel, single
 from hangwatch.coordinator.rules.slot import SHAPE_MISMATCH, Mismatch, Slot, field_label, group_ranks
 from hangwatch.records import TensorMeta
@@ -139,6 +139,8 @@ def _even_numel_field(s: Slot, field: str) -> Mismatch | None:
 
 
 def _rule_pairwise_single(s: Slot) -> Mismatch | None:
+    if any(SPLITS_VARY in (c.extra.get(INPUT_SPLITS), c.extra.get(OUTPUT_SPLITS)) for c in s.calls.values()):
+        return None  # sizes a call site changes at every call are not recorded: nothing to pair
     in_splits = {r: parse_ints(c.extra.get(INPUT_SPLITS)) for r, c in s.calls.items()}
     out_splits = {r: parse_ints(c.extra.get(OUTPUT_SPLITS)) for r, c in s.calls.items()}
     explicit = [v for v in (*in_splits.values(), *out_splits.values()) if v is not None]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hangwatch import catalogue
-from hangwatch.catalogue import INPUT_SPLITS, OUTPUT_SPLITS, canonical_op, parse_ints
+from hangwatch.catalogue import INPUT_SPLITS, OUTPUT_SPLITS, SPLITS_VARY, canonical_op, parse_ints
 from hangwatch.coordinator.incidents import IncidentKind
 from hangwatch.records import CallRecord, TensorMeta
 from hangwatch.wording import format_shape, tensors_word
@@ -177,6 +177,8 @@ def _all_to_all_single(c: CallRecord, gs: int | None) -> list[Problem]:
         if meta is None or not meta.shape:
             continue
         dim0 = meta.shape[0]
+        if c.extra.get(key) == SPLITS_VARY:
+            continue  # not recorded
         splits = parse_ints(c.extra.get(key))
         if splits is None:
             if gs and dim0 % gs:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from hangwatch.catalogue import INPUT_SPLITS, OUTPUT_SPLITS, SPLITS_VARY
 from hangwatch.coordinator.rules import compare_collective
 from tests.coordinator.rules._calls import F64, UNEVEN, Case, a2a_list, a2a_single, call, check_mismatch, same, t
 from tests.coordinator.rules._calls import with_ as _with
+
+VARY = {INPUT_SPLITS: SPLITS_VARY, OUTPUT_SPLITS: SPLITS_VARY}
+SEEN = {INPUT_SPLITS: "1,1,1", OUTPUT_SPLITS: "1,1,1"}
 
 
 def _healthy() -> list[Case]:
@@ -28,6 +32,17 @@ def _healthy() -> list[Case]:
                 1: call(1, "all_to_all_single", ins=[t(6, 4)], outs=[t(6, 4)]),
             },
             2,
+        ),
+        # split sizes a call site changes at every call are not recorded: neither dim 0's even
+        # split nor the pairs are asked for, whatever the rows (one rank saw them change first)
+        Case(
+            "all_to_all_single split sizes that vary",
+            {
+                0: call(0, "all_to_all_single", ins=[t(7, 4)], outs=[t(5, 4)], extra=VARY),
+                1: call(1, "all_to_all_single", ins=[t(9, 4)], outs=[t(11, 4)], extra=VARY),
+                2: call(2, "all_to_all_single", ins=[t(3, 4)], outs=[t(3, 4)], extra={**VARY, **SEEN}),
+            },
+            3,
         ),
         Case("all_to_all lists", a2a_group_rank, 2),
         Case("all_to_all group_rank order", swapped, 2),

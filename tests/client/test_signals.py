@@ -1,0 +1,145 @@
+"""Nothing the program raises is swallowed by the hook (issue 36).
+
+Python signal handlers run between the bytecodes of whatever Python code runs, the hook's
+included; what they raise (and a ``KeyboardInterrupt``) belongs to the program. A handler raises
+every millisecond of CPU for up to a second while a loop makes calls through the hook, on each of
+its paths (the fast path in C and in Python, the general path): every raise reaches the program,
+no slot is left claimed and unwritten (the ring reads to its end), every call entered has its
+exit, and capture stays on. The handler raises again only once the program caught the last
+raise, so that the count is exact wherever the signal lands.
+
+Seams as in ``test_fastpath``: a fake c10d whose group counter is Python (so handlers also run
+inside the C fast path's callbacks), stand-in tensors, a backend that advances the counter.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hangwatch import native
+from hangwatch import records as r
+from hangwatch.client import capture
+from hangwatch.client.ops import OPS_BY_NAME
+from hangwatch.client.session import Session
+from hangwatch.ring import Kind, RingReader
+from tests.client.fakes import FakeC10d, make_session, ones, recorded
+
+PATHS = ["C fast path", "Python fast path", "general path"]
+RING = 1 << 19  # slots: the storm's calls, read after it
+MAX_CALLS = RING // 2 - 1000
+
+
+class Alarm(Exception):
+    """What the program's handler raises (as a SIGALRM handler of a training script might)."""
+
+
+@pytest.fixture
+def session(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Session]:
+    path = request.param
+    if path == "C fast path" and native.module() is None:
+        pytest.skip("the C extension is not built here")
+    monkeypatch.setenv("HANGWATCH_NATIVE", "1" if path == "C fast path" else "0")
+    s = make_session(c10d=FakeC10d(0, world_size=2), ring=RING)
+    s.recorder.covers = path == "general path"  # Flight Recorder read in the rank: the general path
+    capture.set_session(s)
+    yield s
+    capture.set_session(None)
+
+
+def _backend(session: Session) -> Callable[..., Any]:
+    def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        session.recorder.default_pg.seq += 1
+
+    return all_reduce
+
+
+def _storm(call: Callable[[], Any], raising: type[BaseException], seconds: float) -> tuple[int, int, int]:
+    """``call`` in a loop for ``seconds`` (``MAX_CALLS`` at most: the ring holds them) while a
+    handler raises ``raising``: (raised, caught, calls)."""
+    state = SimpleNamespace(inside=False, pending=False, raised=0)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if state.inside and not state.pending:
+            state.pending = True
+            state.raised += 1
+            raise raising("from the program's signal handler")
+
+    assert threading.current_thread() is threading.main_thread()  # where handlers run
+    previous = signal.signal(signal.SIGVTALRM, handler)
+    signal.setitimer(signal.ITIMER_VIRTUAL, 0.001, 0.001)  # every millisecond of the loop's CPU
+    caught = calls = 0
+    end = time.monotonic() + seconds
+    try:
+        # one call per try, no loop inside it: the jump back of a loop is where a handler runs,
+        # and 3.12 and later leave that jump outside the try the loop sits in
+        while time.monotonic() < end and calls < MAX_CALLS:
+            try:
+                state.inside = True
+                call()
+                state.inside = False
+                calls += 1
+            except raising:
+                state.inside = False
+                caught += 1
+                state.pending = False
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+    return state.raised, caught, calls
+
+
+@pytest.mark.slow  # a second of real signals per case
+@pytest.mark.parametrize("session", PATHS, indirect=True)
+@pytest.mark.parametrize("raising", [Alarm, KeyboardInterrupt])
+def test_a_signal_storm_reaches_the_program_and_leaves_no_hole(session: Session, raising: type[BaseException]) -> None:
+    wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(session))
+    t = ones(4)
+    raised, caught, calls = _storm(lambda: wrapped(t), raising, 1.0)
+    assert raised > 20 and calls > 100
+    assert caught == raised  # every raise reached the program
+    assert capture.active_session() is session  # capture stayed on
+    reader = RingReader(session.sink.fd)
+    entered: set[int] = set()
+    exited: set[int] = set()
+    for slot in reader.poll().slots:
+        (entered if slot.kind == Kind.ENTER else exited if slot.kind == Kind.EXIT else set()).add(slot.call_id)
+    assert reader.lost == 0 and reader.holes == 0
+    assert reader.position == reader.head()  # read to its end: no hole stopped it
+    assert len(entered) >= calls and entered <= exited  # each call entered has its exit
+    assert not session._failures
+    reader.close()
+
+
+@pytest.mark.parametrize("session", ["general path"], indirect=True)
+def test_an_interrupt_as_a_thread_enters_a_call_leaves_the_thread_recorded(
+    session: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``KeyboardInterrupt`` right after the general path marks the thread inside a call: it
+    reaches the program, the call has its exit, and the thread's next call is recorded."""
+    real = capture._general_enter
+
+    def interrupted(tls: Any) -> None:
+        real(tls)
+        raise KeyboardInterrupt
+
+    wrapped = capture._wrap_op(OPS_BY_NAME["all_reduce"], _backend(session))
+    monkeypatch.setattr(capture, "_general_enter", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        wrapped(ones(4))
+    monkeypatch.setattr(capture, "_general_enter", real)
+    wrapped(ones(4))
+    events = recorded(session.recorder)
+    calls = [e.call_id for e in events if isinstance(e, r.CallRecord)]
+    exits = [(e.call_id, e.error) for e in events if isinstance(e, r.CallExit)]
+    assert len(calls) == 2 and [cid for cid, _ in exits] == calls
+    assert exits[0][1] == "KeyboardInterrupt: " and exits[1][1] is None
+    assert capture.active_session() is session
+    if native.module() is not None:
+        assert native.module().general_inside() == 0
