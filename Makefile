@@ -49,8 +49,12 @@ native: setup
 
 # Two workers, one test file each at a time (a file's jobs share its module fixtures): the jobs
 # mostly wait (on detection thresholds, on gloo), so two at once fit 2 cores (8 min vs 12 serial).
-test: setup lint typecheck native
-	$(BIN)/pytest -q -ra -n 2 --dist loadfile --durations=15
+# The native check runs beside them, in that waiting; its output is shown after theirs.
+test: setup lint typecheck
+	@$(BIN)/python scripts/check_native.py > .venv/native.log 2>&1 & native=$$!; \
+	$(BIN)/pytest -q -ra -n 2 --dist loadfile --durations=15; rc=$$?; \
+	wait $$native; nrc=$$?; cat .venv/native.log; \
+	[ $$rc -eq 0 ] && [ $$nrc -eq 0 ]
 
 # The property tests and floods, the longest included (CI skips the 128- and 1,024-rank floods
 # and the 10-minute simulated job: see tests/coordinator/test_bounded_memory.py).

@@ -55,6 +55,8 @@ log = logging.getLogger("hangwatch.agent")
 MAX_SLOTS = 8000
 #: How often the shipper looks at its ranks' rings.
 TICK_S = 0.05
+#: The program's own frames of a rank's status shipped (``Recorder.program_frames`` writes as many).
+STACK_KEPT = 6
 #: How long a rank's last Flight Recorder read, asked of its worker server as it ends, may take
 #: (the rank waits ``client.session.FAREWELL_TIMEOUT_S`` for its farewell).
 LAST_READ_S = 0.5
@@ -572,8 +574,9 @@ class Shipper:
         status = state.link.reader.status()
         if status is not None:
             state.status_time = batch.alive_time = status[0]
-            where, _, where_user = status[1].partition("\n")
+            where, where_user, *stack = (*status[1].split("\n"), "")[: 2 + STACK_KEPT]
             batch.where, batch.where_user = where, where_user
+            batch.where_stack.extend(s for s in stack if s)
         return batch
 
     def _flight_read_time(self, state: _Rank) -> float:

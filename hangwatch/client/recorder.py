@@ -14,6 +14,7 @@ import collections
 import itertools
 import os
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,8 @@ _LIBRARY_MARKERS = (
     os.sep + "threading.py",
     "<frozen ",  # python -m's runpy, importlib
 )
+#: Frames walked outwards looking for the program's own (a framework's helpers can be deep).
+MAX_FRAMES = 48
 #: Code that lives inside those libraries and is the user's program all the same: their test
 #: harnesses and example scripts (a training script installed as a package is not under them).
 _USER_MARKERS = (
@@ -61,6 +64,25 @@ def _is_library(filename: str) -> bool:
     return any(marker in filename for marker in _LIBRARY_MARKERS) and not any(
         marker in filename for marker in _USER_MARKERS
     )
+
+
+def _installed_dirs() -> tuple[str, ...]:
+    """Where installed code lives: the standard library and every site-packages folder."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
+    dirs |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+_INSTALLED = _installed_dirs()
+_PACKAGES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def _is_installed(filename: str) -> bool:
+    """Installed code, the standard library's or a package's (a framework's helper, Lightning's
+    or a data loader's), rather than the program's own; a training script installed as a package
+    is too, which is why a call site falls back to the first frame outside the plumbing."""
+    return filename.startswith(_INSTALLED) or any(marker in filename for marker in _PACKAGES)
 
 
 class GroupTable:
@@ -161,11 +183,17 @@ class Recorder:
     # ---- helpers ------------------------------------------------------------------------
 
     def call_site(self, depth: int = 2) -> str:
-        """``file:line in function`` of the first frame outside torch/hangwatch, cached."""
+        """``file:line in function`` of the first frame of the program's own code, cached."""
         return self.call_site_of(sys._getframe(depth))
 
     def call_site_of(self, frame: FrameType | None) -> str:
-        for _ in range(12):
+        """The first frame of the program's own code from ``frame`` outwards: not the plumbing
+        (torch, the hook), nor installed code (the standard library, a framework's helper: a
+        metric synced by Lightning's ``_sync_ddp`` is the user's ``self.log`` line's). Where
+        every frame is installed code (a training script installed as a package), the first
+        outside the plumbing. Only the program's own frames are cached (``remember`` relies on it)."""
+        fallback = ""
+        for _ in range(MAX_FRAMES):
             if frame is None:
                 break
             code = frame.f_code
@@ -173,23 +201,46 @@ class Recorder:
             site = self._sites.get(key)
             if site is not None:
                 return site
-            if not _is_library(code.co_filename):
-                site = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
-                if len(self._sites) < 65536:
-                    self._sites[key] = site
-                return site
+            filename = code.co_filename
+            if not _is_library(filename):
+                site = f"{os.path.basename(filename)}:{frame.f_lineno} in {code.co_name}"
+                if not _is_installed(filename):
+                    if len(self._sites) < 65536:
+                        self._sites[key] = site
+                    return site
+                fallback = fallback or site
             frame = frame.f_back
-        return ""
+        return fallback
+
+    def program_frames(self, frame: FrameType | None, limit: int = 8) -> tuple[str, ...]:
+        """The program's own frames from ``frame`` outwards (``call_site_of``'s choice), at most
+        ``limit``: whether a rank busy outside any call is still in the function its loop's
+        calls came from."""
+        out: list[str] = []
+        for _ in range(MAX_FRAMES):
+            if frame is None or len(out) >= limit:
+                break
+            code = frame.f_code
+            filename = code.co_filename
+            if not _is_library(filename) and not _is_installed(filename):
+                out.append(f"{os.path.basename(filename)}:{frame.f_lineno} in {code.co_name}")
+            frame = frame.f_back
+        return tuple(out)
 
     def user_frame_of(self, tb: Any) -> str:
-        """The innermost user frame of a traceback (for exceptions)."""
-        site = ""
+        """The innermost frame of the program's own code in a traceback (for exceptions; as
+        ``call_site_of`` chooses)."""
+        site = fallback = ""
         while tb is not None:
-            code = tb.tb_frame.f_code
-            if not _is_library(code.co_filename):
-                site = f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
+            filename = tb.tb_frame.f_code.co_filename
+            if not _is_library(filename):
+                here = f"{os.path.basename(filename)}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+                if _is_installed(filename):
+                    fallback = here
+                else:
+                    site = here
             tb = tb.tb_next
-        return site
+        return site or fallback
 
     def group_info(self, pg: Any) -> r.GroupInfo:
         info = self.groups.by_id.get(id(pg))

@@ -113,6 +113,10 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+#: The program's own frames a status carries (the coordinator keeps as many).
+STACK_FRAMES = 6
+
+
 class ReportTransport(Protocol):
     """What the thread needs of the wire (``transport.Transport``; tests pass fakes)."""
 
@@ -131,6 +135,7 @@ class ReportTransport(Protocol):
         where_user: str = "",
         urgent: bool = False,
         ring: Batch | None = None,
+        stack: Sequence[str] = (),
     ) -> pb.ReportReply: ...
 
     def close(self) -> None: ...
@@ -249,14 +254,16 @@ class Sender:
         now = time.time()
         return [r.GroupEvent(recorder.rank, r.GroupEventKind.CREATED, g, now) for g in groups]
 
-    def _where(self) -> tuple[str, str]:
-        """Innermost frame and innermost user frame of the main thread, sampled now."""
+    def _where(self) -> tuple[str, str, tuple[str, ...]]:
+        """Innermost frame, innermost user frame, and the program's own frames (innermost first,
+        a few) of the main thread, sampled now."""
         frame = sys._current_frames().get(self._main_ident or -1)
         if frame is None:
-            return "", ""
+            return "", "", ()
         code = frame.f_code
         where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
-        return where, self.session.recorder.call_site_of(frame)
+        recorder = self.session.recorder
+        return where, recorder.call_site_of(frame), recorder.program_frames(frame, STACK_FRAMES)
 
     def _run(self) -> None:
         try:
@@ -326,8 +333,8 @@ class Sender:
             now = clock()
             self._poll(poller, now, flushing or stopping)
             if now - last_status >= self.heartbeat_s or flushing:
-                where, where_user = self._where()
-                session.sink.set_status(f"{where}\n{where_user}", time.time())
+                where, where_user, stack = self._where()
+                session.sink.set_status("\n".join((where, where_user, *stack)), time.time())
                 last_status = now
             if session.link is not None and _closed(session.link):
                 session.link.close()
@@ -426,7 +433,7 @@ class Sender:
                     ):
                         pending = None  # nothing read, nothing due: read the ring again next time
                     else:
-                        where, where_user = self._where()
+                        where, where_user, stack = self._where()
                         batch_seq += 1
                         backlog = reader.backlog() if len(pending.slots) >= MAX_BATCH else 0
                         ack = transport.report(
@@ -439,6 +446,7 @@ class Sender:
                             where_user,
                             urgent=flushing,
                             ring=pending,
+                            stack=stack,
                         )
                         if ack.reregister:
                             self.registered = False

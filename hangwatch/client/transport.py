@@ -80,9 +80,11 @@ class Transport:
         where_user: str = "",
         urgent: bool = False,
         ring: Batch | None = None,
+        stack: Sequence[str] = (),
     ) -> pb.ReportReply:
         batch = self.build_report(identity, batch_seq, events, queued, dropped, where, where_user, ring)
         batch.urgent = urgent
+        batch.where_stack.extend(stack)
         reply: pb.ReportReply = self._get_stub().Report(batch, timeout=self.timeout_s)
         return reply
 

@@ -63,7 +63,11 @@ RUN_CALL_BYTES = 2 * (24 + 8) + 8
 #: ``UNSEEN_NAME``: torch names groups "0", "1", ... unless told otherwise).
 UNSEEN_KEPT = 4
 UNSEEN_NAME = 128
-RANK_BYTES = 8192 + 2 * (80 + 4 * 1024) + UNSEEN_KEPT * (80 + 4 * UNSEEN_NAME)
+#: The program's own frames of its latest status (``RankState.where_stack``), each cut to
+#: ``STACK_FRAME`` characters (``file:line in function``).
+STACK_KEPT = 6
+STACK_FRAME = 128
+RANK_BYTES = 8192 + 2 * (80 + 4 * 1024) + UNSEEN_KEPT * (80 + 4 * UNSEEN_NAME) + STACK_KEPT * (80 + 4 * STACK_FRAME)
 
 
 def text_bytes(text: str | None) -> int:

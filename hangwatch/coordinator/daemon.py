@@ -414,6 +414,7 @@ class Coordinator:
                 dropped=batch.dropped,
                 where=wire.clip(batch.where, wire.MAX_SITE),
                 where_user=wire.clip(batch.where_user, wire.MAX_SITE),
+                where_stack=tuple(wire.clip(s, budget.STACK_FRAME) for s in batch.where_stack[: budget.STACK_KEPT]),
                 budget_note=wire.clip(batch.budget_note, wire.MAX_SITE),
                 flight_time=batch.flight_read_time,
                 flight_unseen=tuple(

@@ -110,6 +110,7 @@ class FakeTransport:
         where_user: str = "",
         urgent: bool = False,
         ring: Batch | None = None,
+        stack: Sequence[str] = (),
     ) -> pb.ReportReply:
         self.gate.wait(5)
         with self.lock:

@@ -37,6 +37,11 @@ TOGETHER_S = 0.05
 #: A death within this many collectives (in a group) after a mismatched slot it took part in is
 #: the mismatch's aftermath (gloo aborts on 10 vs 20 floats, float32 vs int64), not a root cause.
 AFTERMATH_CALLS = 2
+#: A rank the backend aborted this long after others entered a mismatched slot of its group is
+#: that mismatch's aftermath; its death is told once the others' collectives up to it are known,
+#: or this long after it (``ABORT_EVIDENCE_S``).
+ABORT_AFTER_S = 10.0
+ABORT_EVIDENCE_S = 5.0
 
 STOP, FAULT, UNKNOWN = "stop", "fault", "unknown"
 
@@ -225,17 +230,44 @@ def _same_error(first: RankState, others: list[RankState]) -> list[int]:
     ]
 
 
-def _mismatch_behind(state: RankState, ctx: Context) -> SlotId | None:
-    """The mismatched slot this rank took part in just before it died, if any."""
+def _mismatch_behind(job: JobState, state: RankState, ctx: Context, died_at: float) -> SlotId | None:
+    """The mismatched slot this rank took part in just before it died, if any; or, for a rank the
+    backend aborted, one of its groups' mismatched slots that others entered shortly before it
+    died (gloo aborts the rank whose data does not fit: its own record of that call may never
+    have been read, a collective issued from C++ known only from reads of its Flight Recorder)."""
     best: SlotId | None = None
     for group, seq in ctx.mismatched:
         hist = state.history.get(group)
-        if not hist:
-            continue
-        seqs = [c.seq for c in hist if c.kind is r.OpKind.COLLECTIVE]
-        if seq in seqs and max(seqs) - seq <= AFTERMATH_CALLS and (best is None or seq > best[1]):
+        seqs = [c.seq for c in hist.view() if c.kind is r.OpKind.COLLECTIVE] if hist else []
+        took_part = seq in seqs and max(seqs) - seq <= AFTERMATH_CALLS
+        slots = job.slots.get(group)
+        slot = slots.get(seq) if slots is not None else None
+        aborted_in = (
+            _aborted(state)
+            and state.rank in job.members(group)
+            and slot is not None
+            and 0.0 <= died_at - slot.first_enter <= ABORT_AFTER_S
+        )
+        if (took_part or aborted_in) and (best is None or seq > best[1]):
             best = (group, seq)
     return best
+
+
+def _aborted(state: RankState) -> bool:
+    """Its process was killed by SIGABRT: what gloo (and NCCL's watchdog) do to a rank."""
+    proc = state.proc
+    return state.end is None and proc is not None and proc.signal == signal.SIGABRT
+
+
+def _evidence_pending(job: JobState, first: RankState, died_at: float, now: float) -> bool:
+    """A rank the backend aborted: whether the others' collectives up to its end are still to be
+    known (their Flight Recorder reads, where one is read, asked before it died): a mismatch they
+    show is its cause, and is to be found before its death is told."""
+    if not _aborted(first) or now - died_at >= ABORT_EVIDENCE_S:
+        return False
+    return any(
+        st is not first and st.end is None and st.alive and 0.0 < st.flight_to < died_at for st in job.ranks.values()
+    )
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
@@ -273,7 +305,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 if findings:
                     return findings
         return []
-    if ctx.now - first_time < SETTLE_S:
+    if ctx.now - first_time < SETTLE_S or _evidence_pending(job, first, first_time, ctx.now):
         return []  # undecided yet: a stop's other ends, a mismatch's records, are on their way
     cause = _cause(first)
     if cause == STOP and _job_stopping(job, ctx, first, first_time):
@@ -336,7 +368,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         ]
 
     then_died = f"rank {first.rank} then died: {_death_text(first)}{in_call}"
-    behind = _mismatch_behind(first, ctx)
+    behind = _mismatch_behind(job, first, ctx, first_time)
     if behind is not None:
         # The backend crashed on the mismatch (gloo aborts on 10 vs 20 floats, float32 vs int64):
         # the mismatch is the root cause, the death its aftermath, told in the mismatch's incident.

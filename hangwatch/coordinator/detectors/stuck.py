@@ -125,11 +125,34 @@ KEY_FAMILY = {
 
 
 def _left_the_loop(state: RankState, op: str) -> bool:
-    """Ended cleanly, or waits in a barrier of its own while the others are in something else."""
+    """Ended cleanly, waits in a barrier of its own while the others are in something else, or
+    is busy outside any call and no longer in the function its last collective came from."""
     if state.end is not None:
         return state.end.kind in (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
     blocked = state.oldest_open()
-    return blocked is not None and blocked.op in BARRIERS and op not in BARRIERS
+    if blocked is not None:
+        return blocked.op in BARRIERS and op not in BARRIERS
+    return _left_function(state) is not None
+
+
+def _function(site: str) -> tuple[str, str] | None:
+    """``train.py:12 in train`` -> ``("train.py", "train")`` (None: not a site of that form)."""
+    where, sep, function = site.rpartition(" in ")
+    return (where.rsplit(":", 1)[0], function) if sep and where else None
+
+
+def _left_function(state: RankState) -> str | None:
+    """The function the rank's last collective came from, where the rank's program is no longer
+    in it (its latest stack): it returned from the function holding its loop. None where it is,
+    where that function is a script's top level (a loop there is never left that way), or where
+    its stack is not known."""
+    last = state.last_call
+    if last is None or not state.where_stack:
+        return None
+    home = _function(last.call_site)
+    if home is None or home[1] == "<module>":
+        return None
+    return None if home in {_function(f) for f in state.where_stack} else home[1]
 
 
 def _device_clause(
@@ -371,12 +394,26 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             )
     if all(_left_the_loop(st, op) for st in present.values()):
         steps = ", ".join(str(step) for step in sorted({st.step for st in present.values()}))
+        busy = [(rk, fn) for rk, st in present.items() if st.end is None and (fn := _left_function(st))]
+        if len(busy) == 1 and len(present) == 1:
+            # alive, and out of the function its loop's calls came from: it left the loop and
+            # went on to what comes after it (an export, a checkpoint of its own)
+            rk, fn = busy[0]
+            st = present[rk]
+            last = st.last_call
+            assert last is not None
+            text = (
+                f"rank {rk} left its loop at step {steps}: it returned from {fn}, where its last "
+                f"{last.op} ({last.call_site}, step {last.step}) came from, and {doings[rk]}"
+            )
+        else:
+            text = f"rank{'s' if plural else ''} {who} left the training loop at step {steps} ({absent_text})"
         return finding(
             IncidentKind.EARLY_EXIT,
             absent,
-            f"rank{'s' if plural else ''} {who} left the training loop at step {steps} ({absent_text}) while "
-            f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} entered {where} and wait for "
-            f"{waited:.0f} s",
+            f"{text} while rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} entered {where}"
+            f"{' at ' + sample.call_site if sample.call_site else ''} and wait{'' if len(waiting) > 1 else 's'} "
+            f"for {waited:.0f} s",
             EARLY_EXIT_HINT,
             stack_ranks,
         )

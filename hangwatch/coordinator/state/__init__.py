@@ -330,6 +330,7 @@ class JobState:
         dropped: int = 0,
         where: str = "",
         where_user: str = "",
+        where_stack: tuple[str, ...] = (),
         budget_note: str = "",
         flight_time: float = 0.0,
         flight_unseen: tuple[str, ...] = (),
@@ -371,6 +372,7 @@ class JobState:
         state.dropped = dropped
         state.where = where
         state.where_user = where_user
+        state.where_stack = where_stack
         state.budget_note = budget_note
         result = IngestResult()
         for event in events:

@@ -80,6 +80,8 @@ class RankState:
     proc: r.ProcessStatus | None = None
     where: str = ""
     where_user: str = ""
+    #: the program's own frames of its main thread at its latest batch, innermost first (a few)
+    where_stack: tuple[str, ...] = ()
     #: what its hook or its node agent slowed down to stay within its CPU budget (its latest batch's word)
     budget_note: str = ""
     relay: str = ""  # the node agent relaying this rank's batches, if any
