@@ -31,6 +31,7 @@ class Checked:
     slot: Slot  # the slot checked (a slot pruned and started again at the same seq is another)
     calls: int = 0
     size: int = 0
+    repeat: bool = False  # counted as a repeat of an earlier slot's mismatch (once, whatever comes later)
 
 
 #: Distinct mismatches remembered for their repeats (a loop repeating one mismatch is one incident).
@@ -50,6 +51,7 @@ class First:
     summary: str
     culprits: list[int]
     waiting: list[int]
+    kind: IncidentKind = IncidentKind.OP_MISMATCH  # as reported (a final barrier makes it an early exit)
     repeats: int = 0
     last_seq: int = 0
     last_step: int = 0
@@ -120,6 +122,26 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             continue
         ctx.claimed.add((group, seq))
         ctx.mismatched.add((group, seq))
+        # the same calls disagreeing the same way, in the same processes (a rerun is news)
+        members = job.members(group) or tuple(slot.calls)
+        sessions = frozenset(st.identity.session for rk in members if (st := job.ranks.get(rk)) is not None)
+        signature = (mismatch.kind, group, frozenset(mismatch.details.values()), sessions)
+        first = cache.firsts.get(signature)
+        if first is not None and first.seq != seq:
+            # The same mismatch again at a later slot (a loop repeating it: gloo carries on after
+            # a reduce-op mismatch): one root cause, one incident, which counts the repeats; each
+            # slot once, whatever order slots are seen in, and at once (its sides are known).
+            cache.waiting.pop((group, seq), None)
+            if not check.repeat:
+                check.repeat = True
+                first.repeats += 1
+            step = max(c.step for c in slot.calls.values())
+            if seq > first.last_seq:
+                first.last_seq, first.last_step = seq, step
+            findings.append(
+                _repeat(first, group, slot.calls[first.culprits[0]].op if first.culprits[0] in slot.calls else "", step)
+            )
+            continue
         # where no majority says which side is wrong, the program's own rounds may; and where
         # the culprits' traces part from the others' says what happened
         detail = mismatch.summary.partition(": ")[2]
@@ -174,25 +196,12 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 )
         cache.waiting.pop((group, seq), None)
         key = incident_key(KeyFamily.MISMATCH, group=group, seq=seq)
-        # the same calls disagreeing the same way, in the same processes (a rerun is news)
-        members = job.members(group) or tuple(slot.calls)
-        sessions = frozenset(st.identity.session for rk in members if (st := job.ranks.get(rk)) is not None)
-        signature = (kind, group, frozenset(mismatch.details.values()), sessions)
-        first = cache.firsts.get(signature)
-        if first is not None and first.seq != seq:
-            # The same mismatch again at a later slot (a loop repeating it: gloo carries on after
-            # a reduce-op mismatch): one root cause, one incident, which counts the repeats.
-            if seq > first.last_seq:
-                first.repeats += 1
-                first.last_seq, first.last_step = seq, step
-            findings.append(_repeat(first, kind, group, slot.calls[culprit[0]].op, step))
-            continue
         if first is None:
-            cache.firsts[signature] = First(key, seq, summary, culprit, agreeing)
+            cache.firsts[signature] = First(key, seq, summary, culprit, agreeing, kind)
             while len(cache.firsts) > FIRSTS_KEPT:
                 cache.firsts.popitem(last=False)
         else:  # the first slot again, with more ranks in it
-            first.summary, first.culprits, first.waiting = summary, culprit, agreeing
+            first.summary, first.culprits, first.waiting, first.kind = summary, culprit, agreeing, kind
         findings.append(
             Finding(
                 kind=kind,
@@ -215,10 +224,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     return findings
 
 
-def _repeat(first: First, kind: IncidentKind, group: str, op: str, step: int) -> Finding:
+def _repeat(first: First, group: str, op: str, step: int) -> Finding:
     times = "time" if first.repeats == 1 else "times"
     return Finding(
-        kind=kind,
+        kind=first.kind,
         key=first.key,
         culprit_ranks=first.culprits,
         waiting_ranks=first.waiting,

@@ -1065,7 +1065,7 @@ class JobState:
         let go of)."""
         before_here = slot.calls.get(state.rank)
         slot.add(call)
-        if slot.differs and not slot.pinned:
+        if not slot.pinned and (slot.differs or self._wrong_when_full(slot)):
             self._pin(slot)
         call.holds += 1
         if before_here is None:
@@ -1480,7 +1480,7 @@ class JobState:
                     call.returned_time, call.exit_time = call.exit_time, None
             empty = not slot.calls and not slot.last_enter  # made by ``_materialize``: no time yet
             slot.add(call)
-            if slot.differs and not slot.pinned:
+            if not slot.pinned and (slot.differs or self._wrong_when_full(slot)):
                 self._pin(slot)
             enter = call.enter_time
             if empty or enter < slot.first_enter:
@@ -1677,6 +1677,16 @@ class JobState:
         refs = self.run_refs.get(group)
         while refs and refs[0].hi < tail:
             refs.popleft()
+
+    def _wrong_when_full(self, slot: Slot) -> bool:
+        """Whether ``slot`` just got its last member's call and its calls, alike, are wrong in
+        themselves (against the group's size): kept for the detectors, which may be waiting for
+        the others' batches before they tell it, rather than pruned as complete before they see it."""
+        members = self.members(slot.group)
+        if not members or len(slot.calls) != len(members):
+            return False
+        first = next(iter(slot.calls.values()))
+        return compare_collective({first.rank: first}, len(members)) is not None  # once a slot
 
     def _pin(self, slot: Slot) -> None:
         """Keep ``slot`` until the engine's next tick has looked at it (``take_changes``)."""
