@@ -141,7 +141,7 @@ class StepEvent:
 #: The marker of a DDP forward pass whose backward will synchronise gradients (grad enabled, not
 #: under ``no_sync()``); its detail is ``"<group>:<seq>"``, the DDP group and torch's sequence
 #: number on it when the forward began. A rank whose forward passes keep pace with the others'
-#: while its gradient all-reduces fall behind skipped a backward (``rules.shift``).
+#: while its gradient all-reduces fall behind skipped a backward (``model.align``).
 DDP_FORWARD = "ddp.forward"
 #: Marker a rank's hook writes as it turns its call capture off after an internal error (its
 #: detail: what it was doing, and the error): calls after it are not recorded.

@@ -55,7 +55,7 @@ def _facts(edit: Edit, rank: int) -> dict[str, object]:
             "group": call.group,
             "forward": edit.forward,
             "step": edit.step,
-            "behind": 1 + edit.behind,  # the call skipped, and any the reference made past its end
+            "behind": edit.count + edit.behind,  # the calls skipped, and any the reference made past its end
         }
     facts: dict[str, object] = {"rank": rank, "op": op, "call_site": call.call_site, "step": edit.step, "seq": call.seq}
     if edit.kind is not EditKind.SKIPPED:
@@ -108,7 +108,7 @@ def at_slot(job: JobState, slot: Slot, culprits: Sequence[int], agreeing: Sequen
         if edit.went_on is not None and edit.went_on.call_id == mine.call_id:
             text = skipped_went_on(culprit, edit.theirs, edit.step, mine, slot.seq)
             return Story(f"{text}: {detail}" if detail else text, list(culprits), list(agreeing), facts)
-        text = skipped_ran_out(culprit, edit.theirs, edit.step, edit.forward, agreeing, 1 + edit.behind)
+        text = skipped_ran_out(culprit, edit.theirs, edit.step, edit.forward, agreeing, edit.count + edit.behind)
         return Story(f"{text}; it is in {call_at(mine)}", list(culprits), list(agreeing), facts)
     if (
         edit.kind is EditKind.DIFFERENT
@@ -202,12 +202,14 @@ def absent(job: JobState, group: str, culprit: int, waiting: Sequence[int], memb
         # no majority says which side is the program's, and the call is the only one its line
         # made: the waiting ranks' own extra call, and the absent rank ran out of calls first
         facts = {**_facts(edit, reference), "edit": EditKind.EXTRA.value, "group": group}
-        text = extra_call(reference, edit.theirs, edit.step, [culprit], 1 + edit.behind)
+        text = extra_call(reference, edit.theirs, edit.step, [culprit], edit.count + edit.behind)
         return Absence(text, sorted(waiting), facts)
     if edit.pinned:
-        text = skipped_ran_out(culprit, edit.theirs, edit.step, edit.forward, waiting, 1 + edit.behind)
+        text = skipped_ran_out(culprit, edit.theirs, edit.step, edit.forward, waiting, edit.count + edit.behind)
         return Absence(text, [culprit], _facts(edit, culprit), skipped=True)
-    return Absence(fewer_calls(culprit, edit.theirs, waiting, 1 + edit.behind), [culprit], _facts(edit, culprit))
+    return Absence(
+        fewer_calls(culprit, edit.theirs, waiting, edit.count + edit.behind), [culprit], _facts(edit, culprit)
+    )
 
 
 def _once(marks: Sequence[object], call: r.CallRecord) -> bool:

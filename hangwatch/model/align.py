@@ -134,6 +134,8 @@ class Edit:
     went_on: r.CallRecord | None = None
     behind: int = 0  # calls the reference made past the culprit's end
     ahead: int = 0  # calls the culprit made past the reference's end
+    #: calls alike skipped together from there (a backward's buckets)
+    count: int = 1
     #: the training step of the edit's call: its own, or where it came from Flight Recorder
     #: (whose records take the step the rank was at when they were read) the forward pass's before it
     step: int = -1
@@ -296,11 +298,15 @@ def align(mine: Sequence[Mark], theirs: Sequence[Mark]) -> Edit:
         forward = _forward_before(theirs, j)
         if how == _DEL:
             went_on = _next_call(mine, i)
+            run = _deleted_run(ops, k, theirs)
             return Edit(
                 EditKind.SKIPPED,
                 theirs=theirs[j].call,
                 forward=forward,
-                pinned=_pinned(theirs, j),
+                # alone of its kind where it stands, or every one of a run of alike calls skipped
+                # (a backward's buckets: the forward pass before them says which)
+                pinned=_pinned(theirs, j) or run == _run_length(theirs, j),
+                count=run,
                 # its later calls are the reference's, or (none yet) the program's earlier rounds
                 # make its next call right after the one it lacks
                 confirmed=later > 0 or (went_on is not None and _follows(theirs, j, went_on)),
@@ -374,6 +380,32 @@ def _step_of(marks: Sequence[Mark], j: int, call: r.CallRecord | None) -> int:
         return call.step
     mark = _marker_before(marks, j)
     return mark.step if mark is not None else -1
+
+
+def _deleted_run(ops: Sequence[tuple[str, int, int]], k: int, theirs: Sequence[Mark]) -> int:
+    """How many calls alike the reference made, one after another, the culprit lacks from the
+    ``k``-th operation on."""
+    first = theirs[ops[k][2]].call
+    assert first is not None
+    n = 0
+    for how, _, j in ops[k:]:
+        call = theirs[j].call
+        if how != _DEL or call is None or not same(call, first):
+            break
+        n += 1
+    return n
+
+
+def _run_length(marks: Sequence[Mark], j: int) -> int:
+    """How many calls the same as ``marks[j]`` stand in a row around it (a forward pass ends a row)."""
+    call = marks[j].call
+    assert call is not None
+    lo = hi = j
+    while lo > 0 and (c := marks[lo - 1].call) is not None and same(c, call):
+        lo -= 1
+    while hi + 1 < len(marks) and (c := marks[hi + 1].call) is not None and same(c, call):
+        hi += 1
+    return hi - lo + 1
 
 
 def _next_call(marks: Sequence[Mark], i: int) -> r.CallRecord | None:

@@ -183,3 +183,59 @@ def test_a_branch_taken_once_before_the_loop_is_passed_over_for_the_edit_after_i
 def test_a_skip_every_rank_agreed_on_is_no_edit() -> None:
     """The look-alike: the NaN is all-reduced first, so every rank skips the same step."""
     assert _edit(_ddp(1, skip_at=6), _ddp(0, skip_at=6)).kind is EditKind.SAME
+
+
+# ---- the claims of the rules the model replaced (``rules.shift``), as edits ---------------------
+
+BASE = [("all_reduce", 4), ("all_reduce", 4), ("barrier", 0), ("all_reduce", 8), ("broadcast", 2)]
+
+
+def _rank(rank: int, ops: list[tuple[str, int]], sites: dict[int, str] | None = None) -> Rank:
+    """A rank making ``ops``, each from its line in the program (``BASE``'s; ``sites``: by index)."""
+    rk = Rank(rank)
+    for k, (op, n) in enumerate(ops):
+        line = (sites or {}).get(k) or f"train.py:{20 + BASE.index((op, n))}"
+        rk.call(line, op=op, shape=(n,) if n else ())
+    return rk
+
+
+def test_an_extra_call_among_alike_ones_is_told_once_the_shift_shows() -> None:
+    """The extra all_reduce [4] looks like the loop's next one: the later calls tell."""
+    extra = [BASE[0], BASE[1], ("all_reduce", 4), *BASE[2:]]
+    edit = _edit(_rank(1, extra, {2: "train.py:30"}), _rank(0, BASE))
+    assert edit.kind is EditKind.EXTRA and edit.confirmed and edit.mine is not None
+    assert edit.mine.call_site == "train.py:30" and edit.mine.seq == 3
+
+
+def test_what_is_not_one_extra_call_is_not_told_as_one() -> None:
+    substituted = _edit(_rank(1, [*BASE[:2], ("all_reduce", 1), *BASE[3:]], {2: "train.py:22"}), _rank(0, BASE))
+    assert substituted.kind is EditKind.DIFFERENT
+    unconfirmed = _edit(_rank(1, [*BASE[:2], ("all_reduce", 1)], {2: "train.py:30"}), _rank(0, BASE))
+    assert unconfirmed.kind is not EditKind.EXTRA or not unconfirmed.confirmed
+    assert _edit(_rank(1, BASE), _rank(0, BASE)).kind is EditKind.SAME
+
+
+def _ddp_buckets(rank: int, forwards: int, buckets: int, skip_at: int | None) -> Rank:
+    rk = Rank(rank)
+    for n in range(forwards):
+        rk.forward()
+        if n == skip_at:
+            continue
+        for _ in range(buckets):
+            rk.call(CXX)
+        rk.step += 1
+    return rk
+
+
+def test_several_buckets_a_backward_are_skipped_together_after_their_forward() -> None:
+    culprit, other = _ddp_buckets(1, 30, 3, skip_at=9), _ddp_buckets(0, 30, 3, skip_at=None)
+    edit = _edit(culprit, other)
+    assert edit.kind is EditKind.SKIPPED and edit.forward == 10 and edit.pinned and edit.confirmed
+    assert edit.count == 3  # the backward's three buckets
+
+
+def test_the_look_alikes_of_a_skipped_backward_are_not_one() -> None:
+    # it left the loop early: one forward and its backward fewer, level while it ran
+    assert _edit(_ddp_buckets(1, 29, 1, None), _ddp_buckets(0, 30, 1, None)).kind is EditKind.SHORT
+    # level all along
+    assert _edit(_ddp_buckets(1, 30, 1, None), _ddp_buckets(0, 30, 1, None)).kind is EditKind.SAME

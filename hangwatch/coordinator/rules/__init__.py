@@ -8,8 +8,6 @@ Pure functions on :class:`~hangwatch.records.CallRecord` values, one module per 
   group size);
 - :mod:`.alltoall`: all-to-all pairing (rank i's output chunk j against rank j's input chunk i);
 - :mod:`.p2p`: :func:`match_p2p`, a send against the recv paired with it;
-- :mod:`.shift`: :func:`explain_extra_call`, the "one rank made one extra collective and
-  everything after it is shifted" pattern;
 - :mod:`.slot`: what they share (:class:`Mismatch`, each op's spec, the slot helpers).
 
 What each op is and what ranks must agree on comes from :mod:`hangwatch.catalogue`; the words
@@ -23,13 +21,6 @@ from __future__ import annotations
 from hangwatch.catalogue import GROUP_RANK, GROUP_RANKS, INPUT_SPLITS, OUTPUT_SPLITS, canonical_op
 from hangwatch.coordinator.rules.collective import compare_collective
 from hangwatch.coordinator.rules.p2p import match_p2p
-from hangwatch.coordinator.rules.shift import (
-    EXTRA_CALL_WINDOW,
-    MAX_BEHAVIOURS,
-    explain_extra_call,
-    explain_skipped_backward,
-    explain_skipped_call,
-)
 from hangwatch.coordinator.rules.slot import (
     ARG_MISMATCH,
     DTYPE_MISMATCH,
@@ -43,11 +34,9 @@ from hangwatch.wording import describe_call, format_ranks, format_shape
 __all__ = [
     "ARG_MISMATCH",
     "DTYPE_MISMATCH",
-    "EXTRA_CALL_WINDOW",
     "GROUP_RANK",
     "GROUP_RANKS",
     "INPUT_SPLITS",
-    "MAX_BEHAVIOURS",
     "OP_MISMATCH",
     "OUTPUT_SPLITS",
     "P2P_MISMATCH",
@@ -56,9 +45,6 @@ __all__ = [
     "canonical_op",
     "compare_collective",
     "describe_call",
-    "explain_extra_call",
-    "explain_skipped_backward",
-    "explain_skipped_call",
     "format_ranks",
     "format_shape",
     "match_p2p",

@@ -93,7 +93,7 @@ class RankState:
     dropped: int = 0
     markers: collections.deque[r.MarkerEvent] = field(default_factory=lambda: collections.deque(maxlen=16))
     #: the rank's DDP forward passes that sync gradients: (its count of them, group, torch's seq
-    #: on the group when it began, step), the latest ``FORWARDS_KEPT`` (see ``rules.shift``)
+    #: on the group when it began, step), the latest ``FORWARDS_KEPT`` (see ``model.align``)
     forwards: collections.deque[tuple[int, str, int, int]] = field(
         default_factory=lambda: collections.deque(maxlen=FORWARDS_KEPT)
     )
