@@ -12,6 +12,7 @@ as soon as an incident opens and attached when they arrive; every change is pers
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -120,7 +121,7 @@ class Engine:
                 by_run.setdefault(run_of(inc.key), []).append(inc)
             self._end_runs(by_run, now)
             for job in self.jobs:
-                job.lapse_progress(now)
+                job.before_detection(now, functools.partial(self.stuck_threshold, job))
                 for finding, incident, new in self._detect(job, by_run.get(job.run, []), now):
                     if new and incident is not None:
                         opened.append(incident)

@@ -66,12 +66,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     whose absent ranks are all waiting in another hang (ranks stuck in a subgroup's collective
     never reach the world barrier a third rank waits in) is that hang's aftermath, told in its
     incident, not a root cause of its own."""
-    firsts: list[tuple[str, int]] = []
-    candidates = _candidates(job, ctx, firsts)
     # (NCCL) calls that came in runs and a device holds below those slots, waiting as long as
-    # the threshold: open calls first, as they would have been call by call
-    if firsts and job.open_on_device_below(firsts, lambda: ctx.now - ctx.stuck_after):
-        candidates = _candidates(job, ctx, None)
+    # the threshold, are open calls already, as they would have been call by call
+    # (``JobState.before_detection``, before the detectors run)
+    candidates = _candidates(job, ctx)
     findings: list[Finding] = []
     hung = dict(ctx.hangs)  # rank -> the hang it is part of (open incidents, then this tick's)
     for _, slot, members, waiting in sorted(candidates, key=lambda c: c[0]):
@@ -89,12 +87,9 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     return findings
 
 
-def _candidates(
-    job: JobState, ctx: Context, firsts: list[tuple[str, int]] | None
-) -> list[tuple[float, Slot, tuple[int, ...], list[int]]]:
+def _candidates(job: JobState, ctx: Context) -> list[tuple[float, Slot, tuple[int, ...], list[int]]]:
     """Each group's oldest unresolved slot, where it has waited the threshold: (its oldest
-    wait's start, the slot, the group's members, the ranks waiting in it). ``firsts`` gets the
-    (group, seq) of each group's first slot with a call open in it."""
+    wait's start, the slot, the group's members, the ranks waiting in it)."""
     candidates: list[tuple[float, Slot, tuple[int, ...], list[int]]] = []
     for group, slots in job.slots.items():
         for seq, slot in slots.items():
@@ -103,8 +98,6 @@ def _candidates(
             waiting = [rk for rk, c in slot.calls.items() if c.exit_time is None]
             if not waiting:
                 continue
-            if firsts is not None and (not firsts or firsts[-1][0] != group):
-                firsts.append((group, seq))
             if any(not st.alive for rk in waiting if (st := job.ranks.get(rk)) is not None):
                 # a rank died inside it: the call never returns, and its end explains the slot
                 # (rank_died, or nothing at all where the whole job was stopped mid-call)

@@ -901,6 +901,23 @@ class JobState:
         if state.on_device.get(group):
             self._settle_device(state, group, prior, local, closed)
 
+    def before_detection(self, now: float, stuck_after: Callable[[], float]) -> None:
+        """What the detectors need of the state before they read it (they never write it), done
+        by the state once a tick: device progress that stopped coming let go
+        (``lapse_progress``), and the calls a device holds below each group's first open slot,
+        entered the stuck threshold ago, made open calls (``open_on_device_below``)."""
+        self.lapse_progress(now)
+        if not any(st.on_device for st in self.ranks.values()):
+            return
+        firsts: list[tuple[str, int]] = []
+        for group, slots in self.slots.items():
+            for seq, slot in slots.items():
+                if slot.open and any(c.exit_time is None for c in slot.calls.values()):
+                    firsts.append((group, seq))
+                    break
+        if firsts:
+            self.open_on_device_below(firsts, lambda: now - stuck_after())
+
     def lapse_progress(self, now: float) -> None:
         """Ranks whose device progress stopped coming (their agent is gone, their worker server no
         longer answers): completion is no longer watched, so the calls it held open are taken
