@@ -336,3 +336,28 @@ def extra_call(culprit: int, extra: CallRecord, step: int, others: Sequence[int]
         f"rank {culprit} made an extra {call_at(extra)}{_step(step, f'seq {extra.seq}')}; every later call "
         f"on rank {culprit} met {who}'s call before, so {who} ran out of calls {count} before it"
     )
+
+
+# ---- the wait-for graph (``status``) ----------------------------------------------------------
+
+#: How a sink stops the waits that reach it.
+_SINK_WORDS = {
+    "died": "died",
+    "frozen": "is frozen (silent)",
+    "ended": "ended",
+    "busy": "is busy outside the call",
+    "unknown": "was never heard from",
+}
+
+
+def wait_line(waiters: Sequence[int], op: str, group: str, seq: int, on: Sequence[int]) -> str:
+    """``"ranks 0, 2 wait in all_reduce (group 1, seq 5) for rank 1"``."""
+    return f"{ranks_label(waiters)} {conj('wait', waiters)} in {op} (group {group}, seq {seq}) for {ranks_label(on)}"
+
+
+def hang_line(ranks: Sequence[int], stand: str, upstream: Sequence[int]) -> str:
+    """One sink or cycle, and whom it holds up."""
+    held = f"holding up {ranks_label(upstream)}"
+    if stand == "cycle":
+        return f"{ranks_label(ranks)} wait for each other (a cycle), {held}"
+    return f"{ranks_label(ranks)} {_SINK_WORDS.get(stand, stand)}, {held}"

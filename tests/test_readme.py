@@ -29,7 +29,7 @@ _TOPS = "hangwatch|common|client|coordinator|agent|protos|tests|bench|scripts|de
 _PATH = re.compile(rf"`((?:{_TOPS})/[A-Za-z0-9_./-]*)`")
 
 
-@pytest.mark.parametrize("doc", ["README.md", "BENCHMARKS.md", "deploy/README.md"])
+@pytest.mark.parametrize("doc", ["README.md", "BENCHMARKS.md", "deploy/README.md", "docs/architecture.md"])
 def test_every_path_the_docs_name_exists(doc: str) -> None:
     text = (ROOT / doc).read_text()
     named = sorted(set(_PATH.findall(text)))

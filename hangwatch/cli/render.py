@@ -10,7 +10,7 @@ import time
 from typing import Any, TextIO
 
 from hangwatch import wording
-from hangwatch.wording import KIND_TITLES, in_step, on_device, ranks_label
+from hangwatch.wording import KIND_TITLES, hang_line, in_step, on_device, ranks_label, wait_line
 
 
 def use_colour(stream: TextIO) -> bool:
@@ -59,6 +59,24 @@ def _rank_line(rank: dict[str, Any], now: float) -> str:
     return state
 
 
+#: Waits shown by ``status``; the rest are counted (``status --json`` has them all).
+WAITS_SHOWN = 12
+
+
+def _render_waits(graph: dict[str, Any], out: TextIO) -> None:
+    """Who waits for whom, then where the waits end (the sinks and cycles: each one hang)."""
+    waits = graph.get("waits") or []
+    if not waits:
+        return
+    out.write("who waits for whom:\n")
+    for w in waits[:WAITS_SHOWN]:
+        out.write(f"  {wait_line(w['ranks'], w['op'], w['group'], w['seq'], w['waits_for'])}\n")
+    if len(waits) > WAITS_SHOWN:
+        out.write(f"  ... and {len(waits) - WAITS_SHOWN} more waits (status --json)\n")
+    for h in graph.get("hangs") or []:
+        out.write(f"  -> {hang_line(h['ranks'], h['stand'], h['upstream'])}\n")
+
+
 def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
     colour = use_colour(out)
     now = data["job"].get("time") or time.time()
@@ -102,6 +120,7 @@ def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
         label = ranks_label(ranks)
         state_colour = "31" if ("died" in line or "frozen" in line) else ("33" if "waiting" in line else "32")
         out.write(f"  {_c(label.ljust(14), state_colour, colour)} {line}\n")
+    _render_waits(data.get("graph") or {}, out)
     incidents = data.get("incidents") or []
     if incidents:
         out.write(_c(f"{len(incidents)} open incident(s):\n", "1;31", colour))

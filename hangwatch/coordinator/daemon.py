@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 from hangwatch import config, tls, wire
 from hangwatch import records as r
 from hangwatch.agent.identity import START_TIME_TOLERANCE_S
-from hangwatch.coordinator import budget
+from hangwatch.coordinator import budget, waits
 from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
 from hangwatch.coordinator.engine import UNPROVEN, Engine
 from hangwatch.coordinator.incidents import Incident
-from hangwatch.coordinator.jobs import Jobs, JobsFull
+from hangwatch.coordinator.jobs import Jobs, JobsFull, SessionOver
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.server import BindError, RpcServer
 from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, ImportBusy, IntakeError
@@ -302,6 +302,9 @@ class Coordinator:
                 job, state = self.jobs.register(identity, time.time(), via)
             except JobsFull as e:
                 self.metrics_rejected("jobs")
+                raise IntakeError(str(e)) from None
+            except SessionOver as e:
+                log.info("registration refused: %s", e)  # a rank's process on its way out
                 raise IntakeError(str(e)) from None
             except ClaimRefused as e:
                 self.metrics_rejected("claim")
@@ -716,6 +719,7 @@ class Coordinator:
                 "budget": {**self.jobs.ledger.view(), "job_held_bytes": job.held, "job_refused": job.refused},
             }
             status = status_json(job, now, self.options.silence_after, extra, open_incidents)
+            status["graph"] = waits.graph_json(waits.graph(job, now, self.options.silence_after))
             open_by_run: dict[str, int] = {}
             for inc in self.engine.incidents.values():
                 if inc.status == "open":

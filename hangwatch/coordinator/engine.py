@@ -43,7 +43,14 @@ MAX_INCIDENTS_IN_MEMORY = 10_000
 #: Hang kinds keyed by a slot, closed once every waiting rank has left that slot.
 SLOT_KINDS = (IncidentKind.STUCK_COLLECTIVE, IncidentKind.EARLY_EXIT, IncidentKind.TRANSPORT_STALL)
 #: Incidents whose ranks' later deaths are their aftermath (torch's watchdog aborts hung ranks).
-HANG_FAMILIES = (KeyFamily.STUCK.value, KeyFamily.EARLY.value, KeyFamily.STALL.value, KeyFamily.EARLY_END.value)
+#: A p2p deadlock (two stages that both send first) holds its ranks as a stuck collective does.
+HANG_FAMILIES = (
+    KeyFamily.STUCK.value,
+    KeyFamily.EARLY.value,
+    KeyFamily.STALL.value,
+    KeyFamily.EARLY_END.value,
+    KeyFamily.P2P.value,
+)
 
 #: Why a rank that registered itself over the network is never dumped or signalled: only a node
 #: agent's registration (from the rank's own link, ``SO_PEERCRED``) ties a pid to a rank of a job.
@@ -184,6 +191,10 @@ class Engine:
                 absorbed.append((finding, incident, new))
                 if finding.group:
                     ctx.claimed.add((finding.group, finding.seq))
+                if incident is not None and incident.status == "open" and key_family(incident.key) in HANG_FAMILIES:
+                    # the next detectors see this tick's hangs as they see those already open
+                    for rank in finding.culprit_ranks + finding.waiting_ranks:
+                        ctx.hangs.setdefault(rank, incident.key)
         return absorbed
 
     def _end_runs(self, by_run: dict[str, list[Incident]], now: float) -> None:

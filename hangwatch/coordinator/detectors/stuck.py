@@ -22,9 +22,11 @@ import time
 
 from hangwatch import catalogue, config
 from hangwatch import records as r
+from hangwatch.coordinator import waits
 from hangwatch.coordinator.detectors import Context
 from hangwatch.coordinator.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.coordinator.state import JobState, RankState, Slot
+from hangwatch.model.waitfor import Graph
 from hangwatch.wording import describe_call, doing, format_ranks, gpu_load
 
 EARLY_EXIT_HINT = (
@@ -63,28 +65,50 @@ def _silent(state: RankState, ctx: Context) -> bool:
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
     """One hang per group, the oldest unresolved slot of each, diagnosed oldest first: a hang
-    whose absent ranks are all waiting in another hang (ranks stuck in a subgroup's collective
-    never reach the world barrier a third rank waits in) is that hang's aftermath, told in its
-    incident, not a root cause of its own."""
+    whose absent ranks' waits all end in another hang (ranks stuck in a subgroup's collective
+    never reach the world barrier a third rank waits in; two stages that both send first) is
+    that hang's aftermath, told in its incident, not a root cause of its own."""
     # (NCCL) calls that came in runs and a device holds below those slots, waiting as long as
     # the threshold, are open calls already, as they would have been call by call
     # (``JobState.before_detection``, before the detectors run)
     candidates = _candidates(job, ctx)
-    findings: list[Finding] = []
-    hung = dict(ctx.hangs)  # rank -> the hang it is part of (open incidents, then this tick's)
+    found = []
     for _, slot, members, waiting in sorted(candidates, key=lambda c: c[0]):
         finding = _diagnose(job, ctx, slot, members, waiting)
-        if finding is None:
-            continue
-        roots = {hung.get(rk, "") for rk in finding.culprit_ranks}
-        root = roots.pop() if len(roots) == 1 else ""
-        if root:
+        if finding is not None:
+            found.append(finding)
+    if not found:
+        return []
+    graph = waits.graph(job, ctx.now, ctx.silence_after)
+
+    def blames_where_waits_end(finding: Finding) -> bool:
+        ends = graph.reached(finding.culprit_ranks)
+        return all(set(h.ranks) <= set(finding.culprit_ranks) for h in ends)
+
+    # the hangs whose culprits are where the waits end are told first, whatever their age: a
+    # subgroup's older all_reduce held up by a rank stuck in a younger one is that one's aftermath
+    hung = dict(ctx.hangs)  # rank -> the hang it is part of (open incidents, then this tick's)
+    findings: list[Finding] = []
+    for finding in sorted(found, key=lambda f: not blames_where_waits_end(f)):
+        root = _root(graph, finding.culprit_ranks, hung)
+        if root and root != finding.key:
             finding.aftermath_of = root
         else:
             for rk in finding.culprit_ranks + finding.waiting_ranks:
                 hung.setdefault(rk, finding.key)
         findings.append(finding)
     return findings
+
+
+def _root(graph: Graph, culprits: list[int], hung: dict[int, str]) -> str:
+    """The one hang already told that the culprits' waits all end in ("": none, or several)."""
+    ends = graph.reached(culprits)
+    if not ends:
+        roots = {hung.get(rk, "") for rk in culprits}  # no wait known: the culprits themselves
+    else:
+        # a sink is told by the incident that blames it; a cycle by the one its ranks are all in
+        roots = {owners.pop() if len(owners := {hung.get(rk, "") for rk in h.ranks}) == 1 else "" for h in ends}
+    return roots.pop() if len(roots) == 1 else ""
 
 
 def _candidates(job: JobState, ctx: Context) -> list[tuple[float, Slot, tuple[int, ...], list[int]]]:
@@ -117,15 +141,16 @@ KEY_FAMILY = {
 }
 
 
-def _left_the_loop(state: RankState, op: str) -> bool:
+def _left_the_loop(state: RankState, op: str, group: str) -> bool:
     """Ended cleanly, waits in a barrier of its own while the others are in something else, or
-    is busy outside any call and no longer in the function its last collective came from."""
+    is busy outside any call and no longer in the function its last collective on ``group``
+    came from."""
     if state.end is not None:
         return state.end.kind in (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
     blocked = state.oldest_open()
     if blocked is not None:
         return blocked.op in BARRIERS and op not in BARRIERS
-    return _left_function(state) is not None
+    return _left_function(state, group) is not None
 
 
 def _function(site: str) -> tuple[str, str] | None:
@@ -134,12 +159,18 @@ def _function(site: str) -> tuple[str, str] | None:
     return (where.rsplit(":", 1)[0], function) if sep and where else None
 
 
-def _left_function(state: RankState) -> str | None:
-    """The function the rank's last collective came from, where the rank's program is no longer
-    in it (its latest stack): it returned from the function holding its loop. None where it is,
-    where that function is a script's top level (a loop there is never left that way), or where
-    its stack is not known."""
-    last = state.last_call
+def _last_on(state: RankState, group: str) -> r.CallRecord | None:
+    hist = state.history.get(group)
+    return hist[-1] if hist else None
+
+
+def _left_function(state: RankState, group: str) -> str | None:
+    """The function the rank's last collective on ``group`` came from, where the rank's program
+    is no longer in it (its latest stack): it returned from the function holding its loop. None
+    where it is, where that function is a script's top level (a loop there is never left that
+    way), or where its stack is not known. (Its last call on another group may come from a side
+    thread, a metrics loop, that the main thread's stack is never in.)"""
+    last = _last_on(state, group)
     if last is None or not state.where_stack:
         return None
     home = _function(last.call_site)
@@ -385,15 +416,15 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
                 stack_ranks,
                 others=None if why.skipped else absent,  # their extra call: the absent rank did right
             )
-    if all(_left_the_loop(st, op) for st in present.values()):
+    if all(_left_the_loop(st, op, slot.group) for st in present.values()):
         steps = ", ".join(str(step) for step in sorted({st.step for st in present.values()}))
-        busy = [(rk, fn) for rk, st in present.items() if st.end is None and (fn := _left_function(st))]
+        busy = [(rk, fn) for rk, st in present.items() if st.end is None and (fn := _left_function(st, slot.group))]
         if len(busy) == 1 and len(present) == 1:
             # alive, and out of the function its loop's calls came from: it left the loop and
             # went on to what comes after it (an export, a checkpoint of its own)
             rk, fn = busy[0]
             st = present[rk]
-            last = st.last_call
+            last = _last_on(st, slot.group)
             assert last is not None
             text = (
                 f"rank {rk} left its loop at step {steps}: it returned from {fn}, where its last "

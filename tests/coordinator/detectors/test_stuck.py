@@ -335,3 +335,41 @@ def test_a_busy_rank_is_not_told_as_having_skipped_a_backward() -> None:
     f = only(stuck.detect(sim.job, sim.ctx(T0 + 12.5)), "stuck_collective")
     assert f.culprit_ranks == [1] and "skipped" not in f.details
     assert "never make it" not in f.summary and "busy in train.py:88 in save_checkpoint" in f.summary
+
+
+def test_a_chain_of_hangs_is_one_incident_told_where_the_waits_end() -> None:
+    """Rank 0 waits in group a for rank 1, which waits in group b for rank 2, which waits in
+    group c for rank 3, busy in its own work. Whatever order the slots were entered in, one
+    incident, on rank 3; the waits held up behind it are its aftermath."""
+    from tests.factories import group_event
+
+    for order in ((1, 2, 3), (3, 2, 1)):
+        sim = SimJob(4)
+        for name, pair in (("a", (0, 1)), ("b", (1, 2)), ("c", (2, 3))):
+            for rk in pair:
+                sim.apply(group_event(rk, name, pair), T0)
+        for rank, group, at in zip((0, 1, 2), "abc", order, strict=True):
+            sim.call(rank, T0 + at, seq=1, group=group)
+        sim.beat(T0 + 30, where_user="train.py:70 in save")
+        engine = sim.engine()
+        opened = engine.tick(T0 + 30)
+        assert [(i.kind, i.group, i.culprit_ranks) for i in opened] == [("stuck_collective", "c", [3])], order
+        (inc,) = engine.incidents.values()
+        assert "aftermath" in inc.details
+        assert engine.tick(T0 + 31) == []
+
+
+def test_a_barrier_held_up_by_two_stages_that_both_send_first_is_the_deadlock_s_aftermath() -> None:
+    """Ranks 0 and 1 both send to each other first; rank 2 reaches the world barrier and waits
+    for them. One incident: the p2p deadlock (a cycle of the wait-for graph); the barrier is
+    told in it."""
+    sim = SimJob(3)
+    sim.call(0, T0 + 1, op="send", peer=1, seq=1)
+    sim.call(1, T0 + 1, op="send", peer=0, seq=1)
+    sim.call(2, T0 + 2, op="barrier", seq=1, shape=None)
+    sim.beat(T0 + 40)
+    engine = sim.engine()
+    opened = engine.tick(T0 + 40)
+    assert [(i.kind, i.culprit_ranks) for i in opened] == [("p2p_mismatch", [0, 1])]
+    (inc,) = [i for i in engine.incidents.values() if i.status == "open"]
+    assert inc.details["aftermath"]["ranks"] == [0, 1] and "barrier" in inc.summary
