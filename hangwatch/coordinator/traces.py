@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hangwatch import config
 from hangwatch import records as r
 from hangwatch.coordinator.state import HISTORY_PER_GROUP, JobState, RankState
 from hangwatch.model.align import Edit, Mark, align, in_order, trace
 
 
-def _calls(st: RankState) -> tuple[list[r.CallRecord], float]:
-    """Every call the rank's histories hold, and from when all of them are whole. A record made
-    from a Flight Recorder entry of a collective the hook also recorded (a read as the rank
-    failed ships entries whose Python call it had not matched yet) is that call: left out."""
+def _calls(st: RankState) -> tuple[list[r.CallRecord], float, bool]:
+    """Every call the rank's histories hold up to where its trace is known, and from when all of
+    them are whole. A record made from a Flight Recorder entry of a collective the hook also
+    recorded (a read as the rank failed ships entries whose Python call it had not matched yet)
+    is that call: left out."""
     calls: list[r.CallRecord] = []
     whole_from = 0.0
     for hist in st.history.values():
@@ -29,29 +31,44 @@ def _calls(st: RankState) -> tuple[list[r.CallRecord], float]:
         made = list(hist.view())
         python = {c.seq for c in made if c.source == "python" and c.kind is r.OpKind.COLLECTIVE}
         calls.extend(c for c in made if c.source == "python" or c.seq not in python)
-    return calls, whole_from
+    known = _known_to(st, calls)
+    kept = [c for c in calls if c.enter_time <= known]
+    return kept, whole_from, len(kept) < len(calls)
+
+
+def _known_to(st: RankState, calls: list[r.CallRecord]) -> float:
+    """Up to when the rank's trace is known. A live rank whose collectives C++ also issues is
+    known only to its latest Flight Recorder read (a Python call after it may follow C++ calls
+    not read yet: a trace cut there would look like a call skipped); a rank that ended or died
+    was read to its end."""
+    if st.end is not None or not st.alive or all(c.source == "python" for c in calls):
+        return float("inf")
+    return st.flight_to if st.flight_to > 0 else st.last_sent - config.FR_POLL_INTERVAL_S
 
 
 def traces(job: JobState, group: str, ranks: Sequence[int]) -> dict[int, list[Mark]] | None:
     """The traces of ``ranks``, each from its call at the earliest seq on ``group`` that every one
     of them holds with its histories whole from there on; None where there is no such seq."""
-    held: dict[int, tuple[list[r.CallRecord], dict[int, int]]] = {}
+    held: dict[int, tuple[list[r.CallRecord], dict[int, int], bool]] = {}
     for rank in ranks:
         st = job.ranks.get(rank)
         if st is None:
             return None
-        calls, whole_from = _calls(st)
+        calls, whole_from, cut = _calls(st)
         on_group = {c.seq: c.call_id for c in calls if c.group == group and c.enter_time >= whole_from}
-        held[rank] = (calls, on_group)
-    common = set.intersection(*(set(on_group) for _, on_group in held.values())) if held else set()
+        held[rank] = (calls, on_group, cut)
+    common = set.intersection(*(set(on_group) for _, on_group, _ in held.values())) if held else set()
     if not common:
         return None
     start = min(common)
     out: dict[int, list[Mark]] = {}
-    for rank, (calls, on_group) in held.items():
+    for rank, (calls, on_group, cut) in held.items():
         ordered = in_order(calls)
         at = next(k for k, c in enumerate(ordered) if c.call_id == on_group[start])
         forwards = [f for f in job.ranks[rank].forwards if f[1] != group or f[2] >= start]
+        if cut:  # the forward passes begun after the trace's known end are not known either
+            last = {c.group: c.seq for c in ordered if c.kind is not r.OpKind.P2P}  # the latest wins
+            forwards = [f for f in forwards if f[2] <= last.get(f[1], f[2])]
         out[rank] = trace(ordered[at:], forwards, ordered=True)
     return out
 
