@@ -393,7 +393,10 @@ class Shipper:
                 registration = self.intake.accept_registration(state.identity, via="agent")
             except ValueError as e:
                 self.refused += 1
-                log.warning("rank link from pid %d refused by the coordinator: %s", link.peer.pid, e)
+                # a rank that said it is ending, whose job the coordinator no longer follows: expected
+                (log.info if link.ending_at is not None else log.warning)(
+                    "rank link from pid %d refused by the coordinator: %s", link.peer.pid, e
+                )
                 self.server.forget(link)
                 del self._ranks[id(link)]
                 return

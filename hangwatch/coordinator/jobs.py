@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from hangwatch import records as r
 from hangwatch.coordinator.budget import Ledger
-from hangwatch.coordinator.state import SILENT_GONE_S, JobState, RankState
+from hangwatch.coordinator.state import SILENT_GONE_S, ClaimRefused, JobState, RankState
 from hangwatch.serving import is_loopback
 
 #: Jobs one coordinator follows at once (live or over); beyond it the oldest over job goes.
@@ -37,8 +37,19 @@ OVER_KEPT_S = 3600.0
 ENDED_RUNS_KEPT = 1024
 
 
+#: Sessions of retired jobs whose rank had ended or died, kept to refuse them again.
+FINISHED_KEPT = 65536
+
+
 class JobsFull(Exception):
     """A new job when ``MAX_JOBS`` jobs are live."""
+
+
+class SessionOver(ClaimRefused):
+    """A registration of a session whose rank ended in a job no longer followed: the process is
+    on its way out (interpreter teardown, DataLoader workers joining), and its node agent, told
+    the session is unknown, registers it again. It must not begin a new run of its job, whose
+    ranks would then be seen to "die" with no word of their end."""
 
 
 def job_key(identity: r.RankIdentity) -> str:
@@ -64,6 +75,8 @@ class Jobs:
         self.sessions: dict[str, JobState] = {}  # session id -> its job
         #: run -> why it ended (the engine resolves its open incidents with this)
         self.ended_runs: collections.OrderedDict[str, str] = collections.OrderedDict()
+        #: sessions whose rank ended or died in a retired job (``SessionOver``)
+        self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.refused = 0  # registrations refused because MAX_JOBS jobs were live
         self.records_retired = 0  # records received by jobs no longer followed (a counter's base)
 
@@ -90,6 +103,8 @@ class Jobs:
     # ---- registration -------------------------------------------------------------------
 
     def register(self, identity: r.RankIdentity, now: float, via: str = "direct") -> tuple[JobState, RankState]:
+        if identity.session in self.finished:
+            raise SessionOver(f"rank {identity.rank}: its session ended, in a run no longer followed")
         key = job_key(identity)
         job = self.by_key.get(key)
         if identity.session not in self.sessions:  # a new process: over jobs of its id are reruns
@@ -201,6 +216,11 @@ class Jobs:
         self.records_retired += job.records_received
         self.ledger.held -= job.held  # all it held goes with it
         self.sessions = {s: j for s, j in self.sessions.items() if j is not job}
+        for st in job.ranks.values():
+            if st.end is not None or not st.alive:
+                self.finished[st.identity.session] = None
+        while len(self.finished) > FINISHED_KEPT:
+            self.finished.popitem(last=False)
         self._ended(job.run, why)
 
     def _ended(self, run: str, why: str) -> None:

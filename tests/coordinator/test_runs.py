@@ -12,7 +12,7 @@ import pytest
 from hangwatch import records as r
 from hangwatch.coordinator import jobs as jobs_mod
 from hangwatch.coordinator import views
-from hangwatch.coordinator.jobs import Jobs, JobsFull, job_key
+from hangwatch.coordinator.jobs import Jobs, JobsFull, SessionOver, job_key
 from tests.factories import T0, SimJob, group_event, identity
 
 
@@ -120,6 +120,37 @@ def test_a_rerun_through_a_new_endpoint_retires_the_job_that_is_over() -> None:
     old.ranks[0].end = r.RankEnd(0, r.EndKind.SIGNAL, T0 + 5, "SIGKILL")
     new, _ = jobs.register(identity(0, 1, session="b", launch="127.0.0.1:40002"), T0 + 10)
     assert list(jobs) == [new] and "new run" in jobs.ended_runs[old.run]
+
+
+def test_a_rank_on_its_way_out_never_registers_again_into_its_retired_job() -> None:
+    """Found on a loaded machine: a job's ranks said their end (interpreter exit) and their
+    processes lingered (DataLoader workers joining); another job began and retired this one; the
+    node agent, told the sessions were unknown, registered them again, which began a new run of
+    the job whose ranks then "died" with no word of their end. A session that ended in a retired
+    job is refused; the job's rerun (new sessions) is not."""
+    jobs = Jobs()
+    old, _ = jobs.register(identity(0, 2, session="a0", launch="127.0.0.1:40001", job_id="loader"), T0)
+    jobs.register(identity(1, 2, session="a1", launch="127.0.0.1:40001", job_id="loader"), T0)
+    for rk in (0, 1):
+        old.ranks[rk].end = r.RankEnd(rk, r.EndKind.CLEAN_EXIT, T0 + 5, "interpreter exit")
+    other, _ = jobs.register(identity(0, 2, session="b0", launch="127.0.0.1:40009", job_id="other"), T0 + 6)
+    assert list(jobs) == [other]
+    with pytest.raises(SessionOver):
+        jobs.register(identity(0, 2, session="a0", launch="127.0.0.1:40001", job_id="loader"), T0 + 7)
+    assert list(jobs) == [other]  # no new run of the old job was begun
+    rerun, _ = jobs.register(identity(0, 2, session="c0", launch="127.0.0.1:40001", job_id="loader"), T0 + 8)
+    assert rerun is not old and sorted(rerun.ranks) == [0]
+
+
+def test_a_live_rank_of_a_retired_silent_job_may_register_again() -> None:
+    """The look-alike: a job retired while its ranks were only silent (no end seen) takes them
+    back when they speak again (a coordinator that was unreachable for long)."""
+    jobs = Jobs()
+    jobs.register(identity(0, 1, session="a0", launch="127.0.0.1:40001"), T0)
+    jobs.retire_over(T0 + jobs_mod.SILENT_GONE_S + jobs_mod.OVER_KEPT_S + 10)
+    assert list(jobs) == []
+    again, state = jobs.register(identity(0, 1, session="a0", launch="127.0.0.1:40001"), T0 + 5000)
+    assert list(jobs) == [again] and state.identity.session == "a0"
 
 
 def test_jobs_beyond_the_cap_are_refused_never_merged(monkeypatch: pytest.MonkeyPatch) -> None:
