@@ -119,7 +119,14 @@ class HelloReader:
         self.fds = []
 
 
-def connect(path: str, hello: dict[str, Any], fds: list[int], timeout_s: float = 1.0) -> socket.socket | None:
+#: How long a rank waits for its agent's acknowledgement: an agent that answers after the rank gave
+#: up holds a link the rank no longer uses, so wait as long as the agent listens.
+CONNECT_TIMEOUT_S = 5.0
+
+
+def connect(
+    path: str, hello: dict[str, Any], fds: list[int], timeout_s: float = CONNECT_TIMEOUT_S
+) -> socket.socket | None:
     """The rank's side: connect to the agent at ``path`` and send ``hello`` with ``fds``.
 
     Returns the connected socket (keep it open for the rank's life) after the agent's one-byte

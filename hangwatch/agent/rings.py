@@ -34,8 +34,9 @@ from hangwatch.ring import RingError, RingReader
 
 log = logging.getLogger(__name__)
 
-#: A connection that has not said its whole hello within this long, all told, is dropped.
-HELLO_TIMEOUT_S = 2.0
+#: A connection that has not said its whole hello within this long, all told, is dropped. Long
+#: enough for a rank starting on a loaded node; the pending bound keeps slow talkers harmless.
+HELLO_TIMEOUT_S = 5.0
 #: Connections saying their hello at once; one beyond this is refused at once.
 MAX_PENDING = 64
 #: Links kept at most (live and recently closed); a new one beyond this is refused.

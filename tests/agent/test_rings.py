@@ -214,10 +214,13 @@ def test_a_hello_nested_past_the_recursion_limit_is_a_refused_link_not_a_dead_lo
     w.close()
 
 
-def test_a_dripped_hello_holds_up_no_other_rank(agent: Agent) -> None:
+def test_a_dripped_hello_holds_up_no_other_rank(agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hello sent one byte every 0.5 s held the selector thread for its whole length: ranks
     linking meanwhile timed out and shipped their own records, unproven. Now each hello is taken
     as it comes, on a deadline of its own."""
+    from hangwatch.agent import rings
+
+    monkeypatch.setattr(rings, "HELLO_TIMEOUT_S", 2.0)
     server = agent.server
     w = RingWriter(capacity=4, blob_bytes=64)
     payload = link.encode_hello({"rank": 9, "session": "slow", "pad": "x" * 64})
@@ -256,6 +259,7 @@ def test_hellos_under_way_are_bounded(agent: Agent, monkeypatch: pytest.MonkeyPa
     from hangwatch.agent import rings
 
     monkeypatch.setattr(rings, "MAX_PENDING", 3)
+    monkeypatch.setattr(rings, "HELLO_TIMEOUT_S", 2.0)
     silent = []
     for _ in range(5):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
