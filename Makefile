@@ -57,7 +57,7 @@ test: setup lint typecheck
 	[ $$rc -eq 0 ] && [ $$nrc -eq 0 ]
 
 # The property tests and floods, the longest included (CI skips the 128- and 1,024-rank floods
-# and the 10-minute simulated job: see tests/coordinator/test_bounded_memory.py).
+# and the 10-minute simulated job: see tests/diagnosis/test_bounded_memory.py).
 soak: setup
 	HANGWATCH_LONG_SOAK=1 $(BIN)/pytest -q -n 2 -m soak
 

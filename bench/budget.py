@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hangwatch import records as r
-from hangwatch.coordinator import budget as b
-from hangwatch.coordinator.state import JobState
+from hangwatch.diagnosis import budget as b
+from hangwatch.diagnosis.state import JobState
 
 MIB = 1 << 20
 SITE = "/workspace/megatron/core/tensor_parallel/layers.py:{} in forward"

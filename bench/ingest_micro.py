@@ -18,8 +18,8 @@ import uuid
 
 from hangwatch import records as r
 from hangwatch import wire
-from hangwatch.coordinator import budget
-from hangwatch.coordinator.state import JobState
+from hangwatch.diagnosis import budget
+from hangwatch.diagnosis.state import JobState
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.signatures import CallDecoder, CallEncoder
 

@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hangwatch import records as r
-from hangwatch.coordinator import budget
-from hangwatch.coordinator.state import JobState
+from hangwatch.diagnosis import budget
+from hangwatch.diagnosis.state import JobState
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob

@@ -3,7 +3,7 @@
     .venv/bin/python bench/soak_memory.py --ranks 128 --steps 2400          # about 2-3 minutes here
     .venv/bin/python bench/soak_memory.py --ranks 1024 --steps 200000 --no-trace   # hours
 
-Drives the same ``Flood`` as ``tests/coordinator/test_bounded_memory.py`` into a real ``JobState``
+Drives the same ``Flood`` as ``tests/diagnosis/test_bounded_memory.py`` into a real ``JobState``
 (through ``JobState.ingest``, the daemon's entry point, with ``Engine.tick`` every ``TICK_S`` of
 simulated time, like the daemon): per rank and step a
 step event, two world all_reduces, one on its tensor-parallel and one on its data-parallel
@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.coordinator.test_bounded_memory import sizes
+from tests.diagnosis.test_bounded_memory import sizes
 from tests.flood import Flood
 
 MiB = 2**20

@@ -1,8 +1,10 @@
 """hangwatch: out-of-process hang diagnosis for PyTorch distributed training.
 
 Folders are import paths: ``hangwatch/client/`` is ``hangwatch.client`` (the in-rank hook),
-``hangwatch/coordinator/`` the coordinator, ``hangwatch/agent/`` the node agent,
-``hangwatch/protos/`` the wire contract and ``hangwatch/cli/`` the command line. The modules at
+``hangwatch/coordinator/`` the coordinator's service, ``hangwatch/diagnosis/`` the job state and
+detectors it and ``hangwatch/postmortem/`` both feed, ``hangwatch/model/`` the model they use,
+``hangwatch/agent/`` the node agent, ``hangwatch/protos/`` the wire contract and
+``hangwatch/cli/`` the command line. The modules at
 this level are what they share: the op catalogue, configuration, the typed records, the wire
 conversion.
 """

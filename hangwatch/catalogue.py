@@ -21,7 +21,7 @@ A row says:
 - ``agree``: an :class:`Agree`, what the calls ranks make at one (group, seq) must agree on
   (None for p2p rows, matched send against recv, and markers);
 - ``check``: the name of the single-call ("intrinsic") check in
-  ``hangwatch.coordinator.rules.checks.CHECKS``, which verifies at import that every name
+  ``hangwatch.diagnosis.rules.checks.CHECKS``, which verifies at import that every name
   given here is registered;
 - ``uneven_seqs``: the backend numbers the call differently on different ranks (gloo's
   ``monitored_barrier`` is sends and receives to and from the group's rank 0, counted as
@@ -59,7 +59,7 @@ class Direction(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Agree:
-    """What every rank's call at one slot must agree on (see ``hangwatch.coordinator.rules``)."""
+    """What every rank's call at one slot must agree on (see ``hangwatch.diagnosis.rules``)."""
 
     root: str | None = None  # name of the root argument ("src"/"dst") of rooted ops
     reduce: bool = False  # reduce_op must match

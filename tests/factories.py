@@ -11,7 +11,7 @@ Builders (defaults: rank 0's all_reduce of four float32 on the world group "0", 
 does: ``deliver`` hands a batch to ``JobState.ingest`` (the daemon's one entry point), ``tick``
 runs the real ``Engine``; ``apply``/``call``/``exit``/``end`` apply single events at the time
 they name (no batch header: no heartbeat), and ``beat`` is an empty batch (a heartbeat). The
-flood of ``tests/coordinator/test_bounded_memory.py`` (and ``bench/soak_memory.py``) is a
+flood of ``tests/diagnosis/test_bounded_memory.py`` (and ``bench/soak_memory.py``) is a
 workload on top of it; the detector tests use it with an explicit clock.
 """
 
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from hangwatch import records as r
-from hangwatch.coordinator.detectors import Context, new_cache
-from hangwatch.coordinator.engine import Engine
-from hangwatch.coordinator.incidents import Finding, Incident
-from hangwatch.coordinator.state import IngestResult, JobState, RankState
+from hangwatch.diagnosis.detectors import Context, new_cache
+from hangwatch.diagnosis.engine import Engine
+from hangwatch.diagnosis.incidents import Finding, Incident
+from hangwatch.diagnosis.state import IngestResult, JobState, RankState
 
 T0 = 1_000.0
 F32 = "float32"

@@ -2,7 +2,7 @@
 
 A workload on top of ``tests.factories.SimJob`` (which registers the ranks and hands each batch to
 ``JobState.ingest``, as the daemon does), with a simulated clock so thousands of steps take
-seconds. ``tests/coordinator/test_bounded_memory.py`` checks the job state stays bounded under it;
+seconds. ``tests/diagnosis/test_bounded_memory.py`` checks the job state stays bounded under it;
 ``bench/soak_memory.py`` runs it for longer.
 """
 
@@ -13,9 +13,9 @@ import math
 
 from hangwatch import records as r
 from hangwatch.coordinator.daemon import TICK_S
-from hangwatch.coordinator.engine import Engine
-from hangwatch.coordinator.incidents import Incident
-from hangwatch.coordinator.state import RankState
+from hangwatch.diagnosis.engine import Engine
+from hangwatch.diagnosis.incidents import Incident
+from hangwatch.diagnosis.state import RankState
 from tests.factories import SimJob, call, identity
 
 T0 = 1_000.0

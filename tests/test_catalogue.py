@@ -12,9 +12,9 @@ import pytest
 from hangwatch import catalogue, records
 from hangwatch.catalogue import Agree, Kind, Op, canonical_op
 from hangwatch.client.ops import OPS, OpSpec
-from hangwatch.coordinator.detectors.stuck import BARRIERS
-from hangwatch.coordinator.rules.checks import CHECKS
-from hangwatch.coordinator.rules.slot import SPECS, UNKNOWN, spec
+from hangwatch.diagnosis.detectors.stuck import BARRIERS
+from hangwatch.diagnosis.rules.checks import CHECKS
+from hangwatch.diagnosis.rules.slot import SPECS, UNKNOWN, spec
 
 COMPARED = {Kind.COLLECTIVE, Kind.ROOTED, Kind.BARRIER, Kind.OBJECT}
 

@@ -1,10 +1,9 @@
-"""Stacks of many ranks at once, and the views a hang report needs: groups and one-line summaries."""
+"""Stacks of many ranks at once (their views for a report: ``hangwatch.stackviews``)."""
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Protocol
@@ -12,7 +11,7 @@ from typing import Protocol
 from hangwatch.agent.identity import verify
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.pyspy import dump_stacks
-from hangwatch.records import Frame, StackDump, Target, ThreadStack
+from hangwatch.records import StackDump, Target
 
 
 class Dumper(Protocol):
@@ -23,10 +22,6 @@ class Dumper(Protocol):
 
 #: Seconds ``dump_many`` waits beyond ``timeout_s`` for dumps to come back (process start-up).
 SLACK_S = 1.0
-_LIBRARY = re.compile(
-    r"[/\\](site-packages|dist-packages|torch|hangwatch)[/\\]|[/\\]lib[/\\]python3\.\d+[/\\]|^<frozen "
-)
-_SHORT = re.compile(r"^.*[/\\](?:site-packages|dist-packages|lib[/\\]python3\.\d+)[/\\]")
 
 
 def dump_many(
@@ -73,75 +68,3 @@ def dump_many(
         else:
             out[target.rank] = future.result()
     return out
-
-
-def main_thread(dump: StackDump) -> ThreadStack | None:
-    """The main thread: its native id is the pid (Linux), or py-spy named it ``MainThread``."""
-    for t in dump.threads:
-        if t.thread_id == dump.pid or t.name == "MainThread":
-            return t
-    return None
-
-
-def short_path(filename: str) -> str:
-    """A file name as py-spy shortens it: the package path for libraries, the base name otherwise."""
-    shortened = _SHORT.sub("", filename)
-    return shortened if shortened != filename else filename.rsplit("/", 1)[-1]
-
-
-def _describe(frame: Frame) -> str:
-    where = short_path(frame.filename)
-    return f"{frame.function} ({where}:{frame.line})" if frame.line else f"{frame.function} ({where})"
-
-
-def group_identical(dumps: Mapping[int, StackDump]) -> list[tuple[list[int], str]]:
-    """Ranks whose main threads show the same Python frames (function, file, line), largest first.
-
-    Native frames are left out (their addresses differ between processes); failed dumps group
-    by their error. Each group comes with its stack as text, innermost frame first.
-    """
-    groups: dict[tuple[object, ...], tuple[list[int], str]] = {}
-    for rank in sorted(dumps):
-        dump = dumps[rank]
-        thread = main_thread(dump)
-        if dump.error is not None:
-            key: tuple[object, ...] = ("error", dump.error)
-            text = f"no stacks: {dump.error}"
-        elif thread is None:
-            key, text = ("no main thread",), "no main thread"
-        else:
-            frames = [f for f in thread.frames if not f.native]
-            key = tuple((f.function, f.filename, f.line) for f in frames)
-            text = "\n".join(_describe(f) for f in frames) or "(no Python frames)"
-        groups.setdefault(key, ([], text))[0].append(rank)
-    return sorted(groups.values(), key=lambda g: (-len(g[0]), g[0][0]))
-
-
-def _user_index(frames: Sequence[Frame]) -> int | None:
-    python = [i for i, f in enumerate(frames) if not f.native]
-    user = [i for i in python if not _LIBRARY.search(frames[i].filename)]
-    found = user or python
-    return found[0] if found else None
-
-
-def summarize(dump: StackDump) -> str:
-    """What the process is doing, in one line, e.g. ``time_sleep in train.py:42 (main)``.
-
-    The place is the innermost frame of the user's own code in the main thread (library frames
-    are skipped while a user frame exists); the callee is the innermost Python frame below it,
-    else the native function it called.
-    """
-    if dump.error is not None:
-        return f"no stacks: {dump.error}"
-    thread = main_thread(dump)
-    if thread is None or not thread.frames:
-        return "no main thread stack"
-    frames = thread.frames
-    at = _user_index(frames)
-    if at is None:
-        return f"in native code: {_describe(frames[0])}"
-    place = frames[at]
-    callee = next((f for f in frames[:at] if not f.native), frames[at - 1] if at else None)
-    where = f"{short_path(place.filename)}:{place.line} ({place.function})"
-    line = f"{callee.function} in {where}" if callee else where
-    return line + (", holding the GIL" if thread.owns_gil else "")

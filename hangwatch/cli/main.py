@@ -19,7 +19,7 @@ from typing import Any
 from hangwatch import __version__, config, gctune, tls
 from hangwatch.cli import render
 from hangwatch.cli.client import CoordinatorUnreachable, query
-from hangwatch.coordinator import budget
+from hangwatch.diagnosis import budget
 from hangwatch.untrusted import printable
 
 

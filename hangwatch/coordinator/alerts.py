@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from hangwatch.coordinator.incidents import Incident
+from hangwatch.diagnosis.incidents import Incident
 
 log = logging.getLogger("hangwatch.coordinator")
 

@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING, Any
 from hangwatch import config, tls, wire
 from hangwatch import records as r
 from hangwatch.agent.identity import START_TIME_TOLERANCE_S
-from hangwatch.coordinator import budget, waits
 from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
-from hangwatch.coordinator.engine import UNPROVEN, Engine
-from hangwatch.coordinator.incidents import Incident
-from hangwatch.coordinator.jobs import Jobs, JobsFull, SessionOver
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.server import BindError, RpcServer
 from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, ImportBusy, IntakeError
-from hangwatch.coordinator.state import ClaimRefused, JobState, RankState
 from hangwatch.coordinator.store import IncidentStore
-from hangwatch.coordinator.views import job_line, status_json
+from hangwatch.diagnosis import budget, waits
+from hangwatch.diagnosis.engine import UNPROVEN, Engine
+from hangwatch.diagnosis.incidents import Incident
+from hangwatch.diagnosis.jobs import Jobs, JobsFull, SessionOver
+from hangwatch.diagnosis.state import ClaimRefused, JobState, RankState
+from hangwatch.diagnosis.views import job_line, status_json
 from hangwatch.postmortem import dumps, replay
 from hangwatch.postmortem.dumps import Folder
 from hangwatch.protos import hangwatch_pb2 as pb

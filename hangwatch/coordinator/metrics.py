@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
 from hangwatch import wire
-from hangwatch.coordinator.incidents import KINDS
-from hangwatch.coordinator.views import rank_state
+from hangwatch.diagnosis.incidents import KINDS
+from hangwatch.diagnosis.views import rank_state
 from hangwatch.serving import token_ok
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from hangwatch.coordinator.incidents import Incident
+from hangwatch.diagnosis.incidents import Incident
 
 log = logging.getLogger("hangwatch.coordinator")
 

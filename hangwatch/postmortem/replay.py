@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hangwatch import records as r
-from hangwatch.coordinator.detectors import mismatch, stuck
-from hangwatch.coordinator.engine import Engine
-from hangwatch.coordinator.incidents import Incident
-from hangwatch.coordinator.state import JobState
+from hangwatch.diagnosis.detectors import mismatch, stuck
+from hangwatch.diagnosis.engine import Engine
+from hangwatch.diagnosis.incidents import Incident
+from hangwatch.diagnosis.state import JobState
 from hangwatch.flight_entries import EntryTracker
 from hangwatch.postmortem.dumps import MAX_RANKS, Folder, RankDump, group_of, user_site
 from hangwatch.wording import format_ranks

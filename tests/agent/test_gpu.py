@@ -189,7 +189,7 @@ def test_gpus_travel_on_the_wire_and_hostile_values_are_bounded() -> None:
 def test_a_rank_that_dies_keeps_what_its_gpu_last_showed(coordinator_factory: Any) -> None:
     """The agent asks NVML only about live processes: the status that says a rank is gone has no
     GPUs. The Xid seen on its GPU just before stays with it, for the death's diagnosis."""
-    from hangwatch.coordinator.detectors.ends import _death_text
+    from hangwatch.diagnosis.detectors.ends import _death_text
     from tests.factories import identity
 
     c = coordinator_factory(embedded_agent=False)

@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from hangwatch.agent.pyspy import dump_stacks, find_pyspy, ptrace_diagnosis
-from hangwatch.agent.stacks import main_thread
 from hangwatch.records import StackDump
+from hangwatch.stackviews import main_thread
 
 from .conftest import Spawn, wait_until
 

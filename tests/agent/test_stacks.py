@@ -10,8 +10,9 @@ import pytest
 
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.pyspy import find_pyspy
-from hangwatch.agent.stacks import dump_many, group_identical, summarize
+from hangwatch.agent.stacks import dump_many
 from hangwatch.records import Frame, StackDump, Target, ThreadStack
+from hangwatch.stackviews import group_identical, summarize
 
 from .conftest import Spawn, target
 

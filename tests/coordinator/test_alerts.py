@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hangwatch.coordinator.alerts import WebhookAlerter
-from hangwatch.coordinator.incidents import Incident, IncidentKind
+from hangwatch.diagnosis.incidents import Incident, IncidentKind
 from hangwatch.testing import wait_for
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hangwatch import records as r
 from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
-from hangwatch.coordinator.state import MAX_GROUPS
+from hangwatch.diagnosis.state import MAX_GROUPS
 from hangwatch.protos import hangwatch_pb2 as pb
 
 #: Hundreds of examples or thousands of batches per test: left out of ``make unit``, run by ``make test``.

@@ -20,7 +20,7 @@ from hangwatch import records as r
 from hangwatch.cli.client import CoordinatorUnreachable, import_dumps
 from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import Coordinator
-from hangwatch.coordinator.incidents import run_of
+from hangwatch.diagnosis.incidents import run_of
 from hangwatch.postmortem import dumps
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc

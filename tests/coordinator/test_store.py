@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hangwatch.coordinator.incidents import Finding, Incident
 from hangwatch.coordinator.store import IncidentStore, StoreError
+from hangwatch.diagnosis.incidents import Finding, Incident
 
 
 def incident(n: int, payload: int = 100) -> Incident:

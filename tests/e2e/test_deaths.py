@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from hangwatch.coordinator.daemon import Coordinator
-from hangwatch.coordinator.detectors.ends import TOGETHER_S
+from hangwatch.diagnosis.detectors.ends import TOGETHER_S
 from hangwatch.testing import Job, wait_for
 from tests.e2e.test_fault_classes import INIT, _brief, wait_incident
 

@@ -1,0 +1,102 @@
+"""``rank_frozen``: the process is alive but its hook went silent.
+
+The hook's sender thread heartbeats every second, even while the main thread waits inside a
+collective (the backend releases the GIL). Silence with a live process means the whole
+interpreter is stuck: the GIL held in native code, SIGSTOP, uninterruptible sleep. The node
+agent tells alive from dead; the stacks (with native frames) say where it froze.
+"""
+
+from __future__ import annotations
+
+from hangwatch import records as r
+from hangwatch.diagnosis.detectors import Context
+from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
+from hangwatch.diagnosis.state import JobState, RankState
+from hangwatch.wording import format_ranks
+
+_STATE_TEXT = {
+    r.ProcState.STOPPED: "is stopped (SIGSTOP or a debugger)",
+    r.ProcState.DISK_SLEEP: "is in uninterruptible sleep (D state: I/O or a driver call)",
+    r.ProcState.RUNNING: "is running but its Python threads cannot run (likely the GIL held in native code)",
+    r.ProcState.SLEEPING: "is sleeping while holding the interpreter (likely the GIL held in a native wait)",
+}
+
+
+#: More silent ranks than this, on more than two hosts, is not a freeze without an agent's word.
+MASS_SILENCE = 16
+_EVIDENCE = (r.ProcState.STOPPED, r.ProcState.DISK_SLEEP)
+
+
+def detect(job: JobState, ctx: Context) -> list[Finding]:
+    findings: list[Finding] = []
+    live = [st for st in job.ranks.values() if st.end is None and st.alive]
+    silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after]
+    if len(silent) > max(1, len(live) // 2) or (
+        len(silent) > MASS_SILENCE and len({st.identity.host for st in silent}) > 2
+    ):
+        # Many ranks on many hosts silent at once is the network or an overloaded coordinator,
+        # not frozen ranks (a freeze is one process's doing): only a node agent's word that a
+        # process is stopped or in uninterruptible sleep makes one of them frozen then. Their
+        # collectives will tell if they hang.
+        silent = [st for st in silent if st.proc is not None and st.proc.state in _EVIDENCE]
+    silent = [st for st in silent if not relay_lost(job, st, ctx.now, ctx.silence_after)]
+    blocked = sorted(o.rank for o in job.ranks.values() if o.open_calls and o.end is None) if silent else []
+    for st in silent:
+        silent_for = ctx.now - st.last_seen
+        proc = st.proc
+        if proc is None:
+            how = "has gone silent and no node agent reports on its process"
+        else:
+            how = _STATE_TEXT.get(proc.state, f"is alive ({proc.state.value}) but silent")
+        waiting = [rk for rk in blocked if rk != st.rank]
+        last = st.last_call
+        where = (
+            f"; last seen {'in' if last and last.exit_time is None else 'after'} {last.op} at {last.call_site}"
+            if last
+            else ""
+        )
+        who = f"rank {st.rank} (pid {st.identity.pid} on {st.identity.host})"
+        # stable text (the duration grows every tick: it lives in details), so an open incident
+        # is not rewritten to the store every tick
+        summary = f"{who} {how}; no heartbeat for over {ctx.silence_after:.0f} s{where}"
+        if waiting:
+            summary += f"; rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait for it"
+        findings.append(
+            Finding(
+                kind=IncidentKind.RANK_FROZEN,
+                # one freeze, one incident: a rank that freezes again after it came back (its
+                # last heartbeat then moved on) is a new one, not the first one seen again
+                key=incident_key(KeyFamily.FROZEN, session=st.identity.session, since=int(st.last_seen)),
+                culprit_ranks=[st.rank],
+                waiting_ranks=waiting,
+                summary=summary,
+                hint=(
+                    "Look at the native stack of the frozen rank: a C extension or ctypes call that holds the "
+                    "GIL while it blocks must release it (Py_BEGIN_ALLOW_THREADS / ctypes.CDLL instead of "
+                    "PyDLL); a stopped process must be continued (kill -CONT) or killed; a D-state process "
+                    "points at storage or a driver."
+                ),
+                onset_time=st.last_seen,
+                op=last.op if last else "",
+                group=last.group if last else "",
+                seq=last.seq if last else 0,
+                step=st.step,
+                details={
+                    "process": proc.state.value if proc else "unknown",
+                    "silent_s": round(silent_for, 1),
+                },
+                stack_ranks=[st.rank],
+                native=True,
+            )
+        )
+    return findings
+
+
+def relay_lost(job: JobState, st: RankState, now: float, silence_after: float) -> bool:
+    """``st`` came through a relaying agent whose every other rank fell silent too: the relay
+    went (killed, its node's network), not the ranks; unless that agent's own word says the
+    process is stopped or in uninterruptible sleep, it is not frozen."""
+    if not st.relay or (st.proc is not None and st.proc.state in _EVIDENCE):
+        return False
+    carried = [o for o in job.ranks.values() if o.relay == st.relay and o.end is None and o.alive]
+    return len(carried) >= 2 and all(now - o.last_seen >= silence_after for o in carried)

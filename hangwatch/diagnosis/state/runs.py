@@ -1,0 +1,479 @@
+"""Runs of alike calls (``records.CallRun``), taken whole: a call made only where a table needs one.
+
+A rank in its steady state sends stretches of alike calls as one record. The other
+seqs stay the run's (``passed``); a slot made at one later takes the call from it; each run
+is compared with the first run through the same seqs, and slots are made where they differ.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import operator
+
+from hangwatch import records as r
+from hangwatch.diagnosis import budget as b
+from hangwatch.diagnosis.rules.collective import compare_collective
+from hangwatch.diagnosis.state.base import (
+    ARRIVALS_KEPT,
+    DURATIONS_KEPT,
+    HISTORY_PER_GROUP,
+    MAX_SLOTS_PER_GROUP,
+    ON_DEVICE_RUNS,
+    PRUNE_RUNS_EVERY,
+    _any_in,
+    _Base,
+    _run_at,
+    _run_key,
+    _RunRef,
+)
+from hangwatch.diagnosis.state.history import History, RunSlice
+from hangwatch.diagnosis.state.ranks import (
+    OnDevice,
+    RankState,
+    Slot,
+)
+from hangwatch.flight_entries import ENTRY_CALL_IDS
+
+
+class Runs(_Base):
+    """Runs of alike calls (``records.CallRun``), taken whole: a call made only where a table needs one."""
+
+    def _continues_run(self, state: RankState, call: r.CallRecord) -> r.CallRun | None:
+        """Where a completed call sent alone is the next call of the run its rank's previous call
+        on its group came in (the seq after it, alike to the call the run, or its cycle, would
+        have made there, call site included), that call as a run of one on the run's template;
+        else None (it is entered as a call, with its slot). A read's edge that falls one call
+        from the end of a run or a step cuts such a call off; at 1,024 ranks some rank does so
+        at nearly every step, and a slot made there would have every other rank's run enter its
+        call there whole (``_run_by_slots``). Made on the run's template, as the run's calls
+        are, ``_faulty`` knows it. Calls that come alone as a rule (no two alike in a row) go on
+        as calls."""
+        done = call.exit_time
+        hist = state.history.get(call.group) if done is not None else None
+        run = hist.last_run() if hist is not None else None
+        if run is None or done is None:
+            return None
+        n = len(run.enters)
+        t = run.template_at(n)
+        if (
+            call.seq == run.first_seq + n
+            and run.first_call_id + n <= call.call_id < ENTRY_CALL_IDS  # (calls on other groups between)
+            and call.error is None
+            and call.seq_count == 1
+            and call.returned_time is None
+            and _run_key(call) == _run_key(t)
+            and (call.call_site, call.peer, call.source) == (t.call_site, t.peer, t.source)
+        ):
+            return r.CallRun(state.rank, t, call.call_id, call.seq, call.step, [call.enter_time], [done])
+        return None
+
+    def _run(self, state: RankState, run: r.CallRun, now: float) -> None:
+        """Apply a run of calls alike (``records.CallRun``) with what each of them would have
+        done, except that a call is made only where a table needs one: a slot that exists at
+        its seq (made by a rank that sent that call alone), and the rank's history (its last
+        ``HISTORY_PER_GROUP`` calls). The other seqs stay the run's (``passed``): a slot made at
+        one later takes the call from it (``_pull_passed``); the run is compared with the first
+        run through the same seqs (``_compare_run``), and where they differ slots are made
+        for the detectors; once every member has passed a seq, its arrivals are counted
+        (``_runs_complete``) and the runs below it let go (``_prune_runs``). A run that its
+        rank's state would treat call by call (device progress watched, seqs renumbered, a
+        first call on the group, a call sent again) is applied call by call."""
+        group = run.template.group
+        n = len(run.enters)
+        t = run.template
+        if run.cycle:  # each call's bytes, as ``_enter`` charges it
+            templates = run.templates
+            costs = tuple(c.cost or b.call_bytes(c) for c in templates)
+            odd = any(
+                c.kind is not r.OpKind.COLLECTIVE or c.group != group or self._faulty(c, group) for c in templates
+            )
+        else:
+            costs = (t.cost or b.call_bytes(t),)
+            odd = t.kind is not r.OpKind.COLLECTIVE or self._faulty(t, group)
+        # from which call the device (NCCL) has not been seen to complete them: those are the
+        # run's as the others are, and on the device until a progress read completes them
+        device = self._device_from(state, run, now) if state.progress and n == len(run.exits) else n
+        if (
+            not n
+            or len(run.exits) != n
+            or odd
+            or group not in state.history
+            or (device < n and len(state.on_device.get(group) or ()) >= ON_DEVICE_RUNS)
+            or state.seq_shifts.get(group)
+            or run.first_call_id <= state.last_call_id
+            or not self._room(state, b.run_bytes(n) * (2 if device < n else 1) + min(n, HISTORY_PER_GROUP) * max(costs))
+        ):
+            for i in range(n):
+                self._enter(state, run.call(i), now)
+            return
+        hist = state.history[group]
+        first = run.first_seq
+        if self.anew:
+            self._made_anew(state, group, hist, first, run.first_call_id)
+        offset = run.offset = state.clock_offset
+        slots = self.slots.get(group)
+        open_here = state.open_collectives.get(group)
+        if open_here:  # collectives on one group complete in order (as ``_enter`` closes them)
+            for other in [c for c in open_here.values() if c.seq < first and c.returned_time is None]:
+                self._close(state, other, run.enters[0] + offset, None)
+        if not slots or not _any_in(slots, first, first + n - 1):
+            # no slot waits for any of its calls (the steady state): taken whole, the history
+            # keeping the run's last calls as the run (``state.history``)
+            passed, last = True, self._pass(state, run, hist, 0, n, costs, device)
+        else:
+            passed, last = self._run_by_slots(state, run, hist, costs, now, device)
+        if last is not None:
+            before = state.last_call
+            if before is None or last.enter_time >= before.enter_time:
+                state.last_call = last
+                if state.last_kept:
+                    self._release_kept(state)
+                if last.enter_time > state.last_sent:
+                    state.last_sent = last.enter_time
+            state.last_progress = now
+            if run.step > state.step:
+                state.step = run.step
+        self.runs_taken += 1
+        self.run_calls += n
+        if run.cycle:
+            self.cycle_calls += n
+        current = self._current(state.rank, group)
+        if device < n and current:
+            entry = OnDevice(run, device, b.run_bytes(n))
+            self.device_calls += n - device
+            self._charge(state, entry.cost)
+            state.on_device.setdefault(group, collections.deque()).append(entry)
+        if not current:
+            pass  # a numbering a restart left behind: not kept, compared, counted, or pruning
+        elif passed:
+            self._keep_run(state, run)  # compared with the others', then the rank's passed seq moves
+        elif group in self.passed_to:
+            self._advance(group, state.rank, run.last_seq, self.members(group))
+        if slots and current:
+            self._prune(group, run.last_seq)
+
+    def _pass(
+        self,
+        state: RankState,
+        run: r.CallRun,
+        hist: History,
+        lo: int,
+        hi: int,
+        costs: tuple[int, ...],
+        device: int,
+    ) -> r.CallRecord | None:
+        """Take calls ``lo`` to ``hi - 1`` of ``run`` as passed (no slot waits for them): counted,
+        their waits kept (those of the run's last ``DURATIONS_KEPT`` before ``device``, the first
+        still on the device: theirs are kept as progress completes them), and those among the
+        run's last ``HISTORY_PER_GROUP`` kept in the rank's history as a slice of the run (no
+        record each: ``history.RunSlice``). The last call made whole for the history, if any."""
+        n = len(run.enters)
+        state.last_call_id = run.first_call_id + hi - 1
+        self.records_received += hi - lo
+        enters, exits = run.enters, run.exits
+        d = max(lo, n - DURATIONS_KEPT)
+        w = min(hi, device)
+        if d < w:
+            self.wait_durations.extend(map(max, itertools.repeat(0.0), map(operator.sub, exits[d:w], enters[d:w])))
+        lo = max(lo, n - HISTORY_PER_GROUP)
+        k = hi - lo
+        if k <= 0:
+            return None
+        if len(hist) + k > HISTORY_PER_GROUP:
+            self._evict(state, hist, len(hist) + k - HISTORY_PER_GROUP)
+        last = run.call(hi - 1, run.offset)
+        piece = RunSlice.part(run, lo, hi, last, costs)  # its own copy: not the whole run's times
+        last.cost = piece.cost_of(k - 1)
+        last.holds = 1
+        charged = piece.bytes(0, k)
+        state.calls += charged
+        self.held += charged
+        self.ledger.held += charged
+        hist.append_run(piece)
+        return last
+
+    def _run_by_slots(
+        self, state: RankState, run: r.CallRun, hist: History, costs: tuple[int, ...], now: float, device: int
+    ) -> tuple[bool, r.CallRecord | None]:
+        """``_run``'s calls where slots wait for some of them: those are made whole and entered;
+        the stretches between them are taken as passed (``_pass``), so a run through a few
+        slots costs a few calls, not one per call. (A rank that sent a call alone at a seq,
+        at the edge of a batch, makes a slot there that every other rank's run goes through.)
+        Whether any call stayed the run's, and the last call made for the history."""
+        group, first = run.template.group, run.first_seq
+        n = len(run.enters)
+        slots = self.slots[group]
+        if len(slots) <= n:
+            waiting = sorted(seq - first for seq in slots if first <= seq < first + n)
+        else:
+            waiting = [i for i in range(n) if first + i in slots]
+        passed = False
+        last: r.CallRecord | None = None
+        start = 0  # the first call of the stretch not yet taken
+        self._in_run = True
+        try:
+            for i in waiting:
+                if first + i not in slots:  # let go of since, by a call entered before it
+                    continue
+                if i > start:
+                    passed = True
+                    last = self._pass(state, run, hist, start, i, costs, device) or last
+                self._enter(state, run.call(i), now)  # a slot waits for it: the call, whole
+                start = i + 1
+            if start < n:
+                passed = True
+                last = self._pass(state, run, hist, start, n, costs, device) or last
+        finally:
+            self._in_run = False
+        return passed, last
+
+    def _faulty(self, template: r.CallRecord, group: str) -> bool:
+        """Whether a call of ``template`` is wrong in itself (against its group's size): each
+        such call is a repeat the mismatch detector counts, so a run of them goes call by call."""
+        size = len(self.members(group)) or None
+        known = self._faults.get(id(template))
+        if known is not None and known[0] is template and known[1] == size:
+            return known[2]
+        faulty = compare_collective({template.rank: template}, size) is not None
+        if len(self._faults) >= MAX_SLOTS_PER_GROUP:
+            self._faults.clear()
+        self._faults[id(template)] = (template, size, faulty)
+        return faulty
+
+    def _keep_run(self, state: RankState, run: r.CallRun) -> None:
+        group = run.template.group
+        run.cost = b.run_bytes(len(run.enters))
+        run.holder = state
+        self._charge(state, run.cost)
+        byrank = self.passed.get(group)
+        if byrank is None:
+            byrank = self.passed[group] = {}
+        runs = byrank.get(state.rank)
+        if runs is None:
+            runs = byrank[state.rank] = collections.deque()
+        elif runs and runs[-1].last_seq >= run.first_seq:
+            # numbered from below again (the group was made anew): the older runs are another
+            # numbering's, and so is what the others' runs were compared with
+            while runs:
+                self._drop_run(runs.popleft())
+            self.run_refs.pop(group, None)
+            self._arrivals_due.pop(group, None)
+        runs.append(run)
+        while len(runs) > 1 and runs[-1].last_seq - runs[0].first_seq >= MAX_SLOTS_PER_GROUP:
+            self._drop_run(runs.popleft())  # a member that never comes: bounded as slots are
+        members = self.members(group)
+        self._compare_run(group, run)
+        self._advance(group, state.rank, run.last_seq, members)
+
+    def _drop_run(self, run: r.CallRun) -> None:
+        holder = run.holder
+        state = holder if isinstance(holder, RankState) and self.ranks.get(holder.rank) is holder else None
+        self._charge(state, -run.cost)
+        run.cost = 0
+        run.holder = None
+
+    def _compare_run(self, group: str, run: r.CallRun) -> None:
+        """Compare ``run`` with the first run through its seqs; where they differ, make the slots
+        of the seqs they share, for the detectors to judge as they judge any slot (each one
+        a mismatch's repeat, or a difference no rule minds: split sizes of ``all_to_all``).
+        A call site is no difference: rules judge it only where a slot is made anyway. A
+        cycle's calls are compared seq by seq, each with its own template's."""
+        mine = _RunRef.of(run)
+        refs = self.run_refs.get(group)
+        if refs is None:
+            refs = self.run_refs[group] = collections.deque()
+        lo, hi = run.first_seq, run.last_seq
+        covered = refs[-1].hi if refs else lo - 1
+        for ref in reversed(refs):
+            if ref.hi < lo:
+                break
+            if ref.lo > hi or ref.alike(mine):
+                continue
+            for seq in range(max(lo, ref.lo), min(hi, ref.hi) + 1):
+                if ref.key_at(seq) != mine.key_at(seq):
+                    self._materialize(group, seq)
+        if hi > covered:
+            start = max(lo, covered + 1)
+            last = refs[-1] if refs else None
+            if last is not None and last.hi == start - 1 and last.alike(mine):
+                last.hi = hi
+            else:
+                mine.lo = start
+                refs.append(mine)
+                if len(refs) > MAX_SLOTS_PER_GROUP:
+                    refs.popleft()
+
+    def _pull_passed(self, group: str, seq: int, slot: Slot, skip: int) -> None:
+        """Put into ``slot`` the calls that ranks' runs hold at its seq (each charged as the
+        call it is), but ``skip``'s and those it has."""
+        byrank = self.passed.get(group)
+        if not byrank or slot.numbering != self.epoch.get(group, 0):
+            return  # (runs kept are the newest numbering's: ``_renumbered``)
+        ledger = self.ledger
+        for rank, runs in byrank.items():
+            if rank == skip or rank in slot.calls:
+                continue
+            run = _run_at(runs, seq)
+            if run is None:
+                continue
+            st = self.ranks.get(rank)
+            i = seq - run.first_seq
+            # its device holds calls (not a run of an earlier session of the rank: ids start again)
+            watched = st if st is not None and st.on_device and run.holder is st else None
+            opened = watched.open_calls.get(run.first_call_id + i) if watched is not None else None
+            device = False
+            if opened is not None:  # made an open call already (its device stopped at it): charged
+                call, cost = opened, 0
+                call.holds += 1
+            else:
+                call = run.call(i, run.offset)
+                cost = call.cost = call.cost or b.call_bytes(call)
+                call.holds = 1
+                device = watched is not None and self._on_device_at(watched, group, seq)
+                if device:  # on its device still: open, as it would be without runs
+                    call.returned_time, call.exit_time = call.exit_time, None
+            empty = not slot.calls and not slot.last_enter  # made by ``_materialize``: no time yet
+            slot.add(call)
+            if not slot.pinned and (slot.differs or self._wrong_when_full(slot)):
+                self._pin(slot)
+            enter = call.enter_time
+            if empty or enter < slot.first_enter:
+                slot.first_enter = enter
+            if empty or enter > slot.last_enter:
+                slot.last_enter = enter
+            if st is not None:
+                st.calls += cost
+                if device:
+                    self._track_open(st, call)
+            self.held += cost + b.SLOT_ENTRY_BYTES
+            ledger.held += cost + b.SLOT_ENTRY_BYTES
+
+    def _materialize(self, group: str, seq: int) -> None:
+        """Make (or fill) the slot at (group, seq) from the runs that hold it, for the detectors."""
+        slots = self.slots.get(group)
+        if slots is None:
+            slots = self.slots[group] = collections.OrderedDict()
+        slot = slots.get(seq)
+        if slot is None:
+            slot = self._new_slot(group, seq, slots, 0.0, -1)
+        else:
+            self._pull_passed(group, seq, slot, -1)
+        if not slot.pinned:
+            self._pin(slot)
+        self.changed_slots.add((group, seq))
+
+    def _advance(self, group: str, rank: int, seq: int, members: tuple[int, ...]) -> None:
+        """``rank`` passed every seq of ``group`` up to ``seq``. When the lowest rank moves up,
+        what every member has now passed is counted and the runs below let go."""
+        passed_to = self.passed_to.get(group)
+        if passed_to is None:
+            passed_to = self.passed_to[group] = {}
+        before = passed_to.get(rank, 0)
+        if seq <= before:
+            return
+        passed_to[rank] = seq
+        low, at_low = self.passed_low.get(group, (0, 0))
+        if before != low:
+            return
+        at_low -= 1
+        if at_low <= 0 and members:
+            where = list(map(passed_to.get, members, itertools.repeat(0)))
+            new_low = min(where)
+            at_low = where.count(new_low)
+            if new_low > low:
+                due = self._arrivals_due.get(group)
+                self._arrivals_due[group] = (due[0] if due else low, new_low, members)
+                if new_low >= self._pruned_to.get(group, 0) + PRUNE_RUNS_EVERY:
+                    self._prune_runs(group, new_low)
+            low = new_low
+        self.passed_low[group] = (low, at_low)
+
+    @property
+    def arrivals(self) -> dict[str, collections.deque[tuple[int, float, int, float]]]:
+        """Per group, the last rank to arrive at each of its latest complete collectives (at most
+        ``ARRIVALS_KEPT``, in seq order of those that runs completed): (rank, its lag behind the
+        median arrival, seq, first arrival). The seqs runs completed are counted here, when
+        read (the straggler detector, once a tick), not each time the slowest rank's run comes:
+        at 1,024 ranks that was half the job state's work (``bench/ingest.py``)."""
+        while self._arrivals_due:
+            group, (low, new_low, members) = self._arrivals_due.popitem()
+            self._runs_complete(group, low, new_low, members)
+        return self._arrivals
+
+    def _runs_complete(self, group: str, low: int, new_low: int, members: tuple[int, ...]) -> None:
+        """Every member passed the seqs above ``low`` up to ``new_low``: the arrivals of those
+        the runs hold (their newest ``ARRIVALS_KEPT``: the detectors read no more) are counted
+        as a complete slot's are, and the newest ``ARRIVALS_KEPT`` by seq kept."""
+        if len(members) < 2:
+            return
+        byrank = self.passed.get(group, {})
+        slots: dict[int, Slot] = self.slots.get(group) or {}
+        lasts = self._arrivals.get(group)
+        counted = {seq for _, _, seq, _ in lasts} if lasts else set()
+        want = [
+            seq
+            for seq in range(max(low + 1, new_low - ARRIVALS_KEPT + 1), new_low + 1)
+            if seq not in slots and seq not in counted  # counted where its slot completed (it may be pruned since)
+        ]
+        if not want:
+            return
+        lo = want[0]
+        # a row per member of its arrival times at lo..new_low (None where no run of its holds
+        # the seq), made of its runs' slices, then read a column per seq: the work per call is
+        # in C but for adding the rank's clock offset (1,024 ranks: every call is counted here)
+        rows: list[list[float | None]] = []
+        for m in members:
+            runs = byrank.get(m)
+            if not runs:
+                return  # no seq is complete in runs alone
+            pieces: list[list[float | None]] = []
+            top = new_low  # each seq is taken from the newest run that holds it
+            for run in reversed(runs):
+                first = run.first_seq
+                if first > top:
+                    continue
+                hi = min(top, first + len(run.enters) - 1)
+                if hi < lo:
+                    break
+                start = max(lo, first)
+                if hi < top:
+                    pieces.append([None] * (top - hi))
+                pieces.append(list(map(run.offset.__add__, run.enters[start - first : hi - first + 1])))
+                top = start - 1
+                if top < lo:
+                    break
+            if top >= lo:
+                pieces.append([None] * (top - lo + 1))
+            row = pieces[-1] if len(pieces) == 1 else list(itertools.chain.from_iterable(reversed(pieces)))
+            rows.append(row)
+        columns = list(zip(*rows, strict=True))  # every row spans lo..new_low
+        n = len(members)
+        counts: list[tuple[int, float, int, float]] = []
+        for seq in want:
+            arrived = columns[seq - lo]
+            if None in arrived:
+                continue
+            ordered = sorted(arrived)  # no None left
+            last, rank = max(zip(arrived, members, strict=True))  # of a tie, the highest rank (as a slot's sort)
+            counts.append((rank, last - ordered[(n - 1) // 2], seq, ordered[0]))
+        if counts:
+            kept = sorted([*(lasts or ()), *counts], key=operator.itemgetter(2))[-ARRIVALS_KEPT:]
+            self._arrivals[group] = collections.deque(kept, maxlen=ARRIVALS_KEPT)
+
+    def _prune_runs(self, group: str, low: int) -> None:
+        """Let go of runs every member has passed, but for the last ``ARRIVALS_KEPT`` seqs (whose
+        arrivals may not be counted yet; slots are kept so too). Done every ``PRUNE_RUNS_EVERY``
+        seqs, not at each: it walks every member's runs."""
+        self._pruned_to[group] = low
+        tail = low - ARRIVALS_KEPT
+        for st in self.ranks.values():  # a slot made where a device stopped takes its calls from them
+            held = st.on_device.get(group) if st.on_device else None
+            if held and held[0].first_seq < tail:
+                tail = held[0].first_seq
+        for runs in self.passed.get(group, {}).values():
+            while runs and runs[0].last_seq < tail:
+                self._drop_run(runs.popleft())
+        refs = self.run_refs.get(group)
+        while refs and refs[0].hi < tail:
+            refs.popleft()

@@ -1,0 +1,111 @@
+"""Detector ``straggler``: the same rank last to arrive, slot after slot.
+
+On constructed record sequences with an explicit clock (``tests.factories.SimJob``); split
+from the former test_detectors.py, one file per detector module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hangwatch.diagnosis.detectors import Context, straggler
+from tests.factories import T0, SimJob, call, only
+
+
+def _arrivals(last_of: Callable[[int], int], n: int = 4, slots: int = 20, lag: float = 1.0) -> SimJob:
+    sim = SimJob(n)
+    for seq in range(1, slots + 1):
+        t = T0 + seq * 5
+        late = last_of(seq)
+        for rk in range(n):
+            sim.call(rk, t + (lag if rk == late else 0.01 * rk), seq=seq)
+        for rk in range(n):
+            sim.exit(sim.states[rk].open_calls[max(sim.states[rk].open_calls)], t + lag + 0.1)
+    return sim
+
+
+def test_straggler_warning() -> None:
+    sim = _arrivals(lambda seq: 2 if seq % 10 else 1)  # rank 2 last in 18 of 20
+    f = only(straggler.detect(sim.job, sim.ctx(T0 + 200)), "straggler")
+    assert f.culprit_ranks == [2]
+    assert f.waiting_ranks == [0, 1, 3]
+    assert f.details["share_last"] == 0.9
+    engine = sim.engine()
+    sim.beat(T0 + 200)
+    (inc,) = engine.tick(T0 + 200)
+    assert (inc.kind, inc.severity, inc.culprit_ranks) == ("straggler", "warning", [2])
+    assert engine.tick(T0 + 201) == []
+
+
+def test_straggler_needs_a_full_window_and_margin() -> None:
+    assert straggler.detect(_arrivals(lambda seq: 2, slots=19).job, Context(T0 + 200, 10.0, 5.0)) == []
+    assert straggler.detect(_arrivals(lambda seq: 2, lag=0.3).job, Context(T0 + 200, 10.0, 5.0)) == []
+
+
+def test_no_straggler_when_last_arrivals_rotate() -> None:
+    sim = _arrivals(lambda seq: seq % 4)
+    assert straggler.detect(sim.job, sim.ctx(T0 + 200)) == []
+
+
+def test_one_hang_in_the_window_is_not_a_straggler() -> None:
+    """Rank 1 comes a few milliseconds after rank 0 at every slot (2 ranks: someone is last), and
+    once 30 s late: that was a hang (its own incident), not a persistently late rank."""
+    sim = SimJob(2)
+    for seq in range(1, 22):
+        t = T0 + seq * 40
+        sim.call(0, t, seq=seq)
+        sim.call(1, t + (30.0 if seq == 20 else 0.005), seq=seq)
+        for rk in range(2):
+            sim.exit(sim.states[rk].open_calls[max(sim.states[rk].open_calls)], t + 30.1)
+    assert straggler.detect(sim.job, sim.ctx(T0 + 900)) == []
+
+
+def test_the_culprit_of_an_open_hang_is_not_also_a_straggler() -> None:
+    sim = _arrivals(lambda seq: 2)
+    ctx = sim.ctx(T0 + 200)
+    ctx.hangs[2] = "stuck:0:21"
+    assert straggler.detect(sim.job, ctx) == []
+
+
+def test_the_window_is_the_latest_seqs_whatever_order_they_completed_in() -> None:
+    """Found by review: slots and runs complete in the order their last rank's batch comes, so
+    ``arrivals`` may hold seqs out of order, and "the last 20" taken in that order differed
+    between calls sent one by one and in runs (the same straggler, told with another onset)."""
+    sim = _arrivals(lambda seq: 2, slots=24)
+    arrivals = sim.job.arrivals["0"]
+    in_order = straggler.detect(sim.job, sim.ctx(T0 + 200))
+    shuffled = sorted(arrivals, key=lambda a: (a[2] % 3, a[2]))  # every third seq completed late, say
+    arrivals.clear()
+    arrivals.extend(shuffled)
+    (f,) = straggler.detect(sim.job, sim.ctx(T0 + 200))
+    assert (f.onset_time, f.seq) == (in_order[0].onset_time, in_order[0].seq) == (T0 + 5 * 5, 24)
+
+
+def _delivered(late: int, lag: float, waited: float) -> SimJob:
+    """Four ranks' 24 collectives, each a batch of its own sent at once (``JobState.ingest``):
+    rank ``late`` enters ``lag`` s after the others, and each of its batches waits ``waited`` s
+    more than theirs before the coordinator takes it (its clock offset that much too late)."""
+    sim = SimJob(4, registered=T0)
+    for seq in range(1, 25):
+        t = T0 + seq * 5
+        for rk in range(4):
+            enter = t + (lag if rk == late else 0.01 * rk)
+            done = enter + 0.05 if rk == late else t + lag + 0.05
+            delay = 0.002 + (waited if rk == late else 0.0)
+            sim.deliver(rk, [call(rk, seq, call_id=seq, enter_time=enter, exit_time=done)], done + delay,
+                        sent_time=done)  # fmt: skip
+    return sim
+
+
+def test_a_rank_whose_batches_all_waited_is_no_straggler() -> None:
+    """Every batch of rank 2 waited 0.7 s in a saturated coordinator's queue: its times map 0.7 s
+    late and it arrives last everywhere, by that much. Not a straggler: the others' batches did
+    not wait. A rank that is truly 0.7 s late, its batches on time, still is one."""
+    waited = _delivered(2, 0.0, 0.7)
+    assert {a[0] for a in waited.job.arrivals["0"]} == {2}
+    assert straggler.detect(waited.job, waited.ctx(T0 + 200)) == []
+    late = _delivered(2, 0.7, 0.0)
+    f = only(straggler.detect(late.job, late.ctx(T0 + 200)), "straggler")
+    assert f.culprit_ranks == [2]
+    both = _delivered(2, 1.4, 0.7)  # late by 1.4 s, of which 0.7 s its batches' wait
+    assert only(straggler.detect(both.job, both.ctx(T0 + 200)), "straggler").culprit_ranks == [2]

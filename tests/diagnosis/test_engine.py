@@ -1,0 +1,168 @@
+"""The engine: incident lifecycle, stacks, the adaptive threshold, incidents kept in memory.
+
+On constructed record sequences with an explicit clock (``tests.factories.SimJob``); split
+from the former test_detectors.py, one file per detector module.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from hangwatch import config
+from hangwatch.diagnosis.incidents import Finding
+from hangwatch.diagnosis.state import JobState
+from hangwatch.records import (
+    Frame,
+    ProcState,
+    StackDump,
+    StepEvent,
+    Target,
+    ThreadStack,
+    link_tag,
+)
+from tests.factories import T0, SimJob
+
+
+def test_engine_stuck_incident_lifecycle_persist_and_stacks() -> None:
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    waiting = sim.call(0, T0 + 2, seq=2)
+    persisted: list[tuple[str, str]] = []
+    requests: list[tuple[list[Target], bool, Callable[[dict[int, StackDump]], None]]] = []
+    engine = sim.engine(
+        persist=lambda inc: persisted.append((inc.id, inc.status)),
+        request_stacks=lambda targets, native, done: requests.append((targets, native, done)),
+    )
+    sim.beat(T0 + 10)
+    assert engine.tick(T0 + 10) == []
+    sim.beat(T0 + 13)
+    (inc,) = engine.tick(T0 + 13)
+    assert (inc.kind, inc.culprit_ranks, inc.waiting_ranks, inc.status) == ("stuck_collective", [1], [0], "open")
+    assert persisted == [(inc.id, "open")]
+    assert len(requests) == 1
+    targets, native, done = requests[0]
+    assert [(t.rank, t.pid, t.start_time) for t in targets] == [(1, 4001, 501.0), (0, 4000, 500.0)]
+    assert all(t.link == link_tag(sim.job.ranks[t.rank].identity.session) for t in targets)
+    assert native is False
+    # later ticks: the same incident (its slot is claimed), no new stack request, no churn
+    for now in (T0 + 14, T0 + 15, T0 + 18):
+        sim.beat(now)
+        assert engine.tick(now) == []
+    assert len(engine.incidents) == 1
+    assert len(requests) == 1
+    assert persisted == [(inc.id, "open")]
+    # stacks arrive
+    main = ThreadStack(4001, "MainThread", (Frame("save", "/w/train.py", 88),), owns_gil=True)
+    dumps = {
+        1: StackDump(pid=4001, time=T0 + 15, threads=(main,), text="Thread 4001 (idle): MainThread\n  save"),
+        0: StackDump(pid=4000, time=T0 + 15, error="ptrace: Operation not permitted"),
+    }
+    count = len(persisted)
+    done(dumps)
+    assert inc.stacks == {1: "Thread 4001 (idle): MainThread\n  save"}
+    assert inc.stack_notes == {0: "ptrace: Operation not permitted"}
+    assert "train.py:88" in inc.details["stack_summary"]["1"]
+    assert inc.stacks_time is not None
+    assert len(persisted) == count + 1
+    # the late rank arrives and every call completes: resolved
+    late = sim.call(1, T0 + 20, seq=2)
+    sim.beat(T0 + 20.05)
+    engine.tick(T0 + 20.05)
+    assert inc.status == "open"  # arrived, not completed yet
+    sim.exit(waiting, T0 + 20.1)
+    sim.exit(late, T0 + 20.1)
+    sim.beat(T0 + 20.2)
+    assert engine.tick(T0 + 20.2) == []
+    assert inc.status == "resolved"
+    assert inc.resolved_time == T0 + 20.2
+    assert "every rank completed all_reduce (seq 2)" in inc.resolution
+    assert "late rank(s): 1" in inc.resolution
+    assert persisted[-1] == (inc.id, "resolved")
+    assert len(engine.incidents) == 1
+
+
+def test_engine_without_agents_notes_missing_stacks() -> None:
+    sim = SimJob(2)
+    sim.call(0, T0 + 1)
+    engine = sim.engine()
+    sim.beat(T0 + 12)
+    (inc,) = engine.tick(T0 + 12)
+    assert inc.stack_notes == {1: "no node agent is connected to dump stacks", 0: inc.stack_notes[0]}
+
+
+def test_engine_requests_native_stacks_for_frozen() -> None:
+    sim = SimJob(2)
+    sim.proc(1, ProcState.STOPPED, T0 + 8)
+    sim.beat(T0 + 9, ranks=[0])
+    requests: list[tuple[list[Target], bool]] = []
+    engine = sim.engine(request_stacks=lambda targets, native, done: requests.append((targets, native)))
+    engine.tick(T0 + 9)
+    assert requests == [([Target(1, 4001, 501.0, link=link_tag(sim.job.ranks[1].identity.session))], True)]
+
+
+def test_stuck_threshold_adapts_within_bounds() -> None:
+    lo, hi = config.MIN_STUCK_AFTER, config.DEFAULT_STUCK_AFTER
+    sim = SimJob(2)
+    engine = sim.engine(stuck_after=None)
+    assert engine.stuck_threshold() == lo  # nothing known yet
+    for seq in range(1, 11):
+        sim.collective(seq, T0 + seq, duration=0.05)
+    assert engine.stuck_threshold() == lo  # fast collectives: the floor
+    slow = SimJob(2)
+    slow_engine = slow.engine(stuck_after=None)
+    for seq in range(1, 11):
+        slow.collective(seq, T0 + seq * 100, duration=50.0)
+    assert slow_engine.stuck_threshold() == hi  # 4 x p99 = 200 s: capped
+    mid = SimJob(2)
+    mid_engine = mid.engine(stuck_after=None)
+    for step in range(1, 6):
+        mid.job.apply(mid.states[0], StepEvent(0, step, T0 + step * 3.0), T0 + step * 3.0)
+    assert mid_engine.stuck_threshold() == 9.0  # 3 x the 3 s step time
+    assert lo <= mid_engine.stuck_threshold() <= hi
+    assert slow.engine(stuck_after=120.0).stuck_threshold() == 120.0
+    assert slow.engine(stuck_after=1.0).stuck_threshold() == 1.0
+
+
+def test_engine_tick_uses_the_adaptive_threshold() -> None:
+    sim = SimJob(2)
+    sim.call(0, T0 + 1)
+    engine = sim.engine(stuck_after=None)
+    sim.beat(T0 + 1 + config.MIN_STUCK_AFTER - 0.5)
+    assert engine.tick(T0 + 1 + config.MIN_STUCK_AFTER - 0.5) == []
+    sim.beat(T0 + 1 + config.MIN_STUCK_AFTER + 0.5)
+    (inc,) = engine.tick(T0 + 1 + config.MIN_STUCK_AFTER + 0.5)
+    assert inc.kind == "stuck_collective"
+
+
+def test_incidents_in_memory_are_capped_and_forgotten_ones_stay_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hangwatch.diagnosis import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MAX_INCIDENTS_IN_MEMORY", 3)
+    job = JobState()
+    eng = engine_mod.Engine(job, threading.RLock(), detectors=[])
+    for n in range(5):
+        finding = Finding("straggler", f"k{n}", [1], [0], f"s{n}", "h", onset_time=float(n))
+        incident, new = eng._absorb(finding, job, now=float(n))
+        assert new and incident is not None
+        incident.status = "resolved"
+    assert len(eng.incidents) == 3
+    assert sorted(eng.incidents) == ["inc-0003", "inc-0004", "inc-0005"]
+    again, new = eng._absorb(Finding("straggler", "k0", [1], [0], "s0", "h", onset_time=0.0), job, now=9.0)
+    assert again is None and not new  # the same root cause is not reported twice
+
+
+def test_incident_keys_are_built_from_fields_in_the_stored_form() -> None:
+    """The stored key strings (reloaded by the store at startup) stay what they were."""
+    from hangwatch.diagnosis.incidents import KeyFamily, incident_key, key_family
+
+    assert incident_key(KeyFamily.STUCK, group="0", seq=2) == "stuck:0:2"
+    assert incident_key(KeyFamily.MISMATCH, group="0", seq=5) == "mismatch:0:5"
+    assert incident_key(KeyFamily.EARLY_END, session="session-1") == "early-end:session-1"
+    assert incident_key(KeyFamily.STRAGGLER, group="tp1", rank=7) == "straggler:tp1:7"
+    assert incident_key(KeyFamily.GROUP, group="5") == "group:5"
+    assert incident_key(KeyFamily.P2P, group="0", seq=4, ranks=(0, 1)) == "p2p:0:4:0,1"
+    assert incident_key(KeyFamily.P2P, group="0", ranks=(1, 0), direction="send") == "p2p:0:1,0:send"
+    assert key_family("mismatch:0:5") == KeyFamily.MISMATCH.value
