@@ -13,26 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from hangwatch import catalogue
+from hangwatch import catalogue, kinds
 from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord, ProcessStatus, RankEnd, TensorMeta
 
 #: How many tensors :func:`describe_call` shows before "… (+N)".
 SHOW_TENSORS = 3
 
 #: Incident kinds as report titles (``hangwatch report``).
-KIND_TITLES = {
-    "op_mismatch": "Operation mismatch",
-    "shape_mismatch": "Shape mismatch",
-    "dtype_mismatch": "Dtype mismatch",
-    "arg_mismatch": "Argument mismatch",
-    "p2p_mismatch": "Point-to-point mismatch",
-    "stuck_collective": "Stuck collective",
-    "early_exit": "Unsynchronised early exit",
-    "rank_died": "Rank died",
-    "rank_frozen": "Rank frozen",
-    "transport_stall": "Transport stall",
-    "straggler": "Straggler (warning)",
-}
+KIND_TITLES = {row.kind.value: row.title for row in kinds.KINDS}
 
 
 # --------------------------------------------------------------------------------------------

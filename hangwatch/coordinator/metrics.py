@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
 from hangwatch import wire
-from hangwatch.diagnosis.incidents import KINDS
 from hangwatch.diagnosis.views import rank_state
+from hangwatch.kinds import IncidentKind
 from hangwatch.serving import token_ok
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def render(c: Coordinator, rate: _Rate) -> str:
                 word, _ = rank_state(st, now, c.options.silence_after)
                 states[(key, word)] = states.get((key, word), 0) + 1
                 progress.append((f'{{job="{key}",rank="{st.rank}"}}', max(0.0, now - st.last_progress)))
-        by_kind = dict.fromkeys(KINDS, 0)
+        by_kind = dict.fromkeys((k.value for k in IncidentKind), 0)
         open_count = 0
         for inc in c.engine.incidents.values():
             by_kind[inc.kind] = by_kind.get(inc.kind, 0) + 1

@@ -18,11 +18,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from hangwatch import config
+from hangwatch import config, kinds
 from hangwatch import records as r
 from hangwatch.diagnosis.detectors import Context, Detector, DetectorCache, all_detectors, new_cache
 from hangwatch.diagnosis.incidents import (
-    WARNING_KINDS,
     Finding,
     Incident,
     IncidentKind,
@@ -44,13 +43,7 @@ MAX_INCIDENTS_IN_MEMORY = 10_000
 SLOT_KINDS = (IncidentKind.STUCK_COLLECTIVE, IncidentKind.EARLY_EXIT, IncidentKind.TRANSPORT_STALL)
 #: Incidents whose ranks' later deaths are their aftermath (torch's watchdog aborts hung ranks).
 #: A p2p deadlock (two stages that both send first) holds its ranks as a stuck collective does.
-HANG_FAMILIES = (
-    KeyFamily.STUCK.value,
-    KeyFamily.EARLY.value,
-    KeyFamily.STALL.value,
-    KeyFamily.EARLY_END.value,
-    KeyFamily.P2P.value,
-)
+HANG_FAMILIES = kinds.HOLDING_FAMILIES
 
 #: Why a rank that registered itself over the network is never dumped or signalled: only a node
 #: agent's registration (from the rank's own link, ``SO_PEERCRED``) ties a pid to a rank of a job.
@@ -245,7 +238,7 @@ class Engine:
                 incident.waiting_ranks = sorted(finding.waiting_ranks)
                 if revised:
                     incident.kind, incident.hint = finding.kind, finding.hint or incident.hint
-                    incident.severity = "warning" if finding.kind in WARNING_KINDS else "error"
+                    incident.severity = kinds.severity(finding.kind)
                     incident.details["revised"] = int(str(incident.details.get("revised", 0))) + 1
                     if incident not in self._updated:
                         self._updated.append(incident)

@@ -10,48 +10,14 @@ strings (``family:field:...``), the form the incident store keeps and reloads.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class IncidentKind(str, enum.Enum):
-    """What an incident is about. A ``str`` enum: its values are the JSON contract's ``kind``."""
-
-    OP_MISMATCH = "op_mismatch"
-    SHAPE_MISMATCH = "shape_mismatch"
-    DTYPE_MISMATCH = "dtype_mismatch"
-    ARG_MISMATCH = "arg_mismatch"
-    P2P_MISMATCH = "p2p_mismatch"
-    STUCK_COLLECTIVE = "stuck_collective"
-    EARLY_EXIT = "early_exit"
-    RANK_DIED = "rank_died"
-    RANK_FROZEN = "rank_frozen"
-    TRANSPORT_STALL = "transport_stall"
-    STRAGGLER = "straggler"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-KINDS = tuple(k.value for k in IncidentKind)
-#: Kinds that are warnings about a healthy-but-slow job, not hangs.
-WARNING_KINDS = frozenset({IncidentKind.STRAGGLER})
-
-
-class KeyFamily(str, enum.Enum):
-    """The first part of an incident key: which detector's root cause it names."""
-
-    MISMATCH = "mismatch"  # a slot whose calls disagree (group, seq)
-    GROUP = "group"  # a group whose membership differs between ranks (group)
-    P2P = "p2p"  # a send/recv that do not match (group, pair seq or direction, ranks)
-    STUCK = "stuck"  # hangs at a slot (group, seq)
-    EARLY = "early"
-    STALL = "stall"
-    DIED = "died"  # a rank's session ended (session)
-    EARLY_END = "early-end"
-    FROZEN = "frozen"
-    STRAGGLER = "straggler"  # (group, rank)
+from hangwatch.kinds import WARNING_KINDS as WARNING_KINDS
+from hangwatch.kinds import IncidentKind as IncidentKind
+from hangwatch.kinds import KeyFamily as KeyFamily
+from hangwatch.kinds import hint as kinds_hint
+from hangwatch.kinds import severity
 
 
 @dataclass(frozen=True)
@@ -188,10 +154,10 @@ class Incident:
             seq=f.seq,
             step=f.step,
             summary=f.summary,
-            hint=f.hint,
+            hint=f.hint or kinds_hint(f.kind),
             onset_time=f.onset_time,
             detected_time=now,
-            severity="warning" if f.kind in WARNING_KINDS else "error",
+            severity=severity(f.kind),
             details=dict(f.details),
         )
 

@@ -8,6 +8,7 @@ agent tells alive from dead; the stacks (with native frames) say where it froze.
 
 from __future__ import annotations
 
+from hangwatch import kinds
 from hangwatch import records as r
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
@@ -70,12 +71,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 culprit_ranks=[st.rank],
                 waiting_ranks=waiting,
                 summary=summary,
-                hint=(
-                    "Look at the native stack of the frozen rank: a C extension or ctypes call that holds the "
-                    "GIL while it blocks must release it (Py_BEGIN_ALLOW_THREADS / ctypes.CDLL instead of "
-                    "PyDLL); a stopped process must be continued (kill -CONT) or killed; a D-state process "
-                    "points at storage or a driver."
-                ),
+                hint=kinds.hint(IncidentKind.RANK_FROZEN),
                 onset_time=st.last_seen,
                 op=last.op if last else "",
                 group=last.group if last else "",

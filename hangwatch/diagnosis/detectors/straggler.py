@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import statistics
 
+from hangwatch import kinds
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState
@@ -66,8 +67,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                     f"rank {rank} arrived last at {count} of the last {len(recent)} collectives of group "
                     f"{group}, {margin:.1f} s after the median rank on average"
                 ),
-                hint="Not a hang: look for uneven work on that rank (data loading, a slower host, logging "
-                "or evaluation done only there).",
+                hint=kinds.hint(IncidentKind.STRAGGLER),
                 onset_time=recent[0][3],
                 group=group,
                 seq=recent[-1][2],

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from hangwatch import catalogue, config
+from hangwatch import catalogue, config, kinds
 from hangwatch import records as r
 from hangwatch.diagnosis import waits
 from hangwatch.diagnosis.detectors import Context
@@ -29,12 +29,7 @@ from hangwatch.diagnosis.state import JobState, RankState, Slot
 from hangwatch.model.waitfor import Graph
 from hangwatch.wording import describe_call, doing, format_ranks, gpu_load
 
-EARLY_EXIT_HINT = (
-    "Stop every rank at the same step: make the stop decision collectively (all_reduce the stop "
-    "flag with ReduceOp.MAX and break on the result), or with Accelerate use "
-    "accelerator.set_trigger() on the rank that wants to stop and accelerator.check_trigger() in "
-    "every rank's loop."
-)
+EARLY_EXIT_HINT = kinds.hint(IncidentKind.EARLY_EXIT)
 
 
 SKIPPED_HINT = (
