@@ -4,6 +4,7 @@
     .venv/bin/python bench/ingest.py ceiling  [--ranks 1024] [--rates 10,25,50,100]
     .venv/bin/python bench/ingest.py detect   [--ranks 1024] [--rate 10] [--faults stuck,shape,...]
     .venv/bin/python bench/ingest.py profile  [--ranks 1024] [--rate 25]   # py-spy on the coordinator
+    .venv/bin/python bench/ingest.py versus   --baseline DIR [--ranks 1024] [--rate 10] [--pairs 3]
 
 Each run starts a fresh coordinator in a subprocess (``ingest.py serve``: ``Coordinator`` with
 its default options except ``embedded_agent=False`` (the simulated pids are not real processes)
@@ -63,7 +64,7 @@ def serve(data_dir: str, stuck_after: float) -> None:
 
 
 class CoordinatorProc:
-    def __init__(self, stuck_after: float = 5.0) -> None:
+    def __init__(self, stuck_after: float = 5.0, tree: str | None = None) -> None:
         self.data = tempfile.TemporaryDirectory(prefix="hw-ingest-")
         cmd = [
             PY,
@@ -74,8 +75,9 @@ class CoordinatorProc:
             "--stuck-after",
             str(stuck_after),
         ]
+        env = dict(os.environ, PYTHONPATH=tree) if tree else None  # another checkout's coordinator
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
@@ -162,8 +164,10 @@ def loadgen(port: int, ranks: int, rate: float, seconds: float, extra: list[str]
         return dict(json.loads(Path(out.name).read_text()))
 
 
-def measure(ranks: int, rate: float, seconds: float, pattern: str, via: str = "direct") -> dict[str, Any]:
-    coord = CoordinatorProc()
+def measure(
+    ranks: int, rate: float, seconds: float, pattern: str, via: str = "direct", tree: str | None = None
+) -> dict[str, Any]:
+    coord = CoordinatorProc(tree=tree)
     try:
         idle_rss = coord.rss_mb()
         res = loadgen(coord.port, ranks, rate, seconds, ["--pattern", pattern, *_via(via)])
@@ -256,6 +260,36 @@ def ceiling(ranks: int, rates: list[float], seconds: float, pattern: str, via: s
             print(row(res), flush=True)
             if res["accepted_events_per_s"] < 0.9 * res["target_events_per_s"] or (res["rpc_p99_ms"] or 0) > 2000:
                 break
+
+
+def versus(baseline: str, ranks: int, rate: float, seconds: float, pattern: str, pairs: int) -> None:
+    """This tree's coordinator against another checkout's, the same load, runs alternated."""
+    import statistics
+
+    print(f"# versus: {ranks} ranks, {rate:g} coll/s/rank, pattern={pattern}, {seconds:g} s, {pairs} pairs", flush=True)
+    print(f"# baseline: {baseline}; machine: {os.cpu_count()} cores, shared with the load generator", flush=True)
+    print("| tree | run | accepted ev/s | coord cores | coord µs/event | coord RSS MB | false incidents |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    cost: dict[str, list[float]] = {"this": [], "baseline": []}
+    rss: dict[str, list[float]] = {"this": [], "baseline": []}
+    for i in range(pairs):
+        for name, tree in (
+            (("baseline", baseline), ("this", None)) if i % 2 else (("this", None), ("baseline", baseline))
+        ):
+            res = measure(ranks, rate, seconds, pattern, tree=tree)
+            us = 1e6 * (res["coord_cores"] or 0.0) / max(1, res["accepted_events_per_s"])
+            cost[name].append(us)
+            rss[name].append(res["coord_rss_mb"] or 0.0)
+            inc = ",".join(f"{k}:{v}" for k, v in sorted(res["incidents"].items())) or "-"
+            print(
+                f"| {name} | {i + 1} | {res['accepted_events_per_s']:,} | {res['coord_cores'] or 0:.2f} | {us:.2f} "
+                f"| {res['coord_rss_mb'] or 0:.0f} | {inc} |",
+                flush=True,
+            )
+    a, b = statistics.median(cost["this"]), statistics.median(cost["baseline"])
+    ra, rb = statistics.median(rss["this"]), statistics.median(rss["baseline"])
+    print(f"\nmedian coordinator CPU per accepted event: this {a:.2f} µs, baseline {b:.2f} µs, ratio {a / b:.3f}")
+    print(f"median coordinator peak RSS: this {ra:.0f} MB, baseline {rb:.0f} MB, ratio {ra / rb:.3f}")
 
 
 def detect(ranks: int, rate: float, faults: list[str], pattern: str, fault_at: float, via: str) -> None:
@@ -399,8 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="(internal) run the coordinator under test")
     s.add_argument("--data-dir", required=True)
     s.add_argument("--stuck-after", type=float, default=5.0)
-    for name in ("ladder", "ceiling", "detect", "profile", "soak"):
+    for name in ("ladder", "ceiling", "detect", "profile", "soak", "versus"):
         p = sub.add_parser(name)
+        if name == "versus":
+            p.add_argument(
+                "--baseline", required=True, metavar="DIR", help="another checkout: `git worktree add DIR REV`"
+            )
+            p.add_argument("--pairs", type=int, default=3)
         p.add_argument("--pattern", default="ddp", choices=("ddp", "fsdp", "pipeline", "mixed", "tp"))
         p.add_argument("--runs", action="store_true", help="ranks send calls alike as runs (CallColumns.run)")
         p.add_argument(
@@ -445,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         ladder([int(x) for x in args.scales.split(",")], args.rate, args.seconds, args.pattern, args.via)
     elif args.mode == "ceiling":
         ceiling(args.ranks, [float(x) for x in args.rates.split(",")], args.seconds, args.pattern, args.via)
+    elif args.mode == "versus":
+        versus(args.baseline, args.ranks, args.rate, args.seconds, args.pattern, args.pairs)
     elif args.mode == "detect":
         detect(args.ranks, args.rate, args.faults.split(","), args.pattern, args.fault_at, args.via)
     elif args.mode == "soak":

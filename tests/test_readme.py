@@ -29,6 +29,14 @@ _TOPS = "hangwatch|common|client|coordinator|agent|protos|tests|bench|scripts|de
 _PATH = re.compile(rf"`((?:{_TOPS})/[A-Za-z0-9_./-]*)`")
 
 
+def test_the_story_table_in_benchmarks_is_the_test_s() -> None:
+    spec = importlib.util.spec_from_file_location("story_table", ROOT / "scripts" / "story_table.py")
+    assert spec is not None and spec.loader is not None
+    story_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(story_table)
+    assert story_table.main(["--check"]) == 0, "run: python scripts/story_table.py"
+
+
 @pytest.mark.parametrize("doc", ["README.md", "BENCHMARKS.md", "deploy/README.md", "docs/architecture.md"])
 def test_every_path_the_docs_name_exists(doc: str) -> None:
     text = (ROOT / doc).read_text()
