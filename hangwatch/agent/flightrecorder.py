@@ -492,8 +492,10 @@ class RingFetcher:
         timeout_s: float = 1.0,
         read: Callable[..., tuple[dict[str, dict[str, Any]], dict[str, str]]] = read_rings,
         clock: Callable[[], float] = time.time,
+        background: bool = True,
     ) -> None:
         self.interval_s = interval_s
+        self.background = background  # False: only poll_once reads (a clock driven by hand)
         self.timeout_s = timeout_s
         self._read = read
         self._clock = clock
@@ -522,7 +524,7 @@ class RingFetcher:
         (:class:`hangwatch.flight_entries.PythonAccounts`), up to ``WHOLE_READ_EVERY_S``."""
         with self._lock:
             self._watched[key] = _Watched(path, pid, needed, accounted)
-            if self._thread is None:
+            if self._thread is None and self.background:
                 self._thread = threading.Thread(target=self._run, name="hangwatch-flightrecorder", daemon=True)
                 self._thread.start()
 

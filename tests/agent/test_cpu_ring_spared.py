@@ -78,7 +78,7 @@ class Rank:
         self.python.ran(group, lo, lo + n - 1)
 
     def fetcher(self) -> RingFetcher:
-        fetcher = RingFetcher(interval_s=1.0, read=self, clock=self.clock)
+        fetcher = RingFetcher(interval_s=1.0, read=self, clock=self.clock, background=False)
         fetcher.watch(1, "/run/w.sock", 4242, accounted=PythonAccounts(self.tracker, self.python))
         return fetcher
 
@@ -220,7 +220,7 @@ def test_a_collective_cxx_issued_on_a_group_python_never_calls_is_read_within_th
 
 def test_an_answer_that_raises_is_a_read() -> None:
     rank = Rank()
-    fetcher = RingFetcher(interval_s=1.0, read=rank, clock=rank.clock)
+    fetcher = RingFetcher(interval_s=1.0, read=rank, clock=rank.clock, background=False)
 
     def broken() -> bool:
         raise RuntimeError("a snapshot taken mid-update")
@@ -236,13 +236,13 @@ def test_an_answer_that_raises_is_a_read() -> None:
 def test_a_ring_the_build_has_not_is_asked_for_once() -> None:
     """A CPU build's worker server answers 404 for the NCCL ring: asked once, not every read."""
     rank = Rank(nccl=False)
-    fetcher = RingFetcher(interval_s=1.0, read=rank, clock=rank.clock)
+    fetcher = RingFetcher(interval_s=1.0, read=rank, clock=rank.clock, background=False)
     fetcher.watch(1, "/run/w.sock", 4242)
     for _ in range(3):
         rank.poll(fetcher)
     assert rank.asked == [("cpu", "nccl"), ("cpu",), ("cpu",)]
     cuda = Rank(nccl=True)
-    fetcher = RingFetcher(interval_s=1.0, read=cuda, clock=cuda.clock)
+    fetcher = RingFetcher(interval_s=1.0, read=cuda, clock=cuda.clock, background=False)
     fetcher.watch(1, "/run/w.sock", 4242)
     for _ in range(2):
         cuda.poll(fetcher)

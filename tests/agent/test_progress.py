@@ -107,7 +107,7 @@ class Gpu:
 def test_every_read_of_a_probed_ring_carries_its_progress() -> None:
     """The probe that spares reading entries still reads ``pg_status``: progress comes with it."""
     gpu = Gpu()
-    fetcher = RingFetcher(interval_s=3600.0, read=gpu, clock=lambda: 50.0)
+    fetcher = RingFetcher(interval_s=3600.0, read=gpu, clock=lambda: 50.0, background=False)
     fetcher.watch(1, "/run/w.sock", 4242, lambda since: False)  # Python accounts for every seq
     fetcher.poll_once()
     first = fetcher.take(1)

@@ -684,7 +684,7 @@ def test_a_rank_whose_reads_cost_more_than_the_budget_is_read_less_often_and_sta
         reads[pid] += 1
         return {"cpu": {"pg_status": {}, "entries": []}}, {}
 
-    fetcher = RingFetcher(interval_s=1.0, read=read, clock=lambda: clock[0])
+    fetcher = RingFetcher(interval_s=1.0, read=read, clock=lambda: clock[0], background=False)
     fetcher.watch(1, "/run/a.sock", 4242)
     fetcher.watch(2, "/run/b.sock", 4343)
     for _ in range(30):  # 30 ticks of the fetcher's thread, a second apart
@@ -716,7 +716,7 @@ def test_a_rank_is_read_at_least_every_max_read_every_s_whatever_it_costs() -> N
         reads[0] += 1
         return {"cpu": {"pg_status": {}, "entries": []}}, {}
 
-    fetcher = RingFetcher(interval_s=1.0, read=read, clock=lambda: clock[0])
+    fetcher = RingFetcher(interval_s=1.0, read=read, clock=lambda: clock[0], background=False)
     fetcher.watch(1, "/run/a.sock", 4242)
     for _ in range(100):
         fetcher.poll_once(due_only=True)

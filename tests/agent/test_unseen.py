@@ -203,7 +203,7 @@ class Server:
         return (self.ring.rings() if "cpu" in names else {}), {}
 
     def run(self, seconds: int) -> RingFetcher:
-        fetcher = RingFetcher(interval_s=1.0, read=self, clock=self.clock)
+        fetcher = RingFetcher(interval_s=1.0, read=self, clock=self.clock, background=False)
         fetcher.watch(1, "/run/w.sock", 4242)
         for _ in range(seconds):
             self.ring.metrics(self.gain)
