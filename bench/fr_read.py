@@ -26,7 +26,7 @@ import time
 
 import psutil
 
-from hangwatch.agent.flightrecorder import read_rings
+from hangwatch.agent.frquery import read_rings
 
 RANK = textwrap.dedent(
     """

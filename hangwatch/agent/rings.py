@@ -42,7 +42,7 @@ MAX_PENDING = 64
 #: Links kept at most (live and recently closed); a new one beyond this is refused.
 MAX_LINKS = 4096
 #: The largest last Flight Recorder dump a rank may hand over: as large as its worker server may
-#: answer (``flightrecorder.MAX_ANSWER_BYTES``); a larger one is ignored, and the worker server
+#: answer (``frquery.MAX_ANSWER_BYTES``); a larger one is ignored, and the worker server
 #: is asked instead.
 LAST_READ_MAX = 16 << 20
 #: The seals it must carry (``hangwatch.client.workerserver.SEALS``): nothing can change it.

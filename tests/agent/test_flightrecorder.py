@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatch.agent.flightrecorder import WorkerServerError, query, read_rings, rings_of_dump
+from hangwatch.agent.frquery import WorkerServerError, query, read_rings, rings_of_dump
 
 pytestmark = pytest.mark.slow  # starts torch in a subprocess (a few seconds)
 

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from hangwatch import link
-from hangwatch.agent.flightrecorder import RingFetcher, WorkerServerError, query, read_rings
+from hangwatch.agent.flightrecorder import RingFetcher
+from hangwatch.agent.frquery import WorkerServerError, query, read_rings
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import Shipper

@@ -16,7 +16,8 @@ import pytest
 
 from hangwatch import link
 from hangwatch import records as r
-from hangwatch.agent.flightrecorder import RingFetcher, progress_of
+from hangwatch.agent.flightrecorder import RingFetcher
+from hangwatch.agent.frquery import progress_of
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import Shipper

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hangwatch.agent.flightrecorder import READ_BUDGET, TURNOVER_BUDGET, RingFetcher, cpu_status
+from hangwatch.agent.flightrecorder import READ_BUDGET, TURNOVER_BUDGET, RingFetcher
+from hangwatch.agent.frquery import cpu_status
 from hangwatch.flight_entries import EntryTracker, PythonSeqs
 
 

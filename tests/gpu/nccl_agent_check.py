@@ -103,7 +103,7 @@ def main() -> int:
     except ImportError:
         print("SKIP: no torch")
         return 0
-    from hangwatch.agent.flightrecorder import read_rings
+    from hangwatch.agent.frquery import read_rings
     from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 
     result: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
