@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hangwatch.records import Frame, StackDump, ThreadStack
 
@@ -83,3 +84,27 @@ def summarize(dump: StackDump) -> str:
     where = f"{short_path(place.filename)}:{place.line} ({place.function})"
     line = f"{callee.function} in {where}" if callee else where
     return line + (", holding the GIL" if thread.owns_gil else "")
+
+
+def dump_json(d: StackDump) -> dict[str, Any]:
+    """One dump as ``stacks --json`` gives it."""
+    return {
+        "pid": d.pid,
+        "time": d.time,
+        "text": d.text,
+        "error": d.error,
+        "native": d.native,
+        "threads": [
+            {
+                "thread_id": t.thread_id,
+                "name": t.name,
+                "active": t.active,
+                "owns_gil": t.owns_gil,
+                "frames": [
+                    {"function": f.function, "filename": f.filename, "line": f.line, "native": f.native}
+                    for f in t.frames
+                ],
+            }
+            for t in d.threads
+        ],
+    }

@@ -21,24 +21,22 @@ from typing import TYPE_CHECKING, Any
 from hangwatch import config, tls, wire
 from hangwatch import records as r
 from hangwatch.agent.identity import START_TIME_TOLERANCE_S
+from hangwatch.coordinator import abort, imports, queries
 from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.server import BindError, RpcServer
-from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, ImportBusy, IntakeError
+from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, IntakeError
 from hangwatch.coordinator.store import IncidentStore
-from hangwatch.diagnosis import budget, waits
+from hangwatch.diagnosis import budget
 from hangwatch.diagnosis.engine import UNPROVEN, Engine
-from hangwatch.diagnosis.incidents import Incident
 from hangwatch.diagnosis.jobs import Jobs, JobsFull, SessionOver
 from hangwatch.diagnosis.state import ClaimRefused, JobState, RankState
-from hangwatch.diagnosis.views import job_line, status_json
-from hangwatch.postmortem import dumps, replay
 from hangwatch.postmortem.dumps import Folder
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.serving import host_port, is_loopback
 from hangwatch.signatures import CallDecoder
-from hangwatch.wording import format_ranks
+from hangwatch.stackviews import dump_json
 
 if TYPE_CHECKING:
     from hangwatch.agent.rings import RingServer
@@ -95,7 +93,6 @@ def report_interval_for(world_size: int) -> float:
 
 
 #: Incidents one import of dumps may add (the rest are counted in its reply's ``not_added``).
-MAX_IMPORTED_INCIDENTS = 16
 
 
 class Coordinator:
@@ -110,7 +107,7 @@ class Coordinator:
         #: ranks' batches may carry runs of alike calls (``records.CallRun``); ``HANGWATCH_RUNS=0``: not
         self.takes_runs = config.env_flag(config.ENV_RUNS, True)
         self.lock = threading.RLock()
-        self._importing = threading.Lock()  # one import of dumps analysed at a time
+        self.importing = threading.Lock()  # one import of dumps analysed at a time
         try:
             limits = budget.Budget.of_mb(options.rank_budget_mb, options.job_budget_mb, options.memory_budget_mb)
         except ValueError as e:
@@ -145,7 +142,7 @@ class Coordinator:
         self.server: RpcServer | None = None
         self.port = 0
         if options.abort_on_hang:
-            self.engine.listeners.append(self._abort_listener)
+            self.engine.listeners.append(lambda incident: abort.after(self, incident))
         self.alerter: WebhookAlerter | None = None
         if options.alert_webhook:
             self.alerter = WebhookAlerter(options.alert_webhook)
@@ -485,13 +482,13 @@ class Coordinator:
 
     # ---- stacks and abort -----------------------------------------------------------------
 
-    def _hosts(self, targets: list[r.Target]) -> dict[int, str]:
+    def hosts(self, targets: list[r.Target]) -> dict[int, str]:
         """Where each target's process runs (targets of one job: their ranks are distinct)."""
         with self.lock:
             return {t.rank: st.identity.host for t in targets if (st := self.jobs.holding(t)) is not None}
 
     def _request_stacks(self, targets: list[r.Target], native: bool, callback: Any) -> None:
-        self.hub.request_stacks(targets, self._hosts(targets), native, callback)
+        self.hub.request_stacks(targets, self.hosts(targets), native, callback)
 
     def select_job(self, selector: str = "") -> JobState | None:
         """The job ``--job`` names (a key, job id or run, or a prefix of one; the latest of several
@@ -512,176 +509,24 @@ class Coordinator:
             unproven = [rk for rk in chosen if not job.ranks[rk].proven]
         if not chosen:
             return None
-        dumps = self.hub.dump_now(targets, self._hosts(targets), native) if targets else {}
+        dumps = self.hub.dump_now(targets, self.hosts(targets), native) if targets else {}
         for rk in unproven:
             dumps[rk] = r.StackDump(job.ranks[rk].identity.pid, time.time(), error=UNPROVEN)
-        return {
-            str(rk): {
-                "pid": d.pid,
-                "time": d.time,
-                "text": d.text,
-                "error": d.error,
-                "native": d.native,
-                "threads": [
-                    {
-                        "thread_id": t.thread_id,
-                        "name": t.name,
-                        "active": t.active,
-                        "owns_gil": t.owns_gil,
-                        "frames": [
-                            {
-                                "function": f.function,
-                                "filename": f.filename,
-                                "line": f.line,
-                                "native": f.native,
-                            }
-                            for f in t.frames
-                        ],
-                    }
-                    for t in d.threads
-                ],
-            }
-            for rk, d in sorted(dumps.items())
-        }
-
-    def _abort_listener(self, incident: Incident) -> None:
-        if incident.severity != "error":
-            return
-
-        def abort_after_stacks() -> None:
-            deadline = time.time() + 15.0
-            while time.time() < deadline and incident.stacks_time is None and incident.stack_notes == {}:
-                time.sleep(0.2)
-            with self.lock:
-                job = self.jobs.for_run(incident.run)  # only the incident's own job is touched
-                if job is None:
-                    return
-                job.aborted_at = time.time()
-                live = [st for st in job.ranks.values() if st.end is None]
-                targets = [st.target() for st in live if st.proven]  # only proven ranks
-                unproven = {st.rank: UNPROVEN.replace("not dumped", "not signalled") for st in live if not st.proven}
-                if unproven:
-                    told = incident.details.setdefault("abort", {"signalled_pids": [], "refused": {}})
-                    told["refused"].update({str(rank): why for rank, why in unproven.items()})
-                    self.store.save(incident)
-            if targets:
-                log.warning("--abort-on-hang: terminating %d rank(s) after incident %s", len(targets), incident.id)
-                self.hub.abort(targets, self._hosts(targets), on_result=record)
-
-        def record(signalled: list[int], refused: dict[int, str]) -> None:
-            """What the agents did, in the incident: pids signalled, ranks refused and why."""
-            with self.lock:
-                told = incident.details.setdefault("abort", {"signalled_pids": [], "refused": {}})
-                told["signalled_pids"] = sorted({*told["signalled_pids"], *signalled})
-                told["refused"].update({str(rank): why for rank, why in refused.items()})
-                self.store.save(incident)
-
-        threading.Thread(target=abort_after_stacks, name="hangwatch-abort", daemon=True).start()
+        return {str(rk): dump_json(d) for rk, d in sorted(dumps.items())}
 
     # ---- queries --------------------------------------------------------------------------
 
     def import_payload(self, data: bytes, job_selector: str = "") -> dict[str, Any] | None:
-        """An import's bytes (``hangwatch analyze --import``, ``dumps.pack``): one at a time,
-        inflated within its bound, and what parsing it holds charged to the memory budget while
-        it lasts. ``ImportBusy`` when it cannot be taken now, ``DumpError`` when it is no import;
-        else as :meth:`import_dumps`."""
-        if not self._importing.acquire(blocking=False):
-            raise ImportBusy("another import of dumps is being analysed: send this one when it is done")
-        try:
-            raw = dumps.inflate(data)
-            charge = len(raw) * dumps.IMPORT_PARSE_FACTOR
-            ledger = self.jobs.ledger
-            with self.lock:
-                if ledger.held + charge > ledger.budget.total:
-                    ledger.refuse("total")
-                    raise ImportBusy(
-                        f"the coordinator's memory budget has no room to analyse this import ({charge >> 20} MiB)"
-                    )
-                ledger.held += charge
-            try:
-                folder = dumps.from_json(raw)
-                del raw
-                return self.import_dumps(folder, job_selector)
-            finally:
-                with self.lock:
-                    ledger.held -= charge
-        finally:
-            self._importing.release()
+        """As :func:`imports.import_payload`."""
+        return imports.import_payload(self, data, job_selector)
 
     def import_dumps(self, folder: Folder, job_selector: str = "") -> dict[str, Any] | None:
-        """A folder of Flight Recorder dumps (``hangwatch analyze --import``) joined to a followed
-        job's history: analysed here, with the job's own hang threshold and size; each incident of
-        the job whose collective the dumps hold gains what each rank's dump says of it
-        (``details.flight_recorder``); what the dumps show that the job's incidents do not is
-        added, resolved, as found post-mortem (it raises no alert, aborts nothing: files are no
-        proof of a hang under way). None when the selector names no job."""
-        with self.lock:
-            job = self.select_job(job_selector)
-            if job is None or not job.ranks:
-                return None  # no job followed (an empty one has no run to join)
-            stuck_after = self.engine.stuck_threshold(job)
-            world = job.world_size or None
-            live = [inc for inc in self.engine.incidents.values() if inc.run == job.run]
-        analysis = replay.analyze(folder, stuck_after=stuck_after, world_size=world)  # outside the lock
-        now = time.time()
-        found = {(inc.group, inc.seq): inc for inc in analysis.incidents}
-        attached: list[str] = []
-        added: list[str] = []
-        with self.lock:
-            for inc in live:
-                evidence = replay.slot_evidence(folder, inc.group, inc.seq) if inc.group else {}
-                if not evidence:
-                    continue
-                same = found.pop((inc.group, inc.seq), None)
-                inc.details["flight_recorder"] = {
-                    "imported_time": now,
-                    "ranks": evidence,
-                    "missing_ranks": format_ranks(analysis.missing),
-                    "diagnosis": same.summary if same is not None else "",
-                    "agrees": same is not None and same.kind == inc.kind and same.culprit_ranks == inc.culprit_ranks,
-                }
-                self.engine.persist(inc)
-                attached.append(inc.id)
-            known = {inc.key for inc in live}
-            skipped = 0
-            for inc in found.values():
-                # the job's run, then the finding's own key without the analysis's throwaway run:
-                # the same dumps give the same key, and the run is the job's (``run_of``)
-                key = f"{job.run}/postmortem.{inc.key.split('/', 1)[-1]}"
-                if key in known or len(added) >= MAX_IMPORTED_INCIDENTS:
-                    skipped += 1  # imported before (the same dumps again), or past the bound
-                    continue
-                known.add(key)
-                inc.id = self.engine.next_id()
-                inc.job, inc.run, inc.launch, inc.attempt = job.job_id, job.run, job.launch, job.attempt
-                inc.key = key
-                inc.detected_time = now
-                inc.status, inc.resolved_time = "resolved", now
-                inc.resolution = "found post-mortem, in Flight Recorder dumps imported by `hangwatch analyze --import`"
-                self.engine.incidents[inc.id] = inc
-                self.engine.persist(inc)
-                added.append(inc.id)
-        return {
-            "job": job.job_id,
-            "run": job.run,
-            "ranks": format_ranks(analysis.ranks),
-            "missing_ranks": format_ranks(analysis.missing),
-            "attached": attached,
-            "added": added,
-            "not_added": skipped,
-            "notes": analysis.notes,
-        }
+        """As :func:`imports.import_dumps`."""
+        return imports.import_dumps(self, folder, job_selector)
 
     def incidents_json(self, job_selector: str = "") -> list[dict[str, Any]]:
-        """Every incident kept, or those of the jobs ``job_selector`` names (their runs, live or
-        ended, are matched by job id, launch or run)."""
-        with self.lock:
-            runs = {job.run for job in self.jobs.find(job_selector)} if job_selector else set()
-            return [
-                inc.to_json()
-                for inc in self.engine.incidents.values()
-                if not job_selector or inc.run in runs or _names(job_selector, inc)
-            ]
+        """As :func:`queries.incidents_json`."""
+        return queries.incidents_json(self, job_selector)
 
     def incident_json(self, incident_id: str) -> dict[str, Any] | None:
         with self.lock:
@@ -689,51 +534,5 @@ class Coordinator:
             return inc.to_json() if inc else None
 
     def status(self, job_selector: str = "") -> dict[str, Any] | None:
-        """``status --json``: one job (``job_selector``'s, else the current one) and a line for
-        every job followed; None when the selector names no job."""
-        now = time.time()
-        with self.lock:
-            job = self.select_job(job_selector)
-            if job is None:
-                return None
-            open_incidents = [
-                {k: v for k, v in inc.to_json().items() if k not in ("stacks", "details")}
-                for inc in self.engine.incidents.values()
-                if inc.status == "open" and inc.run == job.run
-            ]
-            extra = {
-                "coordinator_id": self.coordinator_id,
-                "started": self.started,
-                "key": self.jobs.key_of(job),
-                "stuck_after": round(self.engine.stuck_threshold(job), 1),
-                "agents": self.hub.hosts(),
-                "store": {
-                    "path": str(self.store.path),
-                    "write_errors": self.store.write_errors,
-                    "last_error": self.store.last_error,
-                    "pruned": self.store.pruned,
-                    "unsaved": len(self.store.unsaved),  # kept in memory until the disk takes writes
-                    "moved_aside": self.store.moved_aside or None,  # a corrupt database set aside at start
-                },
-                "rejected": {**self.rejected, "truncated": wire.truncated},  # strings cut at ingest
-                "budget": {**self.jobs.ledger.view(), "job_held_bytes": job.held, "job_refused": job.refused},
-            }
-            status = status_json(job, now, self.options.silence_after, extra, open_incidents)
-            status["graph"] = waits.graph_json(waits.graph(job, now, self.options.silence_after))
-            open_by_run: dict[str, int] = {}
-            for inc in self.engine.incidents.values():
-                if inc.status == "open":
-                    open_by_run[inc.run] = open_by_run.get(inc.run, 0) + 1
-            status["jobs"] = [
-                {
-                    **job_line(j, self.jobs.key_of(j), now, self.options.silence_after),
-                    "open_incidents": open_by_run.get(j.run, 0),
-                    "shown": j is job,
-                }
-                for j in self.jobs
-            ]
-            return status
-
-
-def _names(selector: str, incident: Incident) -> bool:
-    return any(s.startswith(selector) for s in (incident.job, incident.run, f"{incident.job}@{incident.launch}") if s)
+        """As :func:`queries.status`."""
+        return queries.status(self, job_selector)

@@ -205,7 +205,7 @@ def test_imports_are_taken_one_at_a_time_and_within_the_memory_budget(
     assert c.jobs.ledger.held < 1 << 20  # nothing of it stays charged
     c2 = coordinator_factory(embedded_agent=False)
     Transport(f"127.0.0.1:{c2.port}", None).register(_ident(0))
-    with c2._importing:  # another import under way
+    with c2.importing:  # another import under way
         err = _raw(c2, dumps.pack(_skipped())[0])
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "another import" in str(err.details())
     assert _import(c2, _skipped())["added"]  # taken once that one is done
