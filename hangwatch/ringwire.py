@@ -23,11 +23,12 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hangwatch import catalogue, config, wire
+from hangwatch import catalogue, config, ringruns, wire
 from hangwatch import records as r
 from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, PackedSlots, Slot
+from hangwatch.ringruns import CYCLE_MIN, RUN_MIN, Run
 from hangwatch.signatures import MAX_CYCLE, MAX_SIGNATURES, Columns
 
 _native_gather: Callable[..., tuple[list[Any], bool]] | None
@@ -71,70 +72,6 @@ def text_blob(text: str) -> bytes:
 
 # ---- the shipping side ---------------------------------------------------------------------
 
-#: The fewest calls that travel as a run (``RingEncoder.decode``); fewer travel one by one.
-RUN_MIN = 2
-#: The fewest periods a cycle of signatures repeats to travel as a run (``RingEncoder._cycled``).
-CYCLE_MIN = 2
-
-
-class _Run:
-    """Calls alike, gathered from a batch's slots (``RingEncoder._gather``): each an ENTER slot
-    and its EXIT right after it, of one signature blob, call ids and seqs one apart, one step,
-    returned without error having issued one collective. Values as the slots hold them (modulo
-    2**32); the times of each call."""
-
-    __slots__ = ("call_id", "enters", "exits", "ref", "refs", "seq", "step")
-
-    def __init__(self, enter: Slot, exit_: Slot) -> None:
-        self.ref, self.call_id, self.seq, self.step = enter.ref, enter.call_id, enter.seq, enter.step
-        self.enters = [enter.time]
-        self.exits = [exit_.time]
-        #: a cycle's signature blobs, one per call of a period (``_cycled``); empty: ``ref``'s alone
-        self.refs: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, enter: Slot, exit_: Slot, enters: list[float], exits: list[float], refs: tuple[int, ...] = ()) -> _Run:
-        """The run the C gatherer found (or a cycle, ``refs``, that the C ``cycles`` did): its
-        first call's slots and every call's times."""
-        run = cls.__new__(cls)
-        run.ref, run.call_id, run.seq, run.step = enter.ref, enter.call_id, enter.seq, enter.step
-        run.enters, run.exits = enters, exits
-        run.refs = refs
-        return run
-
-    @classmethod
-    def cycle(cls, pairs: Sequence[Slot], refs: tuple[int, ...]) -> _Run:
-        """The calls of ``pairs`` (an ENTER and its EXIT, call after call), a cycle of ``refs``."""
-        run = cls(pairs[0], pairs[1])
-        run.enters = [s.time for s in pairs[0::2]]
-        run.exits = [s.time for s in pairs[1::2]]
-        run.refs = refs
-        return run
-
-    def ref_at(self, i: int) -> int:
-        """The signature blob of the ``i``-th call."""
-        return self.refs[i % len(self.refs)] if self.refs else self.ref
-
-    def follows(self, enter: Slot) -> bool:
-        """Whether ``enter`` is the next call of this run."""
-        k = len(self.enters)
-        return (
-            enter.ref == self.ref
-            and enter.call_id == (self.call_id + k) & _MASK32
-            and enter.seq == (self.seq + k) & _MASK32
-            and enter.step == self.step
-        )
-
-    def slots(self) -> list[Slot]:
-        """The slots it was gathered from (their stamps aside): where it travels call by call."""
-        out = []
-        for i, (enter, exit_) in enumerate(zip(self.enters, self.exits, strict=True)):
-            cid = (self.call_id + i) & _MASK32
-            ref = self.ref_at(i)
-            out.append(Slot(0, Kind.ENTER, 0, 0, ref, cid, (self.seq + i) & _MASK32, self.step, 0, enter, 0))
-            out.append(Slot(0, Kind.EXIT, 0, 1, 0, cid, 0, 0, 0, exit_, 0))
-        return out
-
 
 def _extend(value: int, last: int) -> int:
     """The full value whose low 32 bits are ``value``, nearest to ``last``."""
@@ -144,23 +81,6 @@ def _extend(value: int, last: int) -> int:
     elif full > last + _HALF and full >= _WRAP:
         full -= _WRAP
     return full
-
-
-def _settled(s: Slot, after: Slot | None) -> bool:
-    """Whether slot ``s`` (and ``after``, the slot that follows it) tells a detector nothing it
-    waits for: a synchronous call that returned without error right after, an exit without an
-    error, a step."""
-    if s.kind == Kind.ENTER:
-        return (
-            not s.flags & 1
-            and after is not None
-            and after.kind == Kind.EXIT
-            and after.call_id == s.call_id
-            and not after.ref
-        )
-    if s.kind == Kind.EXIT:
-        return not s.ref
-    return s.kind == Kind.STEP
 
 
 class RingEncoder:
@@ -311,7 +231,7 @@ class RingEncoder:
         carried = 0
         slots = self._hold(ring.slots)
         for s in self._gather(slots) if self.send_runs else slots:
-            if isinstance(s, _Run):
+            if isinstance(s, Run):
                 carried += self._encode_run(s, cols, used, batch)
                 continue
             kind = s.kind
@@ -416,7 +336,7 @@ class RingEncoder:
         record = r.CallRecord
         slots = self._hold(ring.slots)
         for s in self._gather(slots) if runs else slots:
-            if isinstance(s, _Run):
+            if isinstance(s, Run):
                 self._decode_run(s, out, rank, cost)
                 continue
             kind = s.kind
@@ -519,8 +439,8 @@ class RingEncoder:
                 return slots.but_last() if type(slots) is PackedSlots else slots[:-1]
         return slots
 
-    def _gather(self, slots: Sequence[Slot]) -> Sequence[Slot | _Run]:
-        """``slots`` with each stretch of calls alike (``_Run``: two or more, each an ENTER and its
+    def _gather(self, slots: Sequence[Slot]) -> Sequence[Slot | Run]:
+        """``slots`` with each stretch of calls alike (``Run``: two or more, each an ENTER and its
         EXIT right after it, of a signature that may travel as runs and that a call handed over
         alone has shown already, ids and seqs one apart, one step, returned without error having
         issued one collective) in place of their slots. A training loop's steady state is
@@ -541,135 +461,11 @@ class RingEncoder:
                 head, data, n, self._whole, self._run_ok, self._known, RUN_MIN, Slot,
                 (shown, self._lanes, CYCLE_MIN, MAX_CYCLE) if cycles else None,
             )  # fmt: skip
-            return [_Run.of(*x) if type(x) is tuple else x for x in items]  # a Slot is a tuple's subclass
-        slots = list(slots)
-        gathered = self._gather_python(slots)
-        return self._cycled(gathered, shown) if cycles else gathered
+            return [Run.of(*x) if type(x) is tuple else x for x in items]  # a Slot is a tuple's subclass
+        gathered, self.steady = ringruns.gather(list(slots), self._run_ok, self._whole, self._known)
+        return ringruns.cycled(gathered, shown, self._run_ok, self._lanes) if cycles else gathered
 
-    def _cycled(self, items: Sequence[Slot | _Run], shown: set[int]) -> list[Slot | _Run]:
-        """``items`` with each stretch of calls that repeat a cycle of two to ``MAX_CYCLE``
-        signatures of one group at least ``CYCLE_MIN`` times over (A B A B...: a layer's two
-        collectives from two lines) in place of their slots, as one ``_Run`` whose ``refs`` are
-        the cycle's. Each call is one the gatherer could have put in a run (an ENTER and its
-        EXIT right after it, of a signature that may travel as runs and was shown alone, not
-        async, returned without error having issued one collective), ids and seqs one apart,
-        one step; the gatherer left them as slots, no two alike calls being next to each other.
-        As for a run, a signature's first call travels alone: ``shown`` holds those shown
-        before this batch, and those shown alone earlier in it join them here."""
-        ok, lanes = self._run_ok, self._lanes
-        out: list[Slot | _Run] = []
-        n = len(items)
-        i = 0
-        while i < n:
-            # the stretch of calls fit for a cycle from ``i``: their slots, two by two
-            j = i
-            while j + 1 < n:
-                s, x = items[j], items[j + 1]
-                if (
-                    isinstance(s, _Run)
-                    or isinstance(x, _Run)
-                    or s.kind != Kind.ENTER
-                    or s.flags & 1
-                    or s.ref not in shown
-                    or not ok.get(s.ref)
-                    or x.kind != Kind.EXIT
-                    or x.call_id != s.call_id
-                    or x.ref
-                    or x.aux > 1
-                ):
-                    break
-                if j > i:
-                    before = items[j - 2]
-                    assert not isinstance(before, _Run)
-                    if (
-                        s.call_id != (before.call_id + 1) & _MASK32
-                        or s.seq != (before.seq + 1) & _MASK32
-                        or s.step != before.step
-                        or lanes.get(s.ref) != lanes.get(before.ref)
-                    ):
-                        break
-                j += 2
-            if j - i < 4 * CYCLE_MIN:  # not two calls a period, twice over
-                item = items[i]
-                if not isinstance(item, _Run) and item.kind == Kind.ENTER:
-                    shown.add(item.ref)  # (whether or not it may join runs: only those do)
-                out.append(item)
-                i += 1
-                continue
-            out.extend(self._cycles_in(items[i:j]))
-            i = j
-        return out
-
-    @staticmethod
-    def _cycles_in(pairs: Sequence[Slot | _Run]) -> list[Slot | _Run]:
-        """``pairs`` (calls fit for a cycle, two slots each) with their cycles gathered."""
-        refs = [s.ref for s in pairs[0::2]]
-        m = len(refs)
-        out: list[Slot | _Run] = []
-        i = 0
-        while i < m:
-            best_p = best_len = 0
-            for p in range(2, MAX_CYCLE + 1):
-                if i + CYCLE_MIN * p > m:
-                    break
-                length = p
-                while i + length < m and refs[i + length] == refs[i + length - p]:
-                    length += 1
-                if length >= CYCLE_MIN * p and length > best_len and len(set(refs[i : i + p])) > 1:
-                    best_p, best_len = p, length
-            if not best_p:
-                out.extend(pairs[2 * i : 2 * i + 2])
-                i += 1
-                continue
-            out.append(_Run.cycle(pairs[2 * i : 2 * (i + best_len)], tuple(refs[i : i + best_p])))  # type: ignore[arg-type]
-            i += best_len
-        return out
-
-    def _gather_python(self, slots: list[Slot]) -> Sequence[Slot | _Run]:
-        """``_gather`` in Python: the reference, and where the C build is not installed."""
-        ok, whole = self._run_ok, self._whole
-        out: list[Slot | _Run] = []
-        run: _Run | None = None
-        i, n = 0, len(slots)
-        steady = n > 0
-        while i < n:
-            s = slots[i]
-            if s.kind == Kind.ENTER and i + 1 < n and not s.flags & 1 and s.ref not in whole:
-                steady = False  # a signature not shown before
-                self._known(s.ref)  # its signature read now: may its calls travel as runs?
-                if ok.get(s.ref):
-                    whole.add(s.ref)  # this call travels alone, and the next may join a run
-                if run is not None:
-                    out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
-                    run = None
-                out.append(s)
-                i += 1
-                continue
-            if s.kind == Kind.ENTER and i + 1 < n and not s.flags & 1 and ok.get(s.ref):
-                x = slots[i + 1]
-                if x.kind == Kind.EXIT and x.call_id == s.call_id and not x.ref and x.aux <= 1:
-                    if run is not None and run.follows(s):
-                        run.enters.append(s.time)
-                        run.exits.append(x.time)
-                    else:
-                        if run is not None:
-                            out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
-                        run = _Run(s, x)
-                    i += 2
-                    continue
-            if run is not None:
-                out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
-                run = None
-            if steady and not _settled(s, slots[i + 1] if i + 1 < n else None):
-                steady = False
-            out.append(s)
-            i += 1
-        if run is not None:
-            out.extend((run,) if len(run.enters) >= RUN_MIN else run.slots())
-        self.steady = steady
-        return out
-
-    def _open_run(self, run: _Run) -> tuple[int, int, int, int]:
+    def _open_run(self, run: Run) -> tuple[int, int, int, int]:
         """A gathered run's first call id, seq and step, extended, and its length; the counters
         set past its last call."""
         k = len(run.enters)
@@ -683,7 +479,7 @@ class RingEncoder:
         return call_id, seq, step, k
 
     def _decode_run(
-        self, run: _Run, out: list[r.RankEvent], rank: int, cost: Callable[[r.CallRecord], int] | None
+        self, run: Run, out: list[r.RankEvent], rank: int, cost: Callable[[r.CallRecord], int] | None
     ) -> None:
         if not run.refs:  # one signature (the most of them)
             t = self._template(run.ref, rank)
@@ -708,7 +504,7 @@ class RingEncoder:
         assert first is not None
         out.append(r.CallRun(rank, first, call_id, seq, step, run.enters, run.exits, cycle=tuple(cycle)))  # type: ignore[arg-type]
 
-    def _encode_run(self, run: _Run, cols: Columns, used: set[int], batch: pb.ReportBatch) -> int:
+    def _encode_run(self, run: Run, cols: Columns, used: set[int], batch: pb.ReportBatch) -> int:
         """A gathered run into ``batch``: one column entry (``Columns.add_run``); call by call, as
         whole calls, where its signature cannot get a wire id now. The calls it carries."""
         call_id, seq, step, k = self._open_run(run)
