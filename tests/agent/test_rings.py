@@ -20,7 +20,7 @@ import pytest
 
 from hangwatch import link
 from hangwatch.agent.rings import RingServer
-from hangwatch.cli.main import build_parser
+from hangwatch.cli.parser import build_parser
 from hangwatch.ring import Kind, RingWriter
 
 _RANK = textwrap.dedent(

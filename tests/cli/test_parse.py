@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hangwatch.cli.main import parse_args
+from hangwatch.cli.parser import parse_args
 
 
 @pytest.mark.parametrize(
