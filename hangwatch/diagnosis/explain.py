@@ -179,9 +179,11 @@ class Stories:
         return self._told(key, tell)
 
 
-def _traced(job: JobState, rank: int) -> tuple[int, int]:
+def _traced(job: JobState, rank: int) -> tuple[int, int, float]:
+    """What a story of ``rank`` is kept by: its trace changes with its calls, and where C++'s
+    calls come from Flight Recorder, with how far its reads reach."""
     st = job.ranks.get(rank)
-    return (-1, -1) if st is None else (id(st), st.traced)
+    return (-1, -1, 0.0) if st is None else (id(st), st.traced, st.flight_to)
 
 
 def absent(job: JobState, group: str, culprit: int, waiting: Sequence[int], members: int) -> Absence | None:

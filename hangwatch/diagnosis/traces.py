@@ -46,6 +46,17 @@ def _known_to(st: RankState, calls: list[r.CallRecord]) -> float:
     return st.flight_to if st.flight_to > 0 else st.last_sent - config.FR_POLL_INTERVAL_S
 
 
+def unknown_at(job: JobState, ranks: Sequence[int], t: float) -> list[int]:
+    """Those of ``ranks`` whose trace is not known through ``t`` yet: live ranks whose C++
+    collectives come from Flight Recorder reads, the latest before ``t``."""
+    out = []
+    for rank in ranks:
+        st = job.ranks.get(rank)
+        if st is not None and _known_to(st, [c for h in st.history.values() for c in h.view()]) < t:
+            out.append(rank)
+    return out
+
+
 def traces(job: JobState, group: str, ranks: Sequence[int]) -> dict[int, list[Mark]] | None:
     """The traces of ``ranks``, each from its call at the earliest seq on ``group`` that every one
     of them holds with its histories whole from there on; None where there is no such seq."""

@@ -736,6 +736,7 @@ def test_calls_that_share_a_seq_or_come_late_from_flight_recorder_start_no_numbe
         if rank:
             mine.inputs = mine.outputs = (r.TensorMeta((5,), "float32"),)
         job.apply(mine, now + 1)
+        job.job.ranks[rank].flight_to = t + 1  # a Flight Recorder read past the mismatch: traces whole
     job.tick(now + 2)
     assert job.job.numbering == {}
     assert [(str(i.kind), i.culprit_ranks) for i in job.tick_engine.incidents.values()] == [("shape_mismatch", [1])]

@@ -16,6 +16,7 @@ import collections
 import itertools
 from dataclasses import dataclass, field
 
+from hangwatch.diagnosis import traces
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
@@ -40,6 +41,9 @@ FIRSTS_KEPT = 1024
 #: majority for either side, waits for the batches of ranks whose absence is not known yet
 #: (their latest batch left before the slot's latest call began) before it is told provisionally.
 PROVISIONAL_WAIT_S = 1.0
+#: How long a mismatch waits for the Flight Recorder reads that make its sides' traces whole
+#: (read every second; spaced out to 20 s on a loaded node), before its rules alone tell it.
+TRACE_WAIT_S = 10.0
 
 
 @dataclass
@@ -174,6 +178,18 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 f" ({len(slot.calls)} of {size} ranks have arrived: which side is wrong is not known yet, "
                 "it is told as the others arrive)"
             )
+        # the traces may yet tell (a skip, another line): where a side's C++ calls are read from
+        # Flight Recorder, wait for a read past the slot before the sides' rules speak
+        if (
+            story is None
+            and agreeing
+            and first is None
+            and ctx.now - slot.first_enter < TRACE_WAIT_S
+            and traces.unknown_at(job, [culprit[0], agreeing[0]], slot.last_enter)
+        ):
+            cache.waiting.setdefault((group, seq), ctx.now)
+            check.calls = 0  # compared again on the next tick
+            continue
         if story is not None and agreeing:
             summary = story.summary
             details["edit"] = story.facts

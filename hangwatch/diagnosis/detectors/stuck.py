@@ -26,7 +26,7 @@ from hangwatch.diagnosis import waits
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, RankState, Slot
-from hangwatch.model.waitfor import Graph
+from hangwatch.model.waitfor import Graph, Stand
 from hangwatch.wording import describe_call, doing, format_ranks, gpu_load
 
 EARLY_EXIT_HINT = kinds.hint(IncidentKind.EARLY_EXIT)
@@ -84,8 +84,14 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     # subgroup's older all_reduce held up by a rank stuck in a younger one is that one's aftermath
     hung = dict(ctx.hangs)  # rank -> the hang it is part of (open incidents, then this tick's)
     findings: list[Finding] = []
-    for finding in sorted(found, key=lambda f: not blames_where_waits_end(f)):
+
+    def culprits_waiting(finding: Finding) -> int:
+        return sum(graph.stand(rk) is Stand.WAITING for rk in finding.culprit_ranks)
+
+    for finding in sorted(found, key=lambda f: (not blames_where_waits_end(f), culprits_waiting(f))):
         root = _root(graph, finding.culprit_ranks, hung)
+        if not root and _held_by_younger(job, ctx, finding):
+            continue  # told next, as the aftermath of the hang its culprits' waits end in
         if root and root != finding.key:
             finding.aftermath_of = root
         else:
@@ -93,6 +99,23 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 hung.setdefault(rk, finding.key)
         findings.append(finding)
     return findings
+
+
+def _held_by_younger(job: JobState, ctx: Context, finding: Finding) -> bool:
+    """Whether the finding's culprits wait in calls younger than the threshold (ranks 2 and 3
+    in a barrier that rank 0 never reaches, rank 0 in a subgroup's all_reduce a moment younger,
+    held up by rank 1): the hang those waits end in is told first once it is due, this one as its
+    aftermath. For one more threshold at most: a culprit always in some young call (a loop of
+    its own) is blamed then."""
+    if ctx.now - finding.onset_time >= 2 * ctx.stuck_after:
+        return False
+    for rank in finding.culprit_ranks:
+        st = job.ranks.get(rank)
+        if st is None or st.end is not None or not st.alive:
+            continue
+        if any(ctx.now - c.enter_time < ctx.stuck_after for c in st.open_calls.values()):
+            return True
+    return False
 
 
 def _root(graph: Graph, culprits: list[int], hung: dict[int, str]) -> str:

@@ -209,3 +209,32 @@ def test_a_hang_after_a_monitored_barrier_blames_the_rank_that_is_missing() -> N
     sim.beat(T0 + 20)
     (inc,) = engine.tick(T0 + 20)
     assert (inc.kind, inc.culprit_ranks, inc.waiting_ranks, inc.seq) == ("stuck_collective", [2], [0, 1], 3)
+
+
+def test_a_mismatch_waits_for_the_flight_recorder_read_that_makes_its_traces_whole() -> None:
+    """Found by the story table under load: DDP's gradient all-reduces come from Flight Recorder
+    reads, spaced out on a loaded node. A barrier met an all_reduce before the read that showed
+    the skipped gradient all-reduce came in: told "left the loop" on what the rules alone say. A
+    side whose trace is not known past the slot is waited for (``TRACE_WAIT_S`` at most)."""
+    sim = SimJob(2)
+    for seq in range(1, 5):
+        for rank in (0, 1):
+            sim.call(rank, T0 + seq, seq=seq, source="flight_recorder", exit_time=T0 + seq + 0.1)
+    for rank in (0, 1):
+        sim.job.ranks[rank].flight_to = T0 + 4.5  # read up to the fourth call
+    sim.call(0, T0 + 6, op="barrier", seq=5, shape=None, site="train.py:130 in main")
+    sim.call(1, T0 + 6.2, seq=5)
+    assert mismatch.detect(sim.job, sim.ctx(T0 + 6.3)) == []  # rank 0's C++ calls after 4.5 s are not known yet
+    for rank in (0, 1):
+        sim.job.ranks[rank].flight_to = T0 + 6.5  # a read past the slot: nothing more was there
+    f = only(mismatch.detect(sim.job, sim.ctx(T0 + 6.6)), "early_exit")
+    assert (f.culprit_ranks, f.waiting_ranks) == ([0], [1])
+    # and at most TRACE_WAIT_S for a read that never comes
+    sim2 = SimJob(2)
+    sim2.call(0, T0 + 1, seq=1, source="flight_recorder", exit_time=T0 + 1.1)
+    sim2.call(1, T0 + 1, seq=1, source="flight_recorder", exit_time=T0 + 1.1)
+    sim2.call(0, T0 + 6, op="barrier", seq=2, shape=None)
+    sim2.call(1, T0 + 6.2, seq=2)
+    assert mismatch.detect(sim2.job, sim2.ctx(T0 + 6.3)) == []
+    late = T0 + 6 + mismatch.TRACE_WAIT_S + 0.1
+    only(mismatch.detect(sim2.job, sim2.ctx(late)), "early_exit")

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from hangwatch import config
 from hangwatch.diagnosis.detectors import stuck
-from hangwatch.records import (
-    EndKind,
-)
+from hangwatch.records import CallRecord, EndKind
 from tests.factories import T0, SimJob, only
 
 
@@ -373,3 +371,58 @@ def test_a_barrier_held_up_by_two_stages_that_both_send_first_is_the_deadlock_s_
     assert [(i.kind, i.culprit_ranks) for i in opened] == [("p2p_mismatch", [0, 1])]
     (inc,) = [i for i in engine.incidents.values() if i.status == "open"]
     assert inc.details["aftermath"]["ranks"] == [0, 1] and "barrier" in inc.summary
+
+
+def test_a_hang_found_a_moment_before_the_one_its_culprits_wait_in_is_that_one_s_aftermath() -> None:
+    """Found by the story table under load: ranks 2 and 3 enter the world barrier a moment
+    before rank 0 enters its subgroup's all_reduce, where it waits for rank 1, busy in its own
+    work. The barrier waits the threshold first; its culprits are ranks 0 and 1, but rank 0 is
+    waiting, in a call younger than the threshold. The barrier is held until the all_reduce is due:
+    one incident, on rank 1, the barrier its aftermath (it was the barrier's own, blaming 0 and 1)."""
+    from tests.factories import group_event
+
+    sim = SimJob(4)
+    for name, pair in (("tp0", (0, 1)), ("tp1", (2, 3))):
+        for rk in pair:
+            sim.apply(group_event(rk, name, pair), T0)
+    sim.call(2, T0 + 1.0, seq=1, op="barrier", shape=None)
+    sim.call(3, T0 + 1.0, seq=1, op="barrier", shape=None)
+    sim.call(0, T0 + 1.5, seq=1, group="tp0")
+    engine = sim.engine()
+    threshold = engine.stuck_threshold(sim.job)
+    sim.beat(T0 + 1.2 + threshold, where_user="train.py:70 in save")
+    assert engine.tick(T0 + 1.2 + threshold) == []  # the barrier is due, the all_reduce not yet
+    sim.beat(T0 + 2 + threshold, where_user="train.py:70 in save")
+    opened = engine.tick(T0 + 2 + threshold)
+    assert [(i.kind, i.group, i.culprit_ranks, i.waiting_ranks) for i in opened] == [
+        ("stuck_collective", "tp0", [1], [0])
+    ]
+    (inc,) = engine.incidents.values()
+    assert inc.details["aftermath"]["ranks"] == [0, 1] and "barrier" in inc.summary
+
+
+def test_a_culprit_always_in_some_young_call_is_blamed_one_threshold_later() -> None:
+    """The bound of that hold: ranks 0 and 1 loop on their own subgroup's collectives and never
+    reach the barrier ranks 2 and 3 wait in. Each of rank 0's calls is young; the barrier is
+    told once it has waited twice the threshold, on ranks 0 and 1."""
+    from tests.factories import group_event
+
+    sim = SimJob(4)
+    for rk in (0, 1):
+        sim.apply(group_event(rk, "tp0", (0, 1)), T0)
+    sim.call(2, T0 + 1.0, seq=1, op="barrier", shape=None)
+    sim.call(3, T0 + 1.0, seq=1, op="barrier", shape=None)
+    engine = sim.engine()
+    threshold = engine.stuck_threshold(sim.job)
+    told: list[object] = []
+    last: dict[int, CallRecord | None] = {}
+    for k in range(int(2 * threshold) + 3):
+        now = T0 + 1.0 + k
+        for rk in (0, 1):  # a step of their own: rank 0 enters first, each finishes the last
+            sim.call(rk, now - 0.5 + 0.2 * rk, seq=k + 1, group="tp0")
+            if last.get(rk) is not None:
+                sim.exit(last[rk], now - 0.3)  # type: ignore[arg-type]
+        last = {rk: sim.job.ranks[rk].last_call for rk in (0, 1)}
+        sim.beat(now)
+        told += [(i.kind, i.group, i.culprit_ranks) for i in engine.tick(now)]
+    assert told == [("stuck_collective", "0", [0, 1])]
