@@ -65,7 +65,7 @@ def main() -> None:
             rec.call_site(2)
 
         def metas(params: dict[str, Any]) -> None:
-            rec_mod._raw_metas(spec, spec.inputs, params)
+            rec_mod.raw_metas(spec, spec.inputs, params)
 
         def key(params: dict[str, Any]) -> None:
             ins = ((t.shape, t.dtype, False),)

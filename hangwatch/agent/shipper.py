@@ -23,9 +23,8 @@ For every rank linked to this node's agent (:mod:`hangwatch.agent.rings`), each 
   end, reports the process gone, at the moment its link closed, with how it ended where
   ``/proc`` still says so (a zombie's exit status), and forgets the link.
 
-``intake`` is the coordinator's side: in the coordinator's embedded agent it is the coordinator
-itself; a remote agent passes a gRPC client of it. Nothing here blocks the ranks: they never
-wait for the agent.
+``intake`` takes the records (:mod:`hangwatch.agent.intake`). Nothing here blocks the ranks: they
+never wait for the agent.
 """
 
 from __future__ import annotations
@@ -36,11 +35,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from hangwatch import config, wire
 from hangwatch import records as r
 from hangwatch.agent.flightrecorder import Fetched, RingFetcher
+from hangwatch.agent.intake import DirectIntake, Intake, identity_of
 from hangwatch.agent.namespaces import path_of
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
@@ -62,17 +61,12 @@ STACK_KEPT = 6
 LAST_READ_S = 0.5
 #: How often it looks at the ring of a rank in a steady state: whose last batch held only calls
 #: of signatures shown before, each returned without error (``RingEncoder.steady``), and no call
-#: under way held back. Anything else (a new signature, a call under way, an error, a rank
-#: ending) is read every tick. Steady ranks are looked at on the same tick, once a period of the
-#: agent's monotonic clock, so that their records of one collective arrive together (read a
-#: period apart, a mismatch's first story would name one side of three), and read once every
-#: ``READ_S``; between those reads a look is a few of the ring's stamps (``RingReader.peek``),
-#: and the rank is read at once where it shows what a detector waits for: no slot written since
-#: the last look while some are unread (the rank went quiet: inside a call that does not return,
-#: or at work outside any), or a call entered and still under way a tick later. Fewer, larger
-#: batches cost the coordinator less per call (every batch's fixed cost, ~0.3 ms with the caches
-#: cold: BENCHMARKS.md "The whole bill"), paid in up to ``READ_S`` before a steady rank's calls
-#: that returned reach the coordinator; the detectors tick every 0.25 s.
+#: under way held back; anything else is read every tick. Steady ranks are looked at on the same
+#: tick, once a period of the monotonic clock, so that their records of one collective arrive
+#: together, and read once every ``READ_S``; between reads a look is a few of the ring's stamps
+#: (``RingReader.peek``), and the rank is read at once where it shows what a detector waits for:
+#: nothing written since the last look while some slots are unread, or a call entered and still
+#: under way a tick later. Fewer, larger batches cost the coordinator less per call.
 STEADY_S = 0.2
 #: How often a steady rank that keeps writing is read: every other look. At most half the Flight
 #: Recorder poll interval (``config.FR_POLL_INTERVAL_S``): a CPU ring is left unread only where
@@ -85,28 +79,6 @@ RECHECK_SLOTS = 256
 #: With no rank linked, the loop sleeps this long at most: a new link wakes it
 #: (``RingServer.changed``), so this only bounds how long a missed wake could last.
 IDLE_S = 1.0
-
-
-class Intake(Protocol):
-    """What the shipper needs of the coordinator."""
-
-    def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> pb.RegisterReply: ...
-
-    def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply: ...
-
-    def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None: ...
-
-
-class DirectIntake(Intake, Protocol):
-    """A coordinator in this process (the embedded agent's): it takes records already typed,
-    without the wire in between (``RingEncoder.decode``), with ``header``'s batch header."""
-
-    def accept_events(self, header: pb.ReportBatch, events: list[r.RankEvent]) -> int | None: ...
-
-    def record_cost(self, call: r.CallRecord) -> int: ...
-
-    #: whether its job state takes runs of alike calls (``records.CallRun``)
-    takes_runs: bool
 
 
 @dataclass
@@ -164,36 +136,6 @@ def _returned(reader: RingReader, entered: tuple[int, int], head: int) -> bool:
         if slot.kind == Kind.EXIT and slot.call_id == call_id:
             return True
     return False
-
-
-def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
-    """The rank's identity: pid from the kernel, the rest from its hello (checked for type)."""
-    hello = link.hello
-
-    def text(key: str) -> str:
-        value = hello.get(key, "")
-        return value if isinstance(value, str) else str(value)
-
-    def number(key: str, default: int) -> int:
-        value = hello.get(key, default)
-        return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-    status = inspector.status(link.peer.pid)
-    return r.RankIdentity(
-        job_id=text("job_id"),
-        rank=number("rank", -1),
-        world_size=number("world_size", 0),
-        host=host,
-        pid=link.peer.pid,
-        local_rank=number("local_rank", -1),
-        start_time=status.start_time,
-        session=text("session"),
-        backend=text("backend"),
-        torch_version=text("torch_version"),
-        hook_version=text("hook_version"),
-        launch=text("launch")[:256],
-        attempt=number("attempt", 0),
-    )
 
 
 class Shipper:

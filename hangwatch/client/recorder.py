@@ -14,7 +14,6 @@ import collections
 import itertools
 import os
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,17 @@ from typing import Any
 
 from hangwatch import records as r
 from hangwatch.catalogue import INPUT_SPLITS, OUTPUT_SPLITS, SPLITS_VARY
+from hangwatch.client.callargs import (
+    batch_ops,
+    cook,
+    raw_metas,
+    reduce_name,
+)
+from hangwatch.client.callsites import (
+    MAX_FRAMES,
+    is_installed,
+    is_library,
+)
 from hangwatch.client.ops import OpSpec
 from hangwatch.client.ringsink import RingSink
 from hangwatch.native import foreign
@@ -33,56 +43,6 @@ _SUM = "sum"  # the reduce op when the caller passes none
 
 #: How many distinct call signatures a rank flushes before issuing (see :meth:`Recorder.is_novel`).
 MAX_NOVEL_SIGNATURES = 256
-
-#: Frames from these paths are library code: the call site is the first frame outside them.
-_LIBRARY_MARKERS = (
-    os.sep + "torch" + os.sep,
-    os.sep + "hangwatch" + os.sep + "client" + os.sep,
-    os.sep + "accelerate" + os.sep,
-    os.sep + "contextlib.py",
-    os.sep + "functools.py",
-    os.sep + "typing_extensions.py",  # torch's @deprecated wrappers (all_reduce_coalesced, ...)
-    os.sep + "multiprocessing" + os.sep,  # how a spawned rank's function is called, never its code
-    os.sep + "runpy.py",
-    os.sep + "threading.py",
-    "<frozen ",  # python -m's runpy, importlib
-)
-#: Frames walked outwards looking for the program's own (a framework's helpers can be deep).
-MAX_FRAMES = 48
-#: Code that lives inside those libraries and is the user's program all the same: their test
-#: harnesses and example scripts (a training script installed as a package is not under them).
-_USER_MARKERS = (
-    os.sep + "torch" + os.sep + "testing" + os.sep,
-    os.sep + "accelerate" + os.sep + "test_utils" + os.sep,
-    os.sep + "accelerate" + os.sep + "examples" + os.sep,
-)
-
-
-def _is_library(filename: str) -> bool:
-    """Plumbing between the program and the collective (torch, hangwatch's hook, Accelerate's
-    wrappers, decorators, the interpreter's launch machinery), not the program itself."""
-    return any(marker in filename for marker in _LIBRARY_MARKERS) and not any(
-        marker in filename for marker in _USER_MARKERS
-    )
-
-
-def _installed_dirs() -> tuple[str, ...]:
-    """Where installed code lives: the standard library and every site-packages folder."""
-    paths = sysconfig.get_paths()
-    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
-    dirs |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
-
-
-_INSTALLED = _installed_dirs()
-_PACKAGES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-
-
-def _is_installed(filename: str) -> bool:
-    """Installed code, the standard library's or a package's (a framework's helper, Lightning's
-    or a data loader's), rather than the program's own; a training script installed as a package
-    is too, which is why a call site falls back to the first frame outside the plumbing."""
-    return filename.startswith(_INSTALLED) or any(marker in filename for marker in _PACKAGES)
 
 
 class GroupTable:
@@ -202,9 +162,9 @@ class Recorder:
             if site is not None:
                 return site
             filename = code.co_filename
-            if not _is_library(filename):
+            if not is_library(filename):
                 site = f"{os.path.basename(filename)}:{frame.f_lineno} in {code.co_name}"
-                if not _is_installed(filename):
+                if not is_installed(filename):
                     if len(self._sites) < 65536:
                         self._sites[key] = site
                     return site
@@ -222,7 +182,7 @@ class Recorder:
                 break
             code = frame.f_code
             filename = code.co_filename
-            if not _is_library(filename) and not _is_installed(filename):
+            if not is_library(filename) and not is_installed(filename):
                 out.append(f"{os.path.basename(filename)}:{frame.f_lineno} in {code.co_name}")
             frame = frame.f_back
         return tuple(out)
@@ -233,9 +193,9 @@ class Recorder:
         site = fallback = ""
         while tb is not None:
             filename = tb.tb_frame.f_code.co_filename
-            if not _is_library(filename):
+            if not is_library(filename):
                 here = f"{os.path.basename(filename)}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
-                if _is_installed(filename):
+                if is_installed(filename):
                     fallback = here
                 else:
                     site = here
@@ -284,8 +244,8 @@ class Recorder:
                 root = self._root(spec, params, pg)
         reduce_raw = params.get(spec.reduce, _SUM) if spec.reduce is not None else None
         extra = self._extra(spec, params, pg) if spec.extra else None
-        ins = _raw_metas(spec, spec.inputs, params) if spec.inputs else ()
-        outs = _raw_metas(spec, spec.outputs, params) if spec.outputs else ()
+        ins = raw_metas(spec, spec.inputs, params) if spec.inputs else ()
+        outs = raw_metas(spec, spec.outputs, params) if spec.outputs else ()
         async_op = spec.always_async or bool(params.get("async_op", False))
         site = self.call_site(3)
         if extra and spec.splits:
@@ -443,9 +403,9 @@ class Recorder:
             op=spec.name,
             group=group,
             seq=seq,
-            inputs=_cook(ins),
-            outputs=_cook(outs),
-            reduce_op=None if reduce_raw is None else _reduce_name(reduce_raw),
+            inputs=cook(ins),
+            outputs=cook(outs),
+            reduce_op=None if reduce_raw is None else reduce_name(reduce_raw),
             root=root,
             peer=peer,
             async_op=async_op,
@@ -463,7 +423,7 @@ class Recorder:
                 if sizes:
                     extra[key] = ",".join(str(int(x)) for x in sizes)
         if spec.name == "batch_isend_irecv":
-            extra["p2p_ops"] = _batch_ops(params.get("p2p_op_list"))
+            extra["p2p_ops"] = batch_ops(params.get("p2p_op_list"))
         if spec.name == "all_to_all" or spec.splits:
             try:
                 extra["group_rank"] = str(self.c10d.get_group_rank(pg, self.rank))
@@ -523,23 +483,6 @@ class Recorder:
         return None
 
 
-def _batch_ops(ops: Any) -> str:
-    """``isend:1,irecv:1``: each P2POp of a batch and its peer (global rank)."""
-    out: list[str] = []
-    for op in ops or ():
-        name = getattr(getattr(op, "op", None), "__name__", "?")
-        out.append(f"{name}:{getattr(op, 'peer', '?')}")
-    return ",".join(out)
-
-
-def _reduce_name(red: Any) -> str:
-    name = getattr(red, "name", None)
-    if isinstance(name, str):
-        return name.lower()
-    text = str(red)
-    return text.rsplit(".", 1)[-1].lower()
-
-
 _MASK = 0xFFFFFFFF
 _ENTER, _EXIT = Kind.ENTER, Kind.EXIT  # module constants: no class lookup per call
 
@@ -577,55 +520,3 @@ def memo_key(code: CodeType, lasti: int) -> int:
 #: A raw call as the hot path records it: (call_id, spec, group, seq, inputs, outputs, reduce op,
 #: root, peer, async, step, call site, enter time, extra). See ``Recorder.materialize``.
 RawCall = tuple[Any, ...]
-#: A raw tensor: (torch.Size, torch.dtype, is_cuda); an object list: (length, None, False).
-RawMeta = tuple[Any, Any, bool]
-
-_DTYPE_NAMES: dict[Any, str] = {}
-
-
-def _dtype_name(dtype: Any) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        text = str(dtype)
-        name = _DTYPE_NAMES[dtype] = text[6:] if text.startswith("torch.") else text
-    return name
-
-
-def _cook(raw: tuple[RawMeta, ...]) -> tuple[r.TensorMeta, ...]:
-    out = []
-    for shape, dtype, cuda in raw:
-        if dtype is None:  # an object list of ``shape`` items, or a single object (-1)
-            out.append(r.TensorMeta((shape,) if shape >= 0 else (), "object", ""))
-        else:
-            out.append(r.TensorMeta(tuple(shape), _dtype_name(dtype), "cuda" if cuda else "cpu"))
-    return tuple(out)
-
-
-def _raw(t: Any) -> RawMeta:
-    try:
-        return (t.shape, t.dtype, t.is_cuda)
-    except Exception as exc:
-        if foreign(exc):  # the program's (a signal handler's): never swallowed
-            raise
-        return ((), type(t).__name__, False)
-
-
-def _raw_metas(spec: OpSpec, names: tuple[str, ...], params: dict[str, Any]) -> tuple[RawMeta, ...]:
-    out: list[RawMeta] = []
-    for name in names:
-        value = params.get(name)
-        if value is None:
-            continue
-        if spec.objects:
-            out.append((len(value), None, False) if isinstance(value, (list, tuple)) else (-1, None, False))
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, (list, tuple)):
-                    out.extend(_raw(x) for x in item)
-                elif hasattr(item, "shape"):
-                    out.append(_raw(item))
-                elif hasattr(item, "tensor"):  # P2POp
-                    out.append(_raw(item.tensor))
-        else:
-            out.append(_raw(value))
-    return tuple(out)

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from hangwatch import records as r
 from hangwatch.client import capture
+from hangwatch.client.callsites import is_library
 from hangwatch.client.ops import OPS_BY_NAME
-from hangwatch.client.recorder import MAX_NOVEL_SIGNATURES, Recorder, _is_library
+from hangwatch.client.recorder import MAX_NOVEL_SIGNATURES, Recorder
 from hangwatch.client.ringsink import RingSink
 from tests.client.fakes import FakeC10d, FakeProcessGroup, FakeWork, lost, make_session, recorded
 
@@ -297,4 +298,4 @@ def test_the_ring_size_is_clamped_to_something_usable() -> None:
 def test_call_sites_skip_plumbing_not_programs_installed_as_packages(path: str, library: bool) -> None:
     """A training script or test harness installed in site-packages is the user's program: its
     line is the call site, not ``<frozen runpy>`` or ``multiprocessing/process.py``."""
-    assert _is_library(path.replace("/", os.sep) if not path.startswith("<") else path) is library
+    assert is_library(path.replace("/", os.sep) if not path.startswith("<") else path) is library
