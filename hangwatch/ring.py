@@ -223,7 +223,7 @@ class Kind:
     EVENT = 4  # anything rare (a group created or destroyed, a marker, the rank's end): ref = its blob
 
 
-class Slot(NamedTuple):
+class RingSlot(NamedTuple):
     """One record as read back: the struct's fields in order (a tuple: reading is the agent's
     hot path, thousands of records per second per rank)."""
 
@@ -245,33 +245,33 @@ class Slot(NamedTuple):
         return self.stamp - 1
 
 
-class PackedSlots(Sequence[Slot]):
+class PackedSlots(Sequence[RingSlot]):
     """Slots as the ring lays them out, in one bytes object (``data``: the C scan's copy), after
-    the slots of ``head`` (an entry held back from the batch before): a :class:`Slot` is made
+    the slots of ``head`` (an entry held back from the batch before): a :class:`RingSlot` is made
     only for a slot asked for. The C gatherer (``client/_fastpath.c`` ``gather_packed``) reads
     ``data`` itself and makes a tuple only for a slot that travels alone or opens a run; most of
     a steady rank's slots never become one. Indexing by a slice gives a list."""
 
     __slots__ = ("data", "head", "n")
 
-    def __init__(self, data: bytes, head: Sequence[Slot] = (), n: int | None = None) -> None:
+    def __init__(self, data: bytes, head: Sequence[RingSlot] = (), n: int | None = None) -> None:
         self.data = data
-        self.head: tuple[Slot, ...] = tuple(head)
+        self.head: tuple[RingSlot, ...] = tuple(head)
         #: slots of ``data`` taken (its first ``n``)
         self.n = len(data) // SLOT_SIZE if n is None else n
 
     def __len__(self) -> int:
         return len(self.head) + self.n
 
-    def _at(self, i: int) -> Slot:
+    def _at(self, i: int) -> RingSlot:
         h = len(self.head)
-        return self.head[i] if i < h else Slot._make(SLOT.unpack_from(self.data, (i - h) * SLOT_SIZE))
+        return self.head[i] if i < h else RingSlot._make(SLOT.unpack_from(self.data, (i - h) * SLOT_SIZE))
 
     @overload
-    def __getitem__(self, i: int) -> Slot: ...
+    def __getitem__(self, i: int) -> RingSlot: ...
     @overload
-    def __getitem__(self, i: slice) -> list[Slot]: ...
-    def __getitem__(self, i: int | slice) -> Slot | list[Slot]:
+    def __getitem__(self, i: slice) -> list[RingSlot]: ...
+    def __getitem__(self, i: int | slice) -> RingSlot | list[RingSlot]:
         if isinstance(i, slice):
             return [self._at(j) for j in range(*i.indices(len(self)))]
         n = len(self)
@@ -281,12 +281,12 @@ class PackedSlots(Sequence[Slot]):
             raise IndexError("slot index out of range")
         return self._at(i)
 
-    def __iter__(self) -> Iterator[Slot]:
+    def __iter__(self) -> Iterator[RingSlot]:
         yield from self.head
         if self.n:
-            yield from map(Slot._make, SLOT.iter_unpack(memoryview(self.data)[: self.n * SLOT_SIZE]))
+            yield from map(RingSlot._make, SLOT.iter_unpack(memoryview(self.data)[: self.n * SLOT_SIZE]))
 
-    def after(self, held: Sequence[Slot]) -> PackedSlots:
+    def after(self, held: Sequence[RingSlot]) -> PackedSlots:
         """These slots after ``held``."""
         return PackedSlots(self.data, (*held, *self.head), self.n)
 
@@ -302,7 +302,7 @@ class Batch:
     """What one :meth:`RingReader.poll` found: new slots and blobs, and what was lost. ``slots``
     is a list, or the C scan's :class:`PackedSlots`."""
 
-    slots: Sequence[Slot]
+    slots: Sequence[RingSlot]
     blobs: dict[int, bytes]
     lost: int  # slots overwritten before this reader got to them
 
@@ -537,8 +537,8 @@ class RingReader:
         self.holes += 1
         return True
 
-    def _read(self, position: int) -> Slot:
-        return Slot._make(SLOT.unpack_from(self.mm, HEADER_SIZE + (position % self.capacity) * SLOT_SIZE))
+    def _read(self, position: int) -> RingSlot:
+        return RingSlot._make(SLOT.unpack_from(self.mm, HEADER_SIZE + (position % self.capacity) * SLOT_SIZE))
 
     def head(self) -> int:
         """Slots written so far, found from the stamps (a scan of the ring, a chunk at a time in
@@ -559,10 +559,10 @@ class RingReader:
         budget = self.capacity if limit is None else limit
         if self.native and _native_scan is not None:
             return self._poll_native(budget)
-        out: list[Slot] = []
+        out: list[RingSlot] = []
         lost = 0
         p = self.position
-        make = Slot._make
+        make = RingSlot._make
         end_at, mm, fence = SLOT_SIZE - 8, self.mm, _fence_acquire
         while len(out) < budget:
             # a contiguous run of slots at a time, up to the ring's end, read in the protocol's
@@ -656,7 +656,7 @@ class RingReader:
                 hi = mid
         return lo + 1
 
-    def slot_at(self, position: int) -> Slot:
+    def slot_at(self, position: int) -> RingSlot:
         """The slot at ``position`` as it lies now, whatever its stamps say (see ``peek``)."""
         return self._read(position)
 
@@ -678,7 +678,7 @@ class RingReader:
             n += 1
         return n
 
-    def last(self, n: int) -> list[Slot]:
+    def last(self, n: int) -> list[RingSlot]:
         """The newest ``n`` whole slots (for a rank that is gone: what was it doing last?)."""
         newest = self.head()
         out = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hangwatch.ring import Kind, Slot
+from hangwatch.ring import Kind, RingSlot
 from hangwatch.signatures import MAX_CYCLE
 
 _MASK32 = (1 << 32) - 1
@@ -26,7 +26,7 @@ class Run:
 
     __slots__ = ("call_id", "enters", "exits", "ref", "refs", "seq", "step")
 
-    def __init__(self, enter: Slot, exit_: Slot) -> None:
+    def __init__(self, enter: RingSlot, exit_: RingSlot) -> None:
         self.ref, self.call_id, self.seq, self.step = enter.ref, enter.call_id, enter.seq, enter.step
         self.enters = [enter.time]
         self.exits = [exit_.time]
@@ -34,7 +34,9 @@ class Run:
         self.refs: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, enter: Slot, exit_: Slot, enters: list[float], exits: list[float], refs: tuple[int, ...] = ()) -> Run:
+    def of(
+        cls, enter: RingSlot, exit_: RingSlot, enters: list[float], exits: list[float], refs: tuple[int, ...] = ()
+    ) -> Run:
         """The run the C gatherer found (or a cycle, ``refs``, that the C ``cycles`` did): its
         first call's slots and every call's times."""
         run = cls.__new__(cls)
@@ -44,7 +46,7 @@ class Run:
         return run
 
     @classmethod
-    def cycle(cls, pairs: Sequence[Slot], refs: tuple[int, ...]) -> Run:
+    def cycle(cls, pairs: Sequence[RingSlot], refs: tuple[int, ...]) -> Run:
         """The calls of ``pairs`` (an ENTER and its EXIT, call after call), a cycle of ``refs``."""
         run = cls(pairs[0], pairs[1])
         run.enters = [s.time for s in pairs[0::2]]
@@ -56,7 +58,7 @@ class Run:
         """The signature blob of the ``i``-th call."""
         return self.refs[i % len(self.refs)] if self.refs else self.ref
 
-    def follows(self, enter: Slot) -> bool:
+    def follows(self, enter: RingSlot) -> bool:
         """Whether ``enter`` is the next call of this run."""
         k = len(self.enters)
         return (
@@ -66,18 +68,18 @@ class Run:
             and enter.step == self.step
         )
 
-    def slots(self) -> list[Slot]:
+    def slots(self) -> list[RingSlot]:
         """The slots it was gathered from (their stamps aside): where it travels call by call."""
         out = []
         for i, (enter, exit_) in enumerate(zip(self.enters, self.exits, strict=True)):
             cid = (self.call_id + i) & _MASK32
             ref = self.ref_at(i)
-            out.append(Slot(0, Kind.ENTER, 0, 0, ref, cid, (self.seq + i) & _MASK32, self.step, 0, enter, 0))
-            out.append(Slot(0, Kind.EXIT, 0, 1, 0, cid, 0, 0, 0, exit_, 0))
+            out.append(RingSlot(0, Kind.ENTER, 0, 0, ref, cid, (self.seq + i) & _MASK32, self.step, 0, enter, 0))
+            out.append(RingSlot(0, Kind.EXIT, 0, 1, 0, cid, 0, 0, 0, exit_, 0))
         return out
 
 
-def settled(s: Slot, after: Slot | None) -> bool:
+def settled(s: RingSlot, after: RingSlot | None) -> bool:
     """Whether slot ``s`` (and ``after``, the slot that follows it) tells a detector nothing it
     waits for: a synchronous call that returned without error right after, an exit without an
     error, a step."""
@@ -95,8 +97,8 @@ def settled(s: Slot, after: Slot | None) -> bool:
 
 
 def cycled(
-    items: Sequence[Slot | Run], shown: set[int], ok: dict[int, bool], lanes: dict[int, Any]
-) -> list[Slot | Run]:
+    items: Sequence[RingSlot | Run], shown: set[int], ok: dict[int, bool], lanes: dict[int, Any]
+) -> list[RingSlot | Run]:
     """``items`` with each stretch of calls that repeat a cycle of two to ``MAX_CYCLE``
     signatures of one group at least ``CYCLE_MIN`` times over (A B A B...: a layer's two
     collectives from two lines) in place of their slots, as one ``Run`` whose ``refs`` are
@@ -106,7 +108,7 @@ def cycled(
     one step; the gatherer left them as slots, no two alike calls being next to each other.
     As for a run, a signature's first call travels alone: ``shown`` holds those shown
     before this batch, and those shown alone earlier in it join them here."""
-    out: list[Slot | Run] = []
+    out: list[RingSlot | Run] = []
     n = len(items)
     i = 0
     while i < n:
@@ -150,11 +152,11 @@ def cycled(
     return out
 
 
-def cycles_in(pairs: Sequence[Slot | Run]) -> list[Slot | Run]:
+def cycles_in(pairs: Sequence[RingSlot | Run]) -> list[RingSlot | Run]:
     """``pairs`` (calls fit for a cycle, two slots each) with their cycles gathered."""
     refs = [s.ref for s in pairs[0::2]]
     m = len(refs)
-    out: list[Slot | Run] = []
+    out: list[RingSlot | Run] = []
     i = 0
     while i < m:
         best_p = best_len = 0
@@ -176,13 +178,13 @@ def cycles_in(pairs: Sequence[Slot | Run]) -> list[Slot | Run]:
 
 
 def gather(
-    slots: list[Slot], ok: dict[int, bool], whole: set[int], known: Callable[[int], None]
-) -> tuple[list[Slot | Run], bool]:
+    slots: list[RingSlot], ok: dict[int, bool], whole: set[int], known: Callable[[int], None]
+) -> tuple[list[RingSlot | Run], bool]:
     """``RingEncoder._gather`` in Python (the reference, and where the C build is not installed),
     and whether the batch was steady: every slot a settled call or a step, no signature new.
     ``known(ref)`` reads a signature's blob and says in ``ok`` whether its calls may join runs;
     ``whole`` holds the signatures shown alone already."""
-    out: list[Slot | Run] = []
+    out: list[RingSlot | Run] = []
     run: Run | None = None
     i, n = 0, len(slots)
     steady = n > 0

@@ -27,7 +27,7 @@ from hangwatch import catalogue, config, ringruns, wire
 from hangwatch import records as r
 from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Batch, Kind, PackedSlots, Slot
+from hangwatch.ring import Batch, Kind, PackedSlots, RingSlot
 from hangwatch.ringruns import CYCLE_MIN, RUN_MIN, Run
 from hangwatch.signatures import MAX_CYCLE, MAX_SIGNATURES, Columns
 
@@ -121,7 +121,7 @@ class RingEncoder:
         #: hold back a batch's trailing call under way, once (``_hold``): a node agent's, while
         #: the rank's link is open (its last read sends everything)
         self.hold = False
-        self._held: list[Slot] = []
+        self._held: list[RingSlot] = []
         #: the last batch gathered (``_gather``) held nothing a detector waits for: only calls
         #: of signatures shown before, each returned without error in the batch (or held back),
         #: and steps; the node agent reads a steady rank's ring less often (``Shipper``)
@@ -405,14 +405,14 @@ class RingEncoder:
         """Whether an entry is held back for the next batch (``_hold``)."""
         return bool(self._held)
 
-    def held_mark(self) -> list[Slot]:
+    def held_mark(self) -> list[RingSlot]:
         """What is held back now: ``held_restore`` puts it back when a batch is sent again."""
         return list(self._held)
 
-    def held_restore(self, mark: list[Slot]) -> None:
+    def held_restore(self, mark: list[RingSlot]) -> None:
         self._held = list(mark)
 
-    def _hold(self, slots: Sequence[Slot]) -> Sequence[Slot]:
+    def _hold(self, slots: Sequence[RingSlot]) -> Sequence[RingSlot]:
         """``slots``, the entry held back from the last batch first, and this batch's last slot
         held back when it is the entry of a call that may join a run and has not returned: a
         steady loop's call in flight as the ring was read, whose exit the next read brings. Sent
@@ -439,7 +439,7 @@ class RingEncoder:
                 return slots.but_last() if type(slots) is PackedSlots else slots[:-1]
         return slots
 
-    def _gather(self, slots: Sequence[Slot]) -> Sequence[Slot | Run]:
+    def _gather(self, slots: Sequence[RingSlot]) -> Sequence[RingSlot | Run]:
         """``slots`` with each stretch of calls alike (``Run``: two or more, each an ENTER and its
         EXIT right after it, of a signature that may travel as runs and that a call handed over
         alone has shown already, ids and seqs one apart, one step, returned without error having
@@ -458,10 +458,10 @@ class RingEncoder:
                 (list(slots.head), slots.data, slots.n) if type(slots) is PackedSlots else (list(slots), b"", 0)
             )
             items, self.steady = _native_gather(
-                head, data, n, self._whole, self._run_ok, self._known, RUN_MIN, Slot,
+                head, data, n, self._whole, self._run_ok, self._known, RUN_MIN, RingSlot,
                 (shown, self._lanes, CYCLE_MIN, MAX_CYCLE) if cycles else None,
             )  # fmt: skip
-            return [Run.of(*x) if type(x) is tuple else x for x in items]  # a Slot is a tuple's subclass
+            return [Run.of(*x) if type(x) is tuple else x for x in items]  # a RingSlot is a tuple's subclass
         gathered, self.steady = ringruns.gather(list(slots), self._run_ok, self._whole, self._known)
         return ringruns.cycled(gathered, shown, self._run_ok, self._lanes) if cycles else gathered
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from hangwatch import native, ring
-from hangwatch.ring import HEADER_SIZE, SLOT, SLOT_SIZE, Kind, RingReader, RingWriter, Slot
+from hangwatch.ring import HEADER_SIZE, SLOT, SLOT_SIZE, Kind, RingReader, RingSlot, RingWriter
 
 EXT = native.module()
 CAPACITY = 4
@@ -70,18 +70,18 @@ def _play(gaps: tuple[int, ...], w: RingWriter) -> Iterator[None]:
         yield
 
 
-def _take_c(w: RingWriter, reader: RingReader, gaps: tuple[int, ...]) -> Slot | None:
+def _take_c(w: RingWriter, reader: RingReader, gaps: tuple[int, ...]) -> RingSlot | None:
     assert EXT is not None
     play = _play(gaps, w)
     next(play)
     whole, data = EXT._take_steps(w.mm, CAPACITY, WANT, lambda step: next(play))
     next(play, None)
-    return Slot._make(SLOT.unpack(data)) if whole else None
+    return RingSlot._make(SLOT.unpack(data)) if whole else None
 
 
 def _take_python(
     w: RingWriter, reader: RingReader, gaps: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
-) -> Slot | None:
+) -> RingSlot | None:
     play = _play(gaps, w)
     next(play)
     monkeypatch.setattr(ring, "_fence_acquire", lambda: next(play))  # between the reader's copies

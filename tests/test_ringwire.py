@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hangwatch import records as r
 from hangwatch import ringwire
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import SLOT, Batch, Kind, PackedSlots, RingReader, RingWriter, Slot
+from hangwatch.ring import SLOT, Batch, Kind, PackedSlots, RingReader, RingSlot, RingWriter
 from hangwatch.ringwire import RingEncoder, _extend, call_blob, event_blob, text_blob
 from hangwatch.signatures import CallDecoder
 
@@ -422,25 +422,25 @@ _SPEC = st.lists(st.one_of(_SLOT.map(lambda s: [s]), _STRETCH), max_size=10).map
 )
 
 
-def _slots(spec: list[tuple[int, ...]], start: int) -> list[Slot]:
+def _slots(spec: list[tuple[int, ...]], start: int) -> list[RingSlot]:
     """Slots the way a steady loop writes them, with every kind of break in it: an exit for each
     enter, mostly, with call ids and seqs mostly one apart."""
-    out: list[Slot] = []
+    out: list[RingSlot] = []
     call, seq, step, t = start, start, start // 7, float(start)
     for kind, flags, aux, ref, dcall, dseq, dstep in spec:
         t += 0.001
         if kind == Kind.ENTER:
             call, seq, step = (call + dcall) & 0xFFFFFFFF, (seq + dseq) & 0xFFFFFFFF, step + dstep
-            out.append(Slot(0, kind, flags, 0, ref if ref in (1, 2, 3, 5) else 1, call, seq, step, 0, t, 0))
+            out.append(RingSlot(0, kind, flags, 0, ref if ref in (1, 2, 3, 5) else 1, call, seq, step, 0, t, 0))
             if dcall and ref != 0:  # its exit, right after it, mostly
-                out.append(Slot(0, Kind.EXIT, 0, aux, 4 if ref == 4 else 0, call, 0, 0, 0, t + 0.0005, 0))
+                out.append(RingSlot(0, Kind.EXIT, 0, aux, 4 if ref == 4 else 0, call, 0, 0, 0, t + 0.0005, 0))
         elif kind == Kind.EXIT:
-            out.append(Slot(0, kind, 0, aux, 4 if ref == 4 else 0, (call - dcall) & 0xFFFFFFFF, 0, 0, 0, t, 0))
+            out.append(RingSlot(0, kind, 0, aux, 4 if ref == 4 else 0, (call - dcall) & 0xFFFFFFFF, 0, 0, 0, t, 0))
         elif kind == Kind.STEP:
             step += 1
-            out.append(Slot(0, kind, 0, 0, 0, 0, 0, step, 0, t, 0))
+            out.append(RingSlot(0, kind, 0, 0, 0, 0, 0, step, 0, t, 0))
         else:
-            out.append(Slot(0, kind, 0, 0, 0, 0, 0, 0, 0, t, 0))
+            out.append(RingSlot(0, kind, 0, 0, 0, 0, 0, 0, 0, t, 0))
     return out
 
 
@@ -488,7 +488,7 @@ def test_the_gatherer_in_c_is_the_python_one(batches: list[list[tuple[int, ...]]
 def test_packed_slots_read_as_the_list_of_their_slots() -> None:
     """``PackedSlots`` is the sequence of the slots it packs, after its head, with its tail cut."""
     slots = _slots([(Kind.ENTER, 0, 1, 1, 1, 1, 0)] * 4 + [(Kind.STEP, 0, 0, 0, 0, 0, 0)], 7)
-    held = Slot(0, Kind.ENTER, 0, 0, 1, 6, 6, 1, 0, 6.5, 0)
+    held = RingSlot(0, Kind.ENTER, 0, 0, 1, 6, 6, 1, 0, 6.5, 0)
     packed = PackedSlots(b"".join(SLOT.pack(*s) for s in slots))
     assert list(packed) == slots and len(packed) == len(slots) and bool(packed)
     assert packed[-1] == slots[-1] and packed[2] == slots[2] and packed[1:4] == slots[1:4]
@@ -536,13 +536,13 @@ def test_the_c_gatherer_works_on_the_batch_as_it_was_whatever_known_does_to_it()
     list under the C gatherer made it read freed slots. It gathers the batch as it was passed."""
     assert ringwire._native_gather is not None
     slots = _slots([(Kind.ENTER, 0, 1, 1, 1, 1, 0)] * 6, 1)
-    want, _ = ringwire._native_gather(list(slots), b"", 0, set(), {1: True}, lambda ref: None, 2, Slot, None)
+    want, _ = ringwire._native_gather(list(slots), b"", 0, set(), {1: True}, lambda ref: None, 2, RingSlot, None)
 
     def vandal(ref: int) -> None:
-        batch[:] = [Slot(0, Kind.STEP, 0, 0, 0, 0, 0, 0, 0, 0.0, 0)] * 3
+        batch[:] = [RingSlot(0, Kind.STEP, 0, 0, 0, 0, 0, 0, 0, 0.0, 0)] * 3
 
     batch = list(slots)
-    got, _ = ringwire._native_gather(batch, b"", 0, set(), {1: True}, vandal, 2, Slot, None)
-    assert [x if isinstance(x, Slot) else (x[0], x[1], x[2], x[3]) for x in got] == [
-        x if isinstance(x, Slot) else (x[0], x[1], x[2], x[3]) for x in want
+    got, _ = ringwire._native_gather(batch, b"", 0, set(), {1: True}, vandal, 2, RingSlot, None)
+    assert [x if isinstance(x, RingSlot) else (x[0], x[1], x[2], x[3]) for x in got] == [
+        x if isinstance(x, RingSlot) else (x[0], x[1], x[2], x[3]) for x in want
     ]

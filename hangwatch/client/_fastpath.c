@@ -648,7 +648,7 @@ static PyTypeObject FastOpType = {
  *
  * ``hangwatch.ringwire.RingEncoder._gather`` then ``_cycled`` step for step (the Python ones
  * stay the reference and the fallback; ``tests/test_ringwire.py`` plays them on the same
- * batches). Slots are ``hangwatch.ring.Slot`` tuples where the caller has them: (stamp, kind,
+ * batches). Slots are ``hangwatch.ring.RingSlot`` tuples where the caller has them: (stamp, kind,
  * flags, aux, ref, call_id, seq, step, arg, time, stamp_end). */
 
 #define F_KIND 1

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from hangwatch.catalogue import GROUP_RANK, INPUT_SPLITS, OUTPUT_SPLITS, SPLITS_VARY, parse_ints
 from hangwatch.diagnosis.rules.checks import numel, single
-from hangwatch.diagnosis.rules.slot import SHAPE_MISMATCH, Mismatch, Slot, field_label, group_ranks
+from hangwatch.diagnosis.rules.slot import SHAPE_MISMATCH, Mismatch, SlotCalls, field_label, group_ranks
 from hangwatch.records import TensorMeta
 from hangwatch.wording import format_shape
 
 
-def group_index(s: Slot) -> dict[int, int] | None:
+def group_index(s: SlotCalls) -> dict[int, int] | None:
     """rank -> its index in the group: ``extra["group_rank"]``, else its position in
     ``extra["group_ranks"]``, else the order of the ranks present (only if all are present)."""
     index: dict[int, int] = {}
@@ -61,7 +61,7 @@ def _pair_culprits(pairs: Sequence[_Pair]) -> list[int]:
     return culprits
 
 
-def _pairs_mismatch(s: Slot, pairs: list[_Pair], hint: str, what: str) -> Mismatch:
+def _pairs_mismatch(s: SlotCalls, pairs: list[_Pair], hint: str, what: str) -> Mismatch:
     p = pairs[0]
     text = (
         f"rank {p.receiver} expects {p.expects} from rank {p.sender}, "
@@ -120,7 +120,7 @@ def _chunks(metas: Sequence[TensorMeta], key: str, splits: tuple[int, ...] | Non
     return _Chunks(meta, key, splits, n)
 
 
-def _even_numel_field(s: Slot, field: str) -> Mismatch | None:
+def _even_numel_field(s: SlotCalls, field: str) -> Mismatch | None:
     metas = {r: m for r, ms in s.present(field).items() if (m := single(ms)) is not None}
     sigs = {r: numel(m.shape) for r, m in metas.items()}
     what = "output tensor" if field == "outputs" else "input tensor"
@@ -138,7 +138,7 @@ def _even_numel_field(s: Slot, field: str) -> Mismatch | None:
     return s.cross(sigs, SHAPE_MISMATCH, f"{field_label(field)}size mismatch", show, hint)
 
 
-def _rule_pairwise_single(s: Slot) -> Mismatch | None:
+def _rule_pairwise_single(s: SlotCalls) -> Mismatch | None:
     if any(SPLITS_VARY in (c.extra.get(INPUT_SPLITS), c.extra.get(OUTPUT_SPLITS)) for c in s.calls.values()):
         return None  # sizes a call site changes at every call are not recorded: nothing to pair
     in_splits = {r: parse_ints(c.extra.get(INPUT_SPLITS)) for r, c in s.calls.items()}
@@ -188,7 +188,7 @@ def _rule_pairwise_single(s: Slot) -> Mismatch | None:
     )
 
 
-def _rule_pairwise_list(s: Slot) -> Mismatch | None:
+def _rule_pairwise_list(s: SlotCalls) -> Mismatch | None:
     index = group_index(s)
     if index is None:
         return None
@@ -222,7 +222,7 @@ def _rule_pairwise_list(s: Slot) -> Mismatch | None:
     )
 
 
-def rule_pairwise(s: Slot) -> Mismatch | None:
+def rule_pairwise(s: SlotCalls) -> Mismatch | None:
     """The op's pairing (``Agree.pairwise``): ``"single"`` or ``"list"``; None for other ops."""
     if s.spec.pairwise == "single":
         return _rule_pairwise_single(s)

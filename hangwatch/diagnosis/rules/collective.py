@@ -39,7 +39,7 @@ from hangwatch.diagnosis.rules.slot import (
     OP_MISMATCH,
     SHAPE_MISMATCH,
     Mismatch,
-    Slot,
+    SlotCalls,
     field_label,
     group_ranks,
     reference,
@@ -57,7 +57,7 @@ from hangwatch.wording import (
 )
 
 
-def _rule_op(s: Slot) -> Mismatch | None:
+def _rule_op(s: SlotCalls) -> Mismatch | None:
     sigs = {r: canonical_op(c.op) for r, c in s.calls.items()}
     if len(set(sigs.values())) < 2:
         return None
@@ -76,7 +76,7 @@ def _rule_op(s: Slot) -> Mismatch | None:
     return s.mismatch(OP_MISMATCH, culprits, summary, hint)
 
 
-def _rule_group_ranks(s: Slot) -> Mismatch | None:
+def _rule_group_ranks(s: SlotCalls) -> Mismatch | None:
     sigs = {r: tuple(sorted(g)) for r, c in s.calls.items() if (g := group_ranks(c)) is not None}
     return s.cross(
         sigs,
@@ -92,7 +92,7 @@ def _rule_group_ranks(s: Slot) -> Mismatch | None:
     )
 
 
-def _rule_root(s: Slot) -> Mismatch | None:
+def _rule_root(s: SlotCalls) -> Mismatch | None:
     name = s.spec.root
     if name is None:
         return None
@@ -119,7 +119,7 @@ def _rule_root(s: Slot) -> Mismatch | None:
     )
 
 
-def _rule_dtypes(s: Slot) -> Mismatch | None:
+def _rule_dtypes(s: SlotCalls) -> Mismatch | None:
     for field in (*s.spec.full, *s.spec.dtypes):
         found = _dtype_field(s, field)
         if found:
@@ -127,7 +127,7 @@ def _rule_dtypes(s: Slot) -> Mismatch | None:
     return None
 
 
-def _dtype_field(s: Slot, field: str) -> Mismatch | None:
+def _dtype_field(s: SlotCalls, field: str) -> Mismatch | None:
     metas = s.present(field)
     if len({len(m) for m in metas.values()}) <= 1:
         sigs = {r: tuple(m.dtype for m in ms) for r, ms in metas.items()}
@@ -149,7 +149,7 @@ def _dtype_field(s: Slot, field: str) -> Mismatch | None:
     return s.cross(sigs, DTYPE_MISMATCH, f"{label}dtype mismatch", show, hint)
 
 
-def _intrinsic(s: Slot, kind: IncidentKind) -> Mismatch | None:
+def _intrinsic(s: SlotCalls, kind: IncidentKind) -> Mismatch | None:
     """Ranks whose call is inconsistent in itself (against the group size) in the way ``kind``."""
     check = s.spec.intrinsic
     if check is None:
@@ -168,15 +168,15 @@ def _intrinsic(s: Slot, kind: IncidentKind) -> Mismatch | None:
     return s.mismatch(kind, culprits, summary, hint)
 
 
-def _rule_intrinsic_dtype(s: Slot) -> Mismatch | None:
+def _rule_intrinsic_dtype(s: SlotCalls) -> Mismatch | None:
     return _intrinsic(s, DTYPE_MISMATCH)
 
 
-def _rule_intrinsic_shape(s: Slot) -> Mismatch | None:
+def _rule_intrinsic_shape(s: SlotCalls) -> Mismatch | None:
     return _intrinsic(s, SHAPE_MISMATCH)
 
 
-def _rule_lengths(s: Slot) -> Mismatch | None:
+def _rule_lengths(s: SlotCalls) -> Mismatch | None:
     for field in (*s.spec.full, *s.spec.lengths):
         found = _length_field(s, field)
         if found:
@@ -184,7 +184,7 @@ def _rule_lengths(s: Slot) -> Mismatch | None:
     return None
 
 
-def _length_field(s: Slot, field: str) -> Mismatch | None:
+def _length_field(s: SlotCalls, field: str) -> Mismatch | None:
     metas = s.present(field)
     if any(is_objects(m) for ms in metas.values() for m in ms):
         return None  # an object list's length is its shape: compared by _rule_shapes
@@ -204,7 +204,7 @@ def _length_field(s: Slot, field: str) -> Mismatch | None:
     return s.cross(sigs, SHAPE_MISMATCH, f"{label}list length mismatch", show, hint)
 
 
-def _rule_shapes(s: Slot) -> Mismatch | None:
+def _rule_shapes(s: SlotCalls) -> Mismatch | None:
     for field in s.spec.full:
         found = _shape_field(s, field)
         if found:
@@ -212,7 +212,7 @@ def _rule_shapes(s: Slot) -> Mismatch | None:
     return None
 
 
-def _shape_field(s: Slot, field: str) -> Mismatch | None:
+def _shape_field(s: SlotCalls, field: str) -> Mismatch | None:
     metas = s.present(field)
     sigs = {r: tuple(m.shape for m in ms) for r, ms in metas.items()}
     objects = any(is_objects(m) for ms in metas.values() for m in ms)
@@ -231,7 +231,7 @@ def _shape_field(s: Slot, field: str) -> Mismatch | None:
     return s.cross(sigs, SHAPE_MISMATCH, what, show, hint)
 
 
-def _rule_reduce_op(s: Slot) -> Mismatch | None:
+def _rule_reduce_op(s: SlotCalls) -> Mismatch | None:
     if not s.spec.reduce:
         return None
     sigs = {r: norm_reduce(c.reduce_op) for r, c in s.calls.items() if c.reduce_op}
@@ -247,7 +247,7 @@ def _rule_reduce_op(s: Slot) -> Mismatch | None:
     )
 
 
-_RULES: tuple[Callable[[Slot], Mismatch | None], ...] = (
+_RULES: tuple[Callable[[SlotCalls], Mismatch | None], ...] = (
     _rule_op,
     _rule_group_ranks,
     _rule_root,
@@ -273,7 +273,7 @@ def compare_collective(calls: Mapping[int, CallRecord], group_size: int | None =
     """
     if not calls:
         return None
-    slot = Slot(calls, group_size)
+    slot = SlotCalls(calls, group_size)
     for rule in _RULES:
         found = rule(slot)
         if found is not None:

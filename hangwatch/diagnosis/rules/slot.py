@@ -1,6 +1,6 @@
 """What every rule works with: the :class:`Mismatch` they return, each op's :class:`Spec`
 (the catalogue's :class:`~hangwatch.catalogue.Agree` plus its single-call check), and
-:class:`Slot`, the calls of one (group, seq) slot with the helpers that compare one value
+:class:`SlotCalls`, the calls of one (group, seq) slot with the helpers that compare one value
 across ranks and word the result.
 
 Culprits: the ranks are grouped by the value a rule looks at; the largest group is the
@@ -112,7 +112,7 @@ def field_label(field: str) -> str:
     return "output " if field == "outputs" else ""
 
 
-class Slot:
+class SlotCalls:
     """The calls of one (group, seq) slot and the helpers every rule uses."""
 
     def __init__(self, calls: Mapping[int, CallRecord], group_size: int | None) -> None:
