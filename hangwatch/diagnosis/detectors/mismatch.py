@@ -158,11 +158,12 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             "provisional": False,
         }
         summary, hint, kind = mismatch.summary, mismatch.hint, mismatch.kind
-        if size and len(slot.calls) < size and len(agreeing) * 2 <= size and not decided:
+        if size and len(slot.calls) < size and len(agreeing) * 2 <= size:
             # Not every rank has arrived and the side taken for right is no majority of the group
             # yet. The others' batches may be on their way (a node agent reads a steady rank that
             # keeps writing every 0.4 s; remote agents and relays add their transit): wait for them a
-            # moment, then say who disagrees, not who is wrong (told again as they come).
+            # moment. Then, unless the program's own rounds told the sides apart, say who
+            # disagrees, not who is wrong (told again as they come).
             missing = [rk for rk in job.members(group) if rk not in slot.calls]
             on_their_way = any(
                 (st := job.ranks.get(rk)) is not None and st.end is None and st.last_sent < slot.last_enter
@@ -172,6 +173,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 cache.waiting.setdefault((group, seq), ctx.now)
                 check.calls = 0  # compared again on the next tick
                 continue
+        if size and len(slot.calls) < size and len(agreeing) * 2 <= size and not decided:
             culprit, agreeing = sorted(slot.calls), []
             details["provisional"] = True
             summary += (

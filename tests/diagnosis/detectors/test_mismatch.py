@@ -238,3 +238,20 @@ def test_a_mismatch_waits_for_the_flight_recorder_read_that_makes_its_traces_who
     assert mismatch.detect(sim2.job, sim2.ctx(T0 + 6.3)) == []
     late = T0 + 6 + mismatch.TRACE_WAIT_S + 0.1
     only(mismatch.detect(sim2.job, sim2.ctx(late)), "early_exit")
+
+
+def test_a_decided_mismatch_still_waits_a_moment_for_the_ranks_on_their_way() -> None:
+    """Found by CI: rank 0 alone logs a float32 metric where ranks 1 and 2 reduce an int64 count.
+    Rank 2's call came with rank 0's, and the program's rounds decided the sides (rank 0's call
+    is new there): it was told at once, rank 1 (its batch a moment behind) left out of the waiting
+    ranks. A rank on its way is waited for ``PROVISIONAL_WAIT_S`` whoever is known to be wrong."""
+    sim = SimJob(3)
+    for seq in range(1, 5):
+        for rank in range(3):
+            sim.call(rank, T0 + seq, seq=seq, dtype="int64", exit_time=T0 + seq + 0.1)
+    sim.call(0, T0 + 6, seq=5, dtype="float32", site="metrics.py:8 in _sync")
+    sim.call(2, T0 + 6, seq=5, dtype="int64")
+    assert mismatch.detect(sim.job, sim.ctx(T0 + 6.1)) == []  # rank 1's batch is on its way
+    sim.call(1, T0 + 6.05, seq=5, dtype="int64")
+    f = only(mismatch.detect(sim.job, sim.ctx(T0 + 6.3)), "dtype_mismatch")
+    assert (f.culprit_ranks, f.waiting_ranks) == ([0], [1, 2])
