@@ -89,8 +89,13 @@ def parent_of(pid: int) -> tuple[int, float] | None:
 
 
 def start_time_of(pid: int) -> float | None:
+    """``pid``'s start time while it runs (None: gone, or a zombie: a launcher that died and
+    waits for its parent to reap it launches nothing, and its children are elsewhere now)."""
     try:
-        return float(psutil.Process(pid).create_time())
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return float(process.create_time())
     except Exception:
         return None
 

@@ -163,3 +163,42 @@ def test_a_real_rank_under_its_real_launcher_passes() -> None:
     finally:
         child.kill()
         child.wait(5)
+
+
+def test_a_rank_whose_launcher_died_unreaped_is_still_dumped() -> None:
+    """Found in issue 38: under a launcher that is itself a rank (Lightning's, ``mp.spawn``-style),
+    gloo aborted rank 0; it stayed a zombie awaiting its parent, and the other ranks' stacks were
+    refused as "no longer a descendant of pid M, the process that launched it (which still runs)".
+    Real processes: a launcher that starts a rank and dies unreaped by this test, its parent."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from hangwatch.agent.identity import proven_start_time
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
+         "print(p.pid, flush=True); sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert launcher.stdout is not None and launcher.stdin is not None
+    rank = int(launcher.stdout.readline())
+    try:
+        started = proven_start_time(rank)
+        assert started is not None
+        proofs = Proofs()
+        proofs.add(rank, os.getuid(), started, "L")  # its launcher recorded while it runs
+        target = Target(1, rank, started, link="L")
+        assert proofs.check(target) is None
+        launcher.stdin.close()  # the launcher exits; this test does not reap it: a zombie
+        deadline = time.time() + 10
+        while psutil.Process(launcher.pid).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+            time.sleep(0.05)
+        assert psutil.Process(launcher.pid).status() == psutil.STATUS_ZOMBIE
+        assert psutil.Process(rank).ppid() != launcher.pid  # the rank is under another process now
+        assert proofs.check(target) is None
+    finally:
+        psutil.Process(rank).kill()
+        launcher.wait(5)
