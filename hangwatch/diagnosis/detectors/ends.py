@@ -165,6 +165,33 @@ def _job_stopping(job: JobState, ctx: Context, first: RankState, first_time: flo
     )
 
 
+def _node_stopped(
+    job: JobState, first: RankState, first_time: float, ended: list[tuple[float, RankState]]
+) -> tuple[str, list[int]] | None:
+    """The node whose every rank a stop signal ended together with ``first``, while ranks of
+    other nodes did not stop so (the whole job stopped is no incident at all), and its ranks."""
+    host = first.identity.host
+    if _cause(first) != STOP or not host:
+        return None
+    on_node = [st for st in job.ranks.values() if st.identity.host == host]
+    elsewhere = [st for st in job.ranks.values() if st.identity.host != host]
+    if not elsewhere:
+        return None  # one node: the job's own stop, or one rank of it stopped alone
+    stopped = {st.rank for t, st in ended if st.identity.host == host and t - first_time <= JOB_STOP_WINDOW_S}
+    if any(st.rank not in stopped or _cause(st) != STOP for st in on_node):
+        return None
+    return host, sorted(stopped)
+
+
+def _stop_signal(state: RankState) -> str:
+    """The stop signal that ended a rank whose cause is ``STOP``, by name."""
+    if state.end is not None and state.end.kind is r.EndKind.SIGNAL:
+        return state.end.detail
+    if state.proc is not None and state.proc.signal is not None:
+        return _signal_name(state.proc.signal)
+    return "SIGINT" if state.end is not None and state.end.detail.startswith("KeyboardInterrupt") else "a stop signal"
+
+
 def _end_time(state: RankState) -> float | None:
     """When a rank ended, or None while it runs: what it said of its end, else the moment its
     process was seen gone (its link to the node agent closing)."""
@@ -396,6 +423,24 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             "environment difference from what the code expects): fix it once from the traceback above."
         )
         return died(culprits, rest, summary, hint)
+    node = _node_stopped(job, first, first_time, ended)
+    if node is not None:
+        # every rank of one node stopped at once while the other nodes' ran on: the node, or its
+        # launcher, was stopped from outside; the others' failures are its aftermath
+        host, stopped = node
+        rest = [rk for rk in affected if rk not in stopped]
+        summary = (
+            f"node {host} was stopped from outside: its rank{'s' if len(stopped) > 1 else ''} "
+            f"{format_ranks(stopped)} got {_stop_signal(first)} together while the other nodes' ranks ran on"
+        )
+        if rest:
+            summary += f"; rank{'s' if len(rest) > 1 else ''} {format_ranks(rest)} then failed or wait for them"
+        hint = (
+            "Nothing in the training code: the node or its launcher was stopped by something outside the job "
+            "(a spot or preemptible instance reclaimed, a node drained, its torchrun killed). Look at the "
+            "scheduler's and the node's logs; an elastic launcher (torchrun --max-restarts) can outlive it."
+        )
+        return died(stopped, rest, summary, hint)
     summary = f"rank {first.rank} died: {_death_text(first)}{in_call}"
     if affected:
         summary += f"; rank{'s' if len(affected) > 1 else ''} {format_ranks(affected)} then failed or wait for it"

@@ -628,3 +628,49 @@ def test_a_rank_that_left_without_sending_what_its_peer_waits_for_is_an_early_ex
     sim.end(0, EndKind.DESTROYED, T0 + 4.1)
     f = only(ends.detect(sim.job, sim.ctx(T0 + 5)), "early_exit")
     assert f.culprit_ranks == [0] and f.waiting_ranks == [1] and f.op == "recv"
+
+
+def _on_nodes(sim: SimJob, hosts: dict[int, str]) -> None:
+    import dataclasses
+
+    for rank, host in hosts.items():
+        st = sim.job.ranks[rank]
+        st.identity = dataclasses.replace(st.identity, host=host)
+
+
+def test_a_node_stopped_from_outside_is_one_incident_naming_the_node() -> None:
+    """Issue 38: two launchers of two ranks each; node B's launcher gets SIGTERM (a spot reclaim,
+    a drain) and stops ranks 2 and 3; ranks 0 and 1 then fail on the closed connections. Told as
+    node B stopped from outside, not as rank 2 dying with 0, 1, 3 its aftermath."""
+    sim = SimJob(4)
+    _on_nodes(sim, {0: "nodeA", 1: "nodeA", 2: "nodeB", 3: "nodeB"})
+    sim.collective(1, T0 + 1)
+    sim.end(2, EndKind.SIGNAL, T0 + 10, detail="SIGTERM")
+    sim.end(3, EndKind.SIGNAL, T0 + 10.1, detail="SIGTERM")
+    for rank in (0, 1):
+        sim.end(rank, EndKind.EXCEPTION, T0 + 10.4, detail="RuntimeError: Connection closed by peer")
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 13)), "rank_died")
+    assert (f.culprit_ranks, f.waiting_ranks) == ([2, 3], [0, 1])
+    assert f.summary == (
+        "node nodeB was stopped from outside: its ranks 2, 3 got SIGTERM together while the other nodes' ranks "
+        "ran on; ranks 0, 1 then failed or wait for them"
+    )
+
+
+def test_both_nodes_stopped_at_once_raise_nothing_and_one_rank_of_a_node_stopped_is_that_rank() -> None:
+    """The look-alikes: the whole job cancelled (both launchers SIGTERMed) raises nothing; one
+    rank of a node stopped while its node-mate runs on is that rank's death, not the node's."""
+    sim = SimJob(4)
+    _on_nodes(sim, {0: "nodeA", 1: "nodeA", 2: "nodeB", 3: "nodeB"})
+    sim.collective(1, T0 + 1)
+    for rank in range(4):
+        sim.end(rank, EndKind.SIGNAL, T0 + 10 + 0.1 * rank, detail="SIGTERM")
+    assert ends.detect(sim.job, sim.ctx(T0 + 13)) == []
+    sim = SimJob(4)
+    _on_nodes(sim, {0: "nodeA", 1: "nodeA", 2: "nodeB", 3: "nodeB"})
+    sim.collective(1, T0 + 1)
+    sim.end(2, EndKind.SIGNAL, T0 + 10, detail="SIGTERM")
+    for rank in (0, 1, 3):
+        sim.end(rank, EndKind.EXCEPTION, T0 + 10.4, detail="RuntimeError: Connection closed by peer")
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 13)), "rank_died")
+    assert f.culprit_ranks == [2] and f.summary.startswith("rank 2 died"), f.summary
