@@ -318,7 +318,11 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         if went is None:
             if ctx.now - ended[0][0] < JOB_STOP_WINDOW_S:
                 return []  # the peer that went is yet to be seen gone
-        elif _cause(ended[went][1]) != STOP or _job_stopping(job, ctx, ended[went][1], ended[went][0]):
+        elif (
+            _cause(ended[went][1]) != STOP
+            or _job_stopping(job, ctx, ended[went][1], ended[went][0])
+            or _node_stopped(job, ended[went][1], ended[went][0], ended) is not None
+        ):
             ended.insert(0, ended.pop(went))
     first_time, first = ended[0]
     running = [st for st in job.ranks.values() if _end_time(st) is None]

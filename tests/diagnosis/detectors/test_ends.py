@@ -657,6 +657,21 @@ def test_a_node_stopped_from_outside_is_one_incident_naming_the_node() -> None:
     )
 
 
+def test_a_node_stopped_whose_peers_failures_were_seen_first_is_still_the_node() -> None:
+    """The same, the other nodes' failures on the closed connections seen before the stopped
+    ranks' ends (an agent starved of CPU wakes to them in no reliable order)."""
+    sim = SimJob(4)
+    _on_nodes(sim, {0: "nodeA", 1: "nodeA", 2: "nodeB", 3: "nodeB"})
+    sim.collective(1, T0 + 1)
+    for rank in (0, 1):
+        sim.end(rank, EndKind.EXCEPTION, T0 + 10, detail="RuntimeError: Connection closed by peer")
+    sim.end(2, EndKind.SIGNAL, T0 + 10.2, detail="SIGTERM")
+    sim.end(3, EndKind.SIGNAL, T0 + 10.3, detail="SIGTERM")
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 13)), "rank_died")
+    assert (f.culprit_ranks, f.waiting_ranks) == ([2, 3], [0, 1]), f.summary
+    assert f.summary.startswith("node nodeB was stopped from outside"), f.summary
+
+
 def test_both_nodes_stopped_at_once_raise_nothing_and_one_rank_of_a_node_stopped_is_that_rank() -> None:
     """The look-alikes: the whole job cancelled (both launchers SIGTERMed) raises nothing; one
     rank of a node stopped while its node-mate runs on is that rank's death, not the node's."""
