@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,39 +40,6 @@ def _stuck_with_stacks(c: Coordinator) -> dict[str, Any] | None:
         if inc["kind"] == "stuck_collective" and inc["stacks"].get("1"):
             return inc
     return None
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[Callable[[str, int], subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-
-    def start(node: str, port: int) -> subprocess.Popen[str]:
-        # two "nodes" on one machine: each agent its own socket (one node, one agent, in real life)
-        socket_path = str(tmp_path / f"{node}.sock")
-        proc = subprocess.Popen(
-            [
-                str(BIN / "hangwatch"),
-                "agent",
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--node-name",
-                node,
-                "--rank-socket",
-                socket_path,
-            ],
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 def test_stacks_come_from_the_agent_of_the_ranks_node(
