@@ -183,13 +183,14 @@ class Device(_Base):
         return True
 
     def open_on_device_below(self, firsts: Sequence[tuple[str, int]], due: Callable[[], float]) -> bool:
-        """Before the stuck detector judges a group's first open slot (``firsts``: (group, seq)),
-        the first call each rank's device holds below it, of those entered by ``due()`` (asked
-        only where there is one: the adaptive threshold's cost), is made an open call, as it
-        would have been call by call: a device that stopped there is told there, not at the
-        slot above of a call sent alone (another shape, a call after ``ON_DEVICE_RUNS``), which
-        the detector would otherwise judge first (a hang told at a later seq; where a rank's
-        host came late to that later call, a false one). Whether any was."""
+        """Make open calls of the first call each rank's device holds below each group's first
+        open slot (``firsts``: (group, seq)), where it was entered by ``due()``; return whether
+        any was made.
+
+        Call by call, that call would be open already. Without this, the stuck detector judges
+        the slot above it (a call sent alone: another shape, one past ``ON_DEVICE_RUNS``) and
+        tells the hang at a later seq, or a false one where a host came late to that call.
+        ``due`` is asked only where a held call exists: the adaptive threshold costs."""
         opened = False
         limit: float | None = None
         for group, seq in firsts:

@@ -1,22 +1,19 @@
 """A rank's latest calls on one group (``RankState.history``), with a run's calls kept as the run.
 
-The history only feeds the rules' explanations and a few detectors' look-backs, read when a
-finding is being made; it is written with every batch. A run of calls alike (``records.CallRun``)
-used to be made whole for it, a call record each: 64 records made and let go at every read of a
-steady rank, most of the job state's intake of a run (at 1,000 calls/s, read five times a
-second, that intake was 58 % of the embedded agent's ring thread under a profiler). A run's
-share of the history is now kept as a :class:`RunSlice`: the run's last calls, the last one made
-whole (it is also the rank's ``last_call``, and the most read); the rest are made only when
-something reads the history in order (``__iter__``, indexing), once, and then replace the slice
-for good. The coordinator's cost at 1,000 calls/s fell from 6.1 to 3.6-4.0 µs a call
-(``bench/allin.py``; BENCHMARKS.md).
+The history feeds the model's traces and a few detectors' look-backs, read when a finding is
+being made; it is written with every batch. A run of alike calls (``records.CallRun``) is kept as
+a :class:`RunSlice`: the run's last calls, the last one made whole (it is also the rank's
+``last_call``, the most read). The rest are made only when something reads the history in order
+(``__iter__``, indexing), once, and then replace the slice for good; ``view`` makes them for the
+reader alone and leaves the slice as it is. Making every call of every run whole at each read
+was most of the job state's intake of a steady rank.
 
-Memory is charged as before: the ``JobState`` charges a slice's calls one by one, each at its
-template's cost, so what a history holds costs the same whether it is read or not. A slice keeps
-a copy of its calls' times, not the run's (``RunSlice.part``): a run of a million calls, once let
-go, leaves no more behind than its last 64. A call that only stands in a slice has no record, so
-no hold; dropping it (``drop_oldest``) hands back its bytes, and dropping a record hands back the
-record for the job state to let go.
+Memory: the ``JobState`` charges a slice's calls one by one, each at its template's cost, so a
+history costs the same whether it is read or not. A slice keeps a copy of its calls' times, not
+the run's (``RunSlice.part``): a run of a million calls, once let go, leaves no more behind than
+its last 64. A call that only stands in a slice has no record, so no hold; dropping it
+(``drop_oldest``) hands back its bytes, and dropping a record hands back the record for the job
+state to let go.
 """
 
 from __future__ import annotations
