@@ -2,11 +2,9 @@
 
 A daemon that ingests batches allocates and frees containers by the million: a run of calls, its
 lists of times, a slice of a rank's history. With the default first threshold (700 allocations
-net of frees) the collector ran 190 young and 17 middle collections in 8 s of a coordinator
-ingesting 1,024 ranks x 600 collectives/s (in-process, ``bench/ingest.py``'s batches), 14 % of
-its CPU, for garbage that is nearly all freed by reference counting anyway. A first threshold of
-10,000 ran none in the same window: 0.97 -> 0.77 µs per collective (2026-11-25). What start-up
-made (modules, the gRPC server, the store) is frozen out of the collector's walks.
+net of frees) the collector runs often, for garbage that reference counting frees anyway; a
+first threshold of 10,000 runs it rarely (BENCHMARKS.md has the figures). What start-up made
+(modules, the gRPC server, the store) is frozen out of the collector's walks.
 
 Only daemons call :func:`tune` (the process is theirs); the hook in a rank never does: the
 training job's collector is the job's own.

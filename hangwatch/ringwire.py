@@ -418,7 +418,7 @@ class RingEncoder:
         steady loop's call in flight as the ring was read, whose exit the next read brings. Sent
         alone, it would be a call under way of its own, and at scale every seq would get a slot
         from some rank's such call, which every other rank's run must then be matched into
-        (measured at 1,024 ranks: slower than no runs at all). Held once, and only while
+        (at 1,024 ranks, slower than no runs at all). Held once, and only while
         ``hold``: a read that brings nothing new sends it, so a call that never returns (a hang)
         is told one read later; the record itself is in the ring all along."""
         held = self._held

@@ -92,9 +92,8 @@ class PsutilInspector:
     exit status is remembered so a later DEAD status still carries it once the parent has
     reaped it.
 
-    One read of one file: psutil read four (``stat`` twice, ``status``, ``statm``), 52 µs a
-    status warm against about 10 here, and the embedded agent asks for every rank twice a second
-    (measured on this 2-core VM, 2026-11-24).
+    One read of one file, where psutil reads four (``stat`` twice, ``status``, ``statm``): the
+    embedded agent asks for every rank twice a second.
     """
 
     def __init__(self, proc_root: str = "/proc") -> None:

@@ -163,7 +163,7 @@ class Shipper:
         self.fetcher = flight_recorder if flight_recorder is not None else RingFetcher(clock=clock)
         self._ranks: dict[int, _Rank] = {}  # by id(link)
         #: the coordinator is in this process: records go to it typed, not through protobuf
-        #: (``bench/ring_to_state.py``: 9.5 against 12.7 µs per call from ring to records)
+        #: (``bench/ring_to_state.py`` measures both)
         self.direct: DirectIntake | None = intake if hasattr(intake, "accept_events") else None  # type: ignore[assignment]
         #: a steady rank's ring read every STEADY_S, a CPU Flight Recorder ring Python calls
         #: account for left unread (``HANGWATCH_READ_LESS=0``: every tick, every poll)
@@ -269,10 +269,8 @@ class Shipper:
         or the coordinator unreachable), the next ``STEADY_S`` period when every rank is steady,
         ``IDLE_S`` with none. A link made, ending or closed wakes the loop sooner (``run``).
 
-        A wake-up costs this 2-core VM 50-150 µs of CPU whatever is done after it (caches gone
-        cold over the sleep: an empty ``Engine.tick`` takes 2 µs warm and 80 after a 0.25 s
-        sleep): ticking every 50 ms for nothing was 20 a second of them, 1.5-2.4 ms of CPU a
-        second with no rank at all (``/proc/<pid>/task/<tid>/schedstat``, 2026-11-24)."""
+        A wake-up costs CPU whatever is done after it (caches go cold over the sleep), so the
+        loop does not tick for nothing."""
         if not self._ranks:
             return IDLE_S
         if any(state.steady_period is None or state.recheck is not None for state in self._ranks.values()):

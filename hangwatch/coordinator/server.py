@@ -2,8 +2,7 @@
 
 Why not the thread-pool server: every batch a rank (or a relay) sends takes the coordinator's
 lock and runs Python, so ingest cannot use more than one core anyway; spreading it over a pool of
-threads only adds hand-offs and GIL contention (measured: at 1024 ranks x 100 collectives/s,
-16 pool threads missed deadlines where 4 kept up). Here ingest handlers run on the loop thread
+threads only adds hand-offs and GIL contention. Here ingest handlers run on the loop thread
 one after another, and the handlers that wait (agent long polls, stack dumps) or build large
 replies run in a separate pool, so a hundred agents long-polling cannot starve ingest.
 """
