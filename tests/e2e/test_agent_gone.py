@@ -16,7 +16,7 @@ import collections
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ import pytest
 from hangwatch import config
 from hangwatch.client.sender import FALLBACK_AFTER_S, RELINK_EVERY_S
 from hangwatch.coordinator.daemon import Coordinator
-from hangwatch.testing import BIN, Job, wait_for
+from hangwatch.testing import Job, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -47,27 +47,6 @@ dist.destroy_process_group()
 """
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Callable[[int], subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    path = str(tmp_path / "node.sock")
-
-    def start(port: int) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [str(BIN / "hangwatch"), "agent", "--coordinator", f"127.0.0.1:{port}", "--node-name", "node-a",
-             "--rank-socket", path],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-
 def _via(c: Coordinator) -> dict[int, str]:
     with c.lock:
         return {rank: st.via for rank, st in c.job.ranks.items()}
@@ -83,16 +62,16 @@ def _last_seq(c: Coordinator, rank: int) -> int:
 def test_ranks_outlive_their_agent_and_come_back_to_the_next(
     coordinator_factory: Callable[..., Coordinator],
     torchrun: Callable[..., Job],
-    agent: Callable[[int], subprocess.Popen[str]],
+    agents: Callable[[str, int], subprocess.Popen[str]],
     tmp_path: Path,
 ) -> None:
     c = coordinator_factory(embedded_agent=False)
-    first = agent(c.port)
-    wait_for(lambda: (tmp_path / "node.sock").exists(), 30, 0.1, "the agent's rank socket")
+    first = agents("node-a", c.port)
+    wait_for(lambda: (tmp_path / "node-a.sock").exists(), 30, 0.1, "the agent's rank socket")
     job = torchrun(
         LOOP,
         addr=f"127.0.0.1:{c.port}",
-        env={config.ENV_AGENT_SOCKET: str(tmp_path / "node.sock"), "HANGWATCH_NODE_NAME": "node-a"},
+        env={config.ENV_AGENT_SOCKET: str(tmp_path / "node-a.sock"), "HANGWATCH_NODE_NAME": "node-a"},
         name="loop",
     )
     wait_for(lambda: _via(c) == {0: "agent", 1: "agent"}, 60, 0.1, "both ranks linked to the agent")
@@ -108,7 +87,7 @@ def test_ranks_outlive_their_agent_and_come_back_to_the_next(
     assert c.incidents_json() == [], [i["summary"] for i in c.incidents_json()]
     assert _last_seq(c, 0) > seq_at_kill + 40, "the ranks' calls stopped arriving"
 
-    agent(c.port)  # the agent is back (a restarted pod): the ranks link to it again
+    agents("node-a", c.port)  # the agent is back (a restarted pod): the ranks link to it again
     wait_for(lambda: _via(c) == {0: "agent", 1: "agent"}, RELINK_EVERY_S + 15, 0.2, "both ranks linked again")
     assert job.wait(90) == 0, job.output()[-3000:]
     wait_for(lambda: all(st.end is not None for st in c.job.ranks.values()), 15, 0.2, "both ranks' ends")
@@ -134,7 +113,7 @@ def _held_twice(c: Coordinator) -> dict[int, list[int]]:
 def test_ranks_that_start_before_their_agent_link_to_it_once_it_is_up(
     coordinator_factory: Callable[..., Coordinator],
     torchrun: Callable[..., Job],
-    agent: Callable[[int], subprocess.Popen[str]],
+    agents: Callable[[str, int], subprocess.Popen[str]],
     tmp_path: Path,
 ) -> None:
     """Before, a rank that found no agent at start shipped its own records for good (it only
@@ -145,7 +124,7 @@ def test_ranks_that_start_before_their_agent_link_to_it_once_it_is_up(
         LOOP,
         addr=f"127.0.0.1:{c.port}",
         env={
-            config.ENV_AGENT_SOCKET: str(tmp_path / "node.sock"),
+            config.ENV_AGENT_SOCKET: str(tmp_path / "node-a.sock"),
             "HANGWATCH_NODE_NAME": "node-a",
             "LOOP_SECONDS": "20",
         },
@@ -153,7 +132,7 @@ def test_ranks_that_start_before_their_agent_link_to_it_once_it_is_up(
     )
     wait_for(lambda: _via(c) == {0: "direct", 1: "direct"}, 60, 0.1, "both ranks shipping alone")
     wait_for(lambda: _last_seq(c, 0) > 20, 30, 0.1, "calls shipped directly")
-    agent(c.port)
+    agents("node-a", c.port)
     up = time.monotonic()
     wait_for(
         lambda: _via(c) == {0: "agent", 1: "agent"}, RELINK_EVERY_S + 15, 0.2, "both ranks linked to the late agent"
