@@ -349,3 +349,59 @@ def hang_line(ranks: Sequence[int], stand: str, upstream: Sequence[int]) -> str:
     if stand == "cycle":
         return f"{ranks_label(ranks)} wait for each other (a cycle), {held}"
     return f"{ranks_label(ranks)} {_SINK_WORDS.get(stand, stand)}, {held}"
+
+
+# --------------------------------------------------------------------------------------------
+# Deaths, freezes, stragglers: the sinks' stories
+
+
+def then_failed(ranks: Sequence[int], them: str = "them") -> str:
+    """``"; ranks 0, 1 then failed or wait for them"`` (empty for no ranks)."""
+    if not ranks:
+        return ""
+    return f"; rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} then failed or wait for {them}"
+
+
+def died(rank: int, how: str, in_call: str, affected: Sequence[int]) -> str:
+    """``"rank 2 died: its process was killed by SIGKILL inside broadcast ...; ranks 0, 1 then ..."``."""
+    return f"rank {rank} died: {how}{in_call}" + then_failed(affected, "it")
+
+
+def same_error(culprits: Sequence[int], detail: str, site: str, rest: Sequence[int]) -> str:
+    """Several ranks raised one exception at one place: a cause they share, not a chain."""
+    where = f" at {site}" if site else ""
+    return f"ranks {format_ranks(culprits)} each raised {detail}{where}: the same error on each, not a chain" + (
+        then_failed(rest)
+    )
+
+
+def node_stopped(host: str, stopped: Sequence[int], signal: str, rest: Sequence[int]) -> str:
+    """Every rank of one node ended by a stop signal together while the other nodes' ran on."""
+    return (
+        f"node {host} was stopped from outside: its rank{'s' if len(stopped) > 1 else ''} "
+        f"{format_ranks(stopped)} got {signal} together while the other nodes' ranks ran on" + then_failed(rest)
+    )
+
+
+def frozen(rank: int, pid: int, host: str, how: str, silence_s: float, last: CallRecord | None,
+           waiting: Sequence[int]) -> str:  # fmt: skip
+    """A live rank silent past the threshold. The text stays the same while the silence grows
+    (its length is in the incident's details): an open incident is not rewritten every tick."""
+    where = f"; last seen {'in' if last.exit_time is None else 'after'} {last.op} at {last.call_site}" if last else ""
+    text = f"rank {rank} (pid {pid} on {host}) {how}; no heartbeat for over {silence_s:.0f} s{where}"
+    if waiting:
+        text += f"; rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait for it"
+    return text
+
+
+def straggler(rank: int, count: int, recent: int, group: str, margin_s: float) -> str:
+    return (
+        f"rank {rank} arrived last at {count} of the last {recent} collectives of group {group}, "
+        f"{margin_s:.1f} s after the median rank on average"
+    )
+
+
+def p2p_unmatched(c: CallRecord, theirs: str, waited_s: float) -> str:
+    """A blocked send or recv whose peer is doing something else (``theirs``)."""
+    mine = f"rank {c.rank} {'sends to' if c.op in SEND_OPS else 'receives from'} rank {c.peer}"
+    return f"p2p mismatch in group {c.group}: {mine}, but rank {c.peer} is {theirs} (for {waited_s:.0f} s)"

@@ -14,6 +14,7 @@ inside the C fast path's callbacks), stand-in tensors, a backend that advances t
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -72,6 +73,10 @@ def _storm(call: Callable[[], Any], raising: type[BaseException], seconds: float
             raise raising("from the program's signal handler")
 
     assert threading.current_thread() is threading.main_thread()  # where handlers run
+    # no collection meanwhile: the interpreter swallows what a handler raises inside a gc
+    # callback (hypothesis installs one), which is not the hook's to pass on (seen in CI)
+    collecting = gc.isenabled()
+    gc.disable()
     previous = signal.signal(signal.SIGVTALRM, handler)
     signal.setitimer(signal.ITIMER_VIRTUAL, 0.001, 0.001)  # every millisecond of the loop's CPU
     caught = calls = 0
@@ -92,6 +97,8 @@ def _storm(call: Callable[[], Any], raising: type[BaseException], seconds: float
     finally:
         signal.setitimer(signal.ITIMER_VIRTUAL, 0)
         signal.signal(signal.SIGVTALRM, previous)
+        if collecting:
+            gc.enable()
     return state.raised, caught, calls
 
 

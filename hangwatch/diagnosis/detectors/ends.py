@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 
 from hangwatch import records as r
+from hangwatch import wording
 from hangwatch.diagnosis.detectors import Context, SlotId
 from hangwatch.diagnosis.detectors.stuck import EARLY_EXIT_HINT, EXTRA_HINT, SKIPPED_HINT
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
@@ -417,11 +418,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         # configuration error, a bad input every rank read), not because the first one left.
         culprits = sorted([first.rank, *alike])
         rest = [rk for rk in affected if rk not in alike]
-        where = f" at {first.end.call_site}" if first.end is not None and first.end.call_site else ""
-        detail = first.end.detail if first.end is not None else ""
-        summary = f"ranks {format_ranks(culprits)} each raised {detail}{where}: the same error on each, not a chain"
-        if rest:
-            summary += f"; rank{'s' if len(rest) > 1 else ''} {format_ranks(rest)} then failed or wait for them"
+        site = first.end.call_site if first.end is not None else ""
+        summary = wording.same_error(culprits, first.end.detail if first.end is not None else "", site, rest)
         hint = (
             "The same exception on several ranks is a cause they share (configuration, input data, an "
             "environment difference from what the code expects): fix it once from the traceback above."
@@ -433,21 +431,14 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         # launcher, was stopped from outside; the others' failures are its aftermath
         host, stopped = node
         rest = [rk for rk in affected if rk not in stopped]
-        summary = (
-            f"node {host} was stopped from outside: its rank{'s' if len(stopped) > 1 else ''} "
-            f"{format_ranks(stopped)} got {_stop_signal(first)} together while the other nodes' ranks ran on"
-        )
-        if rest:
-            summary += f"; rank{'s' if len(rest) > 1 else ''} {format_ranks(rest)} then failed or wait for them"
+        summary = wording.node_stopped(host, stopped, _stop_signal(first), rest)
         hint = (
             "Nothing in the training code: the node or its launcher was stopped by something outside the job "
             "(a spot or preemptible instance reclaimed, a node drained, its torchrun killed). Look at the "
             "scheduler's and the node's logs; an elastic launcher (torchrun --max-restarts) can outlive it."
         )
         return died(stopped, rest, summary, hint)
-    summary = f"rank {first.rank} died: {_death_text(first)}{in_call}"
-    if affected:
-        summary += f"; rank{'s' if len(affected) > 1 else ''} {format_ranks(affected)} then failed or wait for it"
+    summary = wording.died(first.rank, _death_text(first), in_call, affected)
     hint = (
         "Fix the error on the culprit rank (its exception and frame are above); the other ranks only "
         "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "

@@ -8,12 +8,11 @@ agent tells alive from dead; the stacks (with native frames) say where it froze.
 
 from __future__ import annotations
 
-from hangwatch import kinds
+from hangwatch import kinds, wording
 from hangwatch import records as r
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, RankState
-from hangwatch.wording import format_ranks
 
 _STATE_TEXT = {
     r.ProcState.STOPPED: "is stopped (SIGSTOP or a debugger)",
@@ -51,17 +50,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             how = _STATE_TEXT.get(proc.state, f"is alive ({proc.state.value}) but silent")
         waiting = [rk for rk in blocked if rk != st.rank]
         last = st.last_call
-        where = (
-            f"; last seen {'in' if last and last.exit_time is None else 'after'} {last.op} at {last.call_site}"
-            if last
-            else ""
-        )
-        who = f"rank {st.rank} (pid {st.identity.pid} on {st.identity.host})"
-        # stable text (the duration grows every tick: it lives in details), so an open incident
-        # is not rewritten to the store every tick
-        summary = f"{who} {how}; no heartbeat for over {ctx.silence_after:.0f} s{where}"
-        if waiting:
-            summary += f"; rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait for it"
+        summary = wording.frozen(st.rank, st.identity.pid, st.identity.host, how, ctx.silence_after, last, waiting)
         findings.append(
             Finding(
                 kind=IncidentKind.RANK_FROZEN,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from hangwatch.diagnosis.rules import P2P_MISMATCH, Mismatch
 from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord
 from hangwatch.wording import describe_call, p2p_doing
+from hangwatch.wording import p2p_unmatched as p2p_unmatched_story
 
 
 def unmatched_p2p(open_calls: Sequence[CallRecord], now: float, grace_s: float) -> list[tuple[CallRecord, Mismatch]]:
@@ -55,10 +56,8 @@ def unmatched_p2p(open_calls: Sequence[CallRecord], now: float, grace_s: float) 
 def _unmatched(c: CallRecord, peer_calls: Sequence[CallRecord], now: float) -> Mismatch:
     assert c.peer is not None
     sending = c.op in SEND_OPS
-    mine = f"rank {c.rank} {'sends to' if sending else 'receives from'} rank {c.peer}"
     theirs = " and ".join(p2p_doing(p, c) for p in peer_calls)
-    waited = now - c.enter_time
-    summary = f"p2p mismatch in group {c.group}: {mine}, but rank {c.peer} is {theirs} (for {waited:.0f} s)"
+    summary = p2p_unmatched_story(c, theirs, now - c.enter_time)
     both_send = sending and any(p.op in SEND_OPS and p.peer == c.rank for p in peer_calls)
     both_recv = not sending and any(p.op in RECV_OPS and p.peer == c.rank for p in peer_calls)
     sites = " and ".join(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import statistics
 
-from hangwatch import kinds
+from hangwatch import kinds, wording
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState
@@ -63,10 +63,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 key=incident_key(KeyFamily.STRAGGLER, group=group, rank=rank),
                 culprit_ranks=[rank],
                 waiting_ranks=[m for m in job.members(group) if m != rank],
-                summary=(
-                    f"rank {rank} arrived last at {count} of the last {len(recent)} collectives of group "
-                    f"{group}, {margin:.1f} s after the median rank on average"
-                ),
+                summary=wording.straggler(rank, count, len(recent), group, margin),
                 hint=kinds.hint(IncidentKind.STRAGGLER),
                 onset_time=recent[0][3],
                 group=group,
