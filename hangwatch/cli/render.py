@@ -10,7 +10,8 @@ import time
 from typing import Any, TextIO
 
 from hangwatch import wording
-from hangwatch.wording import KIND_TITLES, hang_line, in_step, on_device, ranks_label, wait_line
+from hangwatch.wording import KIND_TITLES, in_step, on_device, ranks_label
+from hangwatch.wording.stories import hang_line, wait_line
 
 
 def use_colour(stream: TextIO) -> bool:

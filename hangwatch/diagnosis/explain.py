@@ -23,7 +23,7 @@ from hangwatch import records as r
 from hangwatch.diagnosis.state import JobState, Slot
 from hangwatch.diagnosis.traces import traces
 from hangwatch.model.align import Edit, EditKind, align, precedented
-from hangwatch.wording import call_at, extra_call, fewer_calls, never_called, skipped_ran_out, skipped_went_on
+from hangwatch.wording.stories import call_at, extra_call, fewer_calls, never_called, skipped_ran_out, skipped_went_on
 
 #: A rank in one of these where the others are in another call, its calls before theirs: it
 #: left its loop (``detectors.mismatch``'s early exit), unless its trace shows a skip.

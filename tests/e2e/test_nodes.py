@@ -99,7 +99,7 @@ def test_a_node_stopped_from_outside_is_one_incident_naming_it(
     c, launchers = two_nodes
     launchers[1].send_signal(signal.SIGTERM)  # node-b's launcher: a spot reclaim, a drain
     incs = _quiet(c, launchers)
-    brief = [(i["kind"], i["culprit_ranks"], i["summary"]) for i in incs]
+    brief = [(i["kind"], i["culprit_ranks"], i["summary"], i["details"].get("affected")) for i in incs]
     assert len(incs) == 1, brief
     (inc,) = incs
     assert (inc["kind"], inc["culprit_ranks"]) == ("rank_died", [2, 3]), brief

@@ -16,12 +16,11 @@ from __future__ import annotations
 import signal
 
 from hangwatch import records as r
-from hangwatch import wording
 from hangwatch.diagnosis.detectors import Context, SlotId
 from hangwatch.diagnosis.detectors.stuck import EARLY_EXIT_HINT, EXTRA_HINT, SKIPPED_HINT
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, RankState
-from hangwatch.wording import describe_call, format_ranks, gpu_faults
+from hangwatch.wording import describe_call, stories
 
 CLEAN = (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
 #: Signals a launcher or scheduler sends to stop a whole job.
@@ -169,8 +168,9 @@ def _job_stopping(job: JobState, ctx: Context, first: RankState, first_time: flo
 def _node_stopped(
     job: JobState, first: RankState, first_time: float, ended: list[tuple[float, RankState]]
 ) -> tuple[str, list[int]] | None:
-    """The node whose every rank a stop signal ended together with ``first``, while ranks of
-    other nodes did not stop so (the whole job stopped is no incident at all), and its ranks."""
+    """The node whose every rank a stop signal ended together with ``first`` (or that vanished
+    with it, unseen), while ranks of other nodes did not stop so (the whole job stopped is no
+    incident at all), and its ranks."""
     host = first.identity.host
     if _cause(first) != STOP or not host:
         return None
@@ -179,7 +179,8 @@ def _node_stopped(
     if not elsewhere:
         return None  # one node: the job's own stop, or one rank of it stopped alone
     stopped = {st.rank for t, st in ended if st.identity.host == host and t - first_time <= JOB_STOP_WINDOW_S}
-    if any(st.rank not in stopped or _cause(st) != STOP for st in on_node):
+    # a node-mate reaped before its agent saw how (a starved agent) vanished without a word: stopped too
+    if any(st.rank not in stopped or _cause(st) not in (STOP, UNKNOWN) for st in on_node):
         return None
     return host, sorted(stopped)
 
@@ -211,25 +212,9 @@ def _observed(state: RankState) -> float:
 
 
 def _death_text(state: RankState) -> str:
-    end = state.end
-    if end is None:
-        proc = state.proc
-        how = "its process disappeared without a word (SIGKILL, the OOM killer, or a native crash)"
-        if proc is not None and proc.oom_killed:
-            how = "it was killed by the OOM killer (its cgroup's oom_kill count went up)"
-            if proc.signal:
-                how += f": {_signal_name(proc.signal)} (signal {proc.signal})"
-        elif proc is not None and proc.signal:
-            how = f"its process was killed by {_signal_name(proc.signal)} (signal {proc.signal})"
-        elif proc is not None and proc.exit_code is not None:
-            how = f"its process exited with code {proc.exit_code}"
-        return how + gpu_faults(proc)
-    where = f" at {end.call_site}" if end.call_site else ""
-    if end.kind is r.EndKind.EXCEPTION:
-        return f"it raised {end.detail}{where}{gpu_faults(state.proc)}"
-    if end.kind is r.EndKind.SIGNAL:
-        return f"it received {end.detail}{where}{gpu_faults(state.proc)}"
-    return f"it ended ({end.kind.value}){where}"
+    proc = state.proc
+    signal = _signal_name(proc.signal) if proc is not None and proc.signal else ""
+    return stories.death(state.end, proc, signal)
 
 
 def _answered(leaver: RankState, call: r.CallRecord) -> bool:
@@ -419,7 +404,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         culprits = sorted([first.rank, *alike])
         rest = [rk for rk in affected if rk not in alike]
         site = first.end.call_site if first.end is not None else ""
-        summary = wording.same_error(culprits, first.end.detail if first.end is not None else "", site, rest)
+        summary = stories.same_error(culprits, first.end.detail if first.end is not None else "", site, rest)
         hint = (
             "The same exception on several ranks is a cause they share (configuration, input data, an "
             "environment difference from what the code expects): fix it once from the traceback above."
@@ -431,14 +416,14 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         # launcher, was stopped from outside; the others' failures are its aftermath
         host, stopped = node
         rest = [rk for rk in affected if rk not in stopped]
-        summary = wording.node_stopped(host, stopped, _stop_signal(first), rest)
+        summary = stories.node_stopped(host, stopped, _stop_signal(first), rest)
         hint = (
             "Nothing in the training code: the node or its launcher was stopped by something outside the job "
             "(a spot or preemptible instance reclaimed, a node drained, its torchrun killed). Look at the "
             "scheduler's and the node's logs; an elastic launcher (torchrun --max-restarts) can outlive it."
         )
         return died(stopped, rest, summary, hint)
-    summary = wording.died(first.rank, _death_text(first), in_call, affected)
+    summary = stories.died(first.rank, _death_text(first), in_call, affected)
     hint = (
         "Fix the error on the culprit rank (its exception and frame are above); the other ranks only "
         "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "
@@ -492,17 +477,10 @@ def _early_exit(
         return []
     end = first.end
     assert end is not None
-    where = f" at {end.call_site}" if end.call_site else ""
-    action = "called destroy_process_group()" if end.kind is r.EndKind.DESTROYED else "exited"
     why = ctx.cache.stories.absent(job, group, first.rank, sorted(waiting), len(job.members(group)))
-    waiters = format_ranks(sorted(waiting))
     details: dict[str, object] = {"exit": {"kind": end.kind.value, "call_site": end.call_site, "step": first.step}}
     kind, hint, step = IncidentKind.EARLY_EXIT, EARLY_EXIT_HINT, first.step
-    summary = (
-        f"rank {first.rank} left the training loop after step {first.step} and {action}{where}, while "
-        f"rank{'s' if len(waiting) > 1 else ''} {waiters} entered {op} "
-        f"(group {group}, seq {seq}) of the next step and never got an answer"
-    )
+    summary = stories.left_early(first.rank, first.step, end, sorted(waiting), op, group, seq)
     culprits, others = [first.rank], sorted(waiting)
     if why is not None:  # it did not leave the loop: it skipped a call and ran out, or they made one more
         kind, hint = IncidentKind.STUCK_COLLECTIVE, SKIPPED_HINT if why.skipped else EXTRA_HINT
@@ -510,11 +488,7 @@ def _early_exit(
         details["skipped" if why.skipped else "edit"] = why.facts
         if not why.skipped:
             culprits, others = why.culprits, [first.rank]
-        summary = (
-            f"rank{'s' if len(waiting) > 1 else ''} {waiters} wait{'' if len(waiting) > 1 else 's'} in {op} "
-            f"(group {group}, seq {seq}) and rank {first.rank} will never make it: {why.clause}; rank {first.rank} "
-            f"then {action}{where}"
-        )
+        summary = stories.ran_out_then_ended(sorted(waiting), op, group, seq, first.rank, why.clause, end)
     return [
         Finding(
             kind=kind,

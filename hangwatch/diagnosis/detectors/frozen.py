@@ -8,11 +8,12 @@ agent tells alive from dead; the stacks (with native frames) say where it froze.
 
 from __future__ import annotations
 
-from hangwatch import kinds, wording
+from hangwatch import kinds
 from hangwatch import records as r
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, RankState
+from hangwatch.wording import stories
 
 _STATE_TEXT = {
     r.ProcState.STOPPED: "is stopped (SIGSTOP or a debugger)",
@@ -50,7 +51,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             how = _STATE_TEXT.get(proc.state, f"is alive ({proc.state.value}) but silent")
         waiting = [rk for rk in blocked if rk != st.rank]
         last = st.last_call
-        summary = wording.frozen(st.rank, st.identity.pid, st.identity.host, how, ctx.silence_after, last, waiting)
+        summary = stories.frozen(st.rank, st.identity.pid, st.identity.host, how, ctx.silence_after, last, waiting)
         findings.append(
             Finding(
                 kind=IncidentKind.RANK_FROZEN,

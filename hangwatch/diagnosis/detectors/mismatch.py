@@ -22,7 +22,7 @@ from hangwatch.diagnosis.detectors.stuck import BARRIERS, EARLY_EXIT_HINT
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.rules import compare_collective
 from hangwatch.diagnosis.state import JobState, Slot
-from hangwatch.wording import format_ranks, in_step
+from hangwatch.wording import format_ranks, stories
 
 
 @dataclass
@@ -176,10 +176,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         if size and len(slot.calls) < size and len(agreeing) * 2 <= size and not decided:
             culprit, agreeing = sorted(slot.calls), []
             details["provisional"] = True
-            summary += (
-                f" ({len(slot.calls)} of {size} ranks have arrived: which side is wrong is not known yet, "
-                "it is told as the others arrive)"
-            )
+            summary += stories.provisional(len(slot.calls), size)
         # the traces may yet tell (a skip, another line): where a side's C++ calls are read from
         # Flight Recorder, wait for a read past the slot before the sides' rules speak
         if (
@@ -207,11 +204,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                     EARLY_EXIT_HINT,
                 )
                 other_op = slot.calls[others[0]].op
-                summary = (
-                    f"rank{'s' if len(in_barrier) > 1 else ''} {format_ranks(culprit)} left the loop and wait in "
-                    f"a final barrier while rank{'s' if len(others) > 1 else ''} {format_ranks(agreeing)} "
-                    f"entered {other_op} (group {group}, seq {seq}){in_step(step, ' at step {}')}: {mismatch.summary}"
-                )
+                summary = stories.in_final_barrier(culprit, agreeing, other_op, group, seq, step, mismatch.summary)
         cache.waiting.pop((group, seq), None)
         key = incident_key(KeyFamily.MISMATCH, group=group, seq=seq)
         if first is None:
@@ -243,14 +236,12 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
 
 
 def _repeat(first: First, group: str, op: str, step: int) -> Finding:
-    times = "time" if first.repeats == 1 else "times"
     return Finding(
         kind=first.kind,
         key=first.key,
         culprit_ranks=first.culprits,
         waiting_ranks=first.waiting,
-        summary=f"{first.summary}; the same mismatch came back {first.repeats} {times} since, the latest at seq "
-        f"{first.last_seq}{in_step(first.last_step, ' (step {})')}",
+        summary=first.summary + stories.repeated(first.repeats, first.last_seq, first.last_step),
         hint="",
         onset_time=0.0,
         op=op,
@@ -275,18 +266,14 @@ def _group_membership(job: JobState) -> list[Finding]:
         ordered = sorted(views.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
         agreeing = ordered[0][1]
         culprits = sorted(rk for members, rks in ordered[1:] for rk in rks)
-        lines = "; ".join(
-            f"rank{'s' if len(rks) > 1 else ''} {format_ranks(sorted(rks))}: {list(members)}"
-            for members, rks in ordered
-        )
+        views_of = [(sorted(rks), list(members)) for members, rks in ordered]
         findings.append(
             Finding(
                 kind=IncidentKind.ARG_MISMATCH,
                 key=incident_key(KeyFamily.GROUP, group=name),
                 culprit_ranks=culprits,
                 waiting_ranks=sorted(agreeing),
-                summary=f"process group {name} has different members on different ranks ({lines}): "
-                "new_group was called in a different order",
+                summary=stories.group_members_differ(name, views_of),
                 hint="Every rank must call new_group for every group, in the same order, with the same ranks "
                 "(even ranks that are not members).",
                 onset_time=min((st.registered_at for st in job.ranks.values()), default=0.0),

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from hangwatch.diagnosis.rules import P2P_MISMATCH, Mismatch
 from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord
 from hangwatch.wording import describe_call, p2p_doing
-from hangwatch.wording import p2p_unmatched as p2p_unmatched_story
+from hangwatch.wording.stories import p2p_unmatched as p2p_unmatched_story
 
 
 def unmatched_p2p(open_calls: Sequence[CallRecord], now: float, grace_s: float) -> list[tuple[CallRecord, Mismatch]]:

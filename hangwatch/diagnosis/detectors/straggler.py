@@ -5,10 +5,11 @@ from __future__ import annotations
 import collections
 import statistics
 
-from hangwatch import kinds, wording
+from hangwatch import kinds
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState
+from hangwatch.wording import stories
 
 WINDOW = 20  # complete collectives looked at per group
 SHARE = 0.8  # the same rank last in at least this share of them
@@ -63,7 +64,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
                 key=incident_key(KeyFamily.STRAGGLER, group=group, rank=rank),
                 culprit_ranks=[rank],
                 waiting_ranks=[m for m in job.members(group) if m != rank],
-                summary=wording.straggler(rank, count, len(recent), group, margin),
+                summary=stories.straggler(rank, count, len(recent), group, margin),
                 hint=kinds.hint(IncidentKind.STRAGGLER),
                 onset_time=recent[0][3],
                 group=group,

@@ -18,8 +18,6 @@ and when torch's own watchdog will give up.
 
 from __future__ import annotations
 
-import time
-
 from hangwatch import catalogue, config, kinds
 from hangwatch import records as r
 from hangwatch.diagnosis import waits
@@ -27,7 +25,7 @@ from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, RankState, Slot
 from hangwatch.model.waitfor import Graph, Stand
-from hangwatch.wording import describe_call, doing, format_ranks, gpu_load
+from hangwatch.wording import describe_call, doing, gpu_load, stories
 
 EARLY_EXIT_HINT = kinds.hint(IncidentKind.EARLY_EXIT)
 
@@ -217,16 +215,7 @@ def _device_clause(
             timeout_at = due if not timeout_at else min(timeout_at, due)
     if not hosts:
         return None
-    places = "; ".join(f"rank {rk} in {where}" for rk, where in sorted(hosts.items()))
-    text = (
-        f"rank{'s' if len(hosts) > 1 else ''} {format_ranks(sorted(hosts))} enqueued it on the GPU, where it has "
-        f"not completed; {'their' if len(hosts) > 1 else 'its'} host thread{'s' if len(hosts) > 1 else ''} "
-        f"returned and {'wait' if len(hosts) > 1 else 'waits'} at the next synchronisation ({places})"
-    )
-    if timeout_at:
-        fires = time.strftime("%H:%M:%S", time.localtime(timeout_at))
-        text += f"; torch's own timeout fires at {fires}, in {max(0.0, timeout_at - now):.0f} s"
-    return text, hosts, timeout_at
+    return stories.held_on_gpu(hosts, timeout_at, now), hosts, timeout_at
 
 
 def _started_everywhere(job: JobState, slot: Slot, ctx: Context) -> str | None:
@@ -284,12 +273,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     clause = ""
     if inside:
         details["unseen"] = inside
-        plural = len(inside) > 1
-        clause = (
-            f"; rank{'s' if plural else ''} {format_ranks(inside)} {'are' if plural else 'is'} inside a collective "
-            f"of group {slot.group} that C++ issued, {'their' if plural else 'its'} Flight Recorder entr"
-            f"{'ies' if plural else 'y'} overwritten before {'they were' if plural else 'it was'} read (a busy ring)"
-        )
+        clause = stories.inside_unread(inside, slot.group)
 
     def finding(
         kind: IncidentKind,
@@ -343,12 +327,8 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         return finding(
             IncidentKind.TRANSPORT_STALL,
             [],
-            f"all {len(members)} ranks of group {slot.group} entered {op} (seq {slot.seq}) with matching "
-            f"arguments and none has {how} after {waited:.0f} s: the transport is stalled"
-            + (f"; {device[0]}" if device else ""),
-            "The ranks agree, so the backend is stuck: check the network (NCCL_DEBUG=INFO, "
-            "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), a failed NIC or switch, or a GPU that stopped "
-            "responding; the native stacks show where each rank waits.",
+            stories.transport_stalled(len(members), slot.group, op, slot.seq, how, waited, device[0] if device else ""),
+            stories.TRANSPORT_STALL_HINT,
             waiting[:8],
             native=True,
         )
@@ -364,21 +344,16 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
         return finding(
             IncidentKind.STUCK_COLLECTIVE,
             unregistered,
-            f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
-            f"{where} for {waited:.0f} s; rank(s) "
-            f"{format_ranks(unregistered)} wrote no Flight Recorder dump: what they did instead is unknown",
-            "Look at those ranks' logs: a rank that died or was killed writes no dump, nor may one frozen "
-            "holding the GIL; a rank that wrote its dump elsewhere (TORCH_FR_DUMP_TEMP_FILE) can be added.",
+            stories.waiting_in(waiting, where, waited) + stories.no_dump(unregistered),
+            stories.NO_DUMP_HINT,
             [],
         )
     if unregistered:
         return finding(
             IncidentKind.STUCK_COLLECTIVE,
             unregistered,
-            f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
-            f"{where} for {waited:.0f} s; rank(s) "
-            f"{format_ranks(unregistered)} never registered with hangwatch",
-            "Check that every rank started and has HANGWATCH_ADDR set; look at its launcher's logs.",
+            stories.waiting_in(waiting, where, waited) + stories.never_registered(unregistered),
+            stories.NEVER_REGISTERED_HINT,
             waiting[:2],
         )
     present = {rk: st for rk, st in states.items() if st is not None}
@@ -415,8 +390,6 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     }
     details["absent"] = {str(rk): text for rk, text in doings.items()}
     absent_text = "; ".join(f"rank {rk} {text}" for rk, text in doings.items())
-    plural = len(absent) > 1
-    who = format_ranks(absent)
     stack_ranks = absent + waiting[:1]
     if len(absent) == 1 and absent[0] in present:
         # where its trace parts from theirs: a skip it ran out after, or their extra call
@@ -426,10 +399,9 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             return finding(
                 IncidentKind.STUCK_COLLECTIVE,
                 why.culprits,
-                f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait"
-                f"{'' if len(waiting) > 1 else 's'} in {where} for {waited:.0f} s and rank {absent[0]} will "
-                f"never make it: {why.clause}; rank {absent[0]} {doings[absent[0]]}"
-                + (f"; {device[0]}" if device else ""),
+                stories.waiting_in(waiting, where, waited)
+                + f" and rank {absent[0]} will never make it: {why.clause}; rank {absent[0]} {doings[absent[0]]}"
+                + stories.then(device[0] if device else ""),
                 SKIPPED_HINT if why.skipped else EXTRA_HINT,
                 stack_ranks,
                 others=None if why.skipped else absent,  # their extra call: the absent rank did right
@@ -444,30 +416,22 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             st = present[rk]
             last = _last_on(st, slot.group)
             assert last is not None
-            text = (
-                f"rank {rk} left its loop at step {steps}: it returned from {fn}, where its last "
-                f"{last.op} ({last.call_site}, step {last.step}) came from, and {doings[rk]}"
-            )
+            text = stories.left_its_loop(rk, steps, fn, last, doings[rk])
         else:
-            text = f"rank{'s' if plural else ''} {who} left the training loop at step {steps} ({absent_text})"
+            text = stories.left_the_loop(absent, steps, absent_text)
         return finding(
             IncidentKind.EARLY_EXIT,
             absent,
-            f"{text} while rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} entered {where}"
-            f"{' at ' + sample.call_site if sample.call_site else ''} and wait{'' if len(waiting) > 1 else 's'} "
-            f"for {waited:.0f} s",
+            f"{text} while " + stories.entered_and_wait(waiting, where, sample.call_site, waited),
             EARLY_EXIT_HINT,
             stack_ranks,
         )
     return finding(
         IncidentKind.STUCK_COLLECTIVE,
         absent,
-        f"rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in "
-        f"{where}{' at ' + sample.call_site if sample.call_site else ''} for {waited:.0f} s; {absent_text}"
-        + (f"; {device[0]}" if device else ""),
-        f"Rank{'s' if plural else ''} {who} never reached this {op}. Look at {'their' if plural else 'its'} stack "
-        "below: work that only some ranks do (a checkpoint save or evaluation on rank 0, a data loader that "
-        "stalls, a conditional branch) must either be done by every rank or finish before the others' next "
-        "collective; if it is legitimately long, raise --stuck-after.",
+        stories.waiting_in(waiting, where, waited, sample.call_site)
+        + f"; {absent_text}"
+        + stories.then(device[0] if device else ""),
+        stories.never_reached_hint(absent, op),
         stack_ranks,
     )

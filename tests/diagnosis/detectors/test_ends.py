@@ -672,6 +672,20 @@ def test_a_node_stopped_whose_peers_failures_were_seen_first_is_still_the_node()
     assert f.summary.startswith("node nodeB was stopped from outside"), f.summary
 
 
+def test_a_node_stopped_whose_other_rank_was_reaped_unseen_is_still_the_node() -> None:
+    """Found under load: node B's rank 3 seen killed by SIGTERM, its rank 2 reaped before the
+    starved agent read how it ended (no word, no signal). Both are the node's."""
+    sim = SimJob(4)
+    _on_nodes(sim, {0: "nodeA", 1: "nodeA", 2: "nodeB", 3: "nodeB"})
+    sim.collective(1, T0 + 1)
+    sim.end(3, EndKind.SIGNAL, T0 + 10, detail="SIGTERM")
+    sim.proc(2, ProcState.DEAD, T0 + 10.05)
+    for rank in (0, 1):
+        sim.end(rank, EndKind.EXCEPTION, T0 + 10.4, detail="RuntimeError: Connection closed by peer")
+    f = only(ends.detect(sim.job, sim.ctx(T0 + 13)), "rank_died")
+    assert (f.culprit_ranks, f.waiting_ranks) == ([2, 3], [0, 1]), f.summary
+
+
 def test_both_nodes_stopped_at_once_raise_nothing_and_one_rank_of_a_node_stopped_is_that_rank() -> None:
     """The look-alikes: the whole job cancelled (both launchers SIGTERMed) raises nothing; one
     rank of a node stopped while its node-mate runs on is that rank's death, not the node's."""
