@@ -162,7 +162,7 @@ class Incident:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The documented JSON contract (README: "The JSON contract")."""
+        """The documented JSON contract (``docs/json.md``)."""
         return {
             "id": self.id,
             "job": self.job,

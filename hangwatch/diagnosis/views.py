@@ -1,4 +1,4 @@
-"""The JSON the CLI shows: ``status`` (job, ranks, open incidents). See README, "The JSON contract"."""
+"""The JSON the CLI shows: ``status`` (job, ranks, open incidents). See `docs/json.md`."""
 
 from __future__ import annotations
 

@@ -353,3 +353,21 @@ def left_its_loop(rank: int, steps: str, function: str, last: CallRecord, doing:
 
 def left_the_loop(ranks: Sequence[int], steps: str, doing: str) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} left the training loop at step {steps} ({doing})"
+
+
+SAME_ERROR_HINT = (
+    "The same exception on several ranks is a cause they share (configuration, input data, an "
+    "environment difference from what the code expects): fix it once from the traceback above."
+)
+
+NODE_STOPPED_HINT = (
+    "Nothing in the training code: the node or its launcher was stopped by something outside the job "
+    "(a spot or preemptible instance reclaimed, a node drained, its torchrun killed). Look at the "
+    "scheduler's and the node's logs; an elastic launcher (torchrun --max-restarts) can outlive it."
+)
+
+DIED_HINT = (
+    "Fix the error on the culprit rank (its exception and frame are above); the other ranks only "
+    "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "
+    "the launcher's logs."
+)

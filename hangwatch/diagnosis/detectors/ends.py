@@ -405,10 +405,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         rest = [rk for rk in affected if rk not in alike]
         site = first.end.call_site if first.end is not None else ""
         summary = stories.same_error(culprits, first.end.detail if first.end is not None else "", site, rest)
-        hint = (
-            "The same exception on several ranks is a cause they share (configuration, input data, an "
-            "environment difference from what the code expects): fix it once from the traceback above."
-        )
+        hint = stories.SAME_ERROR_HINT
         return died(culprits, rest, summary, hint)
     node = _node_stopped(job, first, first_time, ended)
     if node is not None:
@@ -417,18 +414,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         host, stopped = node
         rest = [rk for rk in affected if rk not in stopped]
         summary = stories.node_stopped(host, stopped, _stop_signal(first), rest)
-        hint = (
-            "Nothing in the training code: the node or its launcher was stopped by something outside the job "
-            "(a spot or preemptible instance reclaimed, a node drained, its torchrun killed). Look at the "
-            "scheduler's and the node's logs; an elastic launcher (torchrun --max-restarts) can outlive it."
-        )
+        hint = stories.NODE_STOPPED_HINT
         return died(stopped, rest, summary, hint)
     summary = stories.died(first.rank, _death_text(first), in_call, affected)
-    hint = (
-        "Fix the error on the culprit rank (its exception and frame are above); the other ranks only "
-        "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "
-        "the launcher's logs."
-    )
+    hint = stories.DIED_HINT
     return died([first.rank], affected, summary, hint)
 
 
