@@ -33,6 +33,7 @@ from hangwatch.diagnosis.incidents import (
 from hangwatch.diagnosis.jobs import Jobs
 from hangwatch.diagnosis.state import JobState
 from hangwatch.stackviews import summarize
+from hangwatch.wording import stories
 
 log = logging.getLogger("hangwatch.coordinator")
 
@@ -280,7 +281,7 @@ class Engine:
         if own is not None and own.status == "open" and own.id != root.id:
             own.status = "resolved"
             own.resolved_time = now
-            own.resolution = f"the aftermath of {root.id} ({root.kind.value}), which tells it"
+            own.resolution = stories.aftermath_of(root.id, root.kind.value)
             self.persist(own)
 
     def _forget_oldest(self) -> None:
@@ -323,11 +324,11 @@ class Engine:
                 # gone from the state: every call in it completed and later ones were made (the
                 # state prunes such slots), or every member destroyed the group
                 if slots is None or (slots and next(iter(slots)) > incident.seq):
-                    return f"the ranks went past {incident.op} (seq {incident.seq}); late rank(s): {late or '-'}"
+                    return stories.went_past(incident.op, incident.seq, late)
                 return ""
             done = all(c.exit_time is not None and c.error is None for c in slot.calls.values())
             if done and (not members or len(slot.calls) >= len(members)):
-                return f"every rank completed {incident.op} (seq {incident.seq}); late rank(s): {late or '-'}"
+                return stories.all_completed(incident.op, incident.seq, late)
         if incident.kind == IncidentKind.RANK_FROZEN:
             for rank in incident.culprit_ranks:
                 st = job.ranks.get(rank)

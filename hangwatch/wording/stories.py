@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from hangwatch import catalogue
-from hangwatch.records import SEND_OPS, CallRecord, ProcessStatus, RankEnd
+from hangwatch.records import SEND_OPS, CallRecord, ProcessStatus, ProcState, RankEnd
 from hangwatch.records import EndKind as RankEndKind
 from hangwatch.wording import conj, format_ranks, gpu_faults, in_step, ranks_label
 
@@ -371,3 +371,65 @@ DIED_HINT = (
     "failed because it left. If it was killed without a word, check dmesg for the OOM killer and "
     "the launcher's logs."
 )
+
+
+# --------------------------------------------------------------------------------------------
+# Hints and states the detectors and the engine pick among
+
+SKIPPED_HINT = (
+    "Every rank must make the same collectives in the same order. A rank that skips a step on its own "
+    "(a NaN or inf loss, an empty batch, a condition only it sees) must agree on the skip with the others: "
+    "all_reduce the skip flag (ReduceOp.MAX) and let every rank skip together, or skip only local work."
+)
+
+EXTRA_HINT = (
+    "Every rank must make the same collectives in the same order. A collective only some ranks make (a "
+    "metric or a norm logged on one rank, a debug check) must be made by every rank of its group, or by none."
+)
+
+#: How a silent rank's process is, by its kernel state.
+FROZEN_STATE = {
+    ProcState.STOPPED: "is stopped (SIGSTOP or a debugger)",
+    ProcState.DISK_SLEEP: "is in uninterruptible sleep (D state: I/O or a driver call)",
+    ProcState.RUNNING: "is running but its Python threads cannot run (likely the GIL held in native code)",
+    ProcState.SLEEPING: "is sleeping while holding the interpreter (likely the GIL held in a native wait)",
+}
+
+
+def frozen_how(state: ProcState | None) -> str:
+    if state is None:
+        return "has gone silent and no node agent reports on its process"
+    return FROZEN_STATE.get(state, f"is alive ({state.value}) but silent")
+
+
+def will_never_make_it(rank: int, clause: str, doing: str) -> str:
+    return f" and rank {rank} will never make it: {clause}; rank {rank} {doing}"
+
+
+def p2p_hint(rank: int, peer: int, both_send: bool, both_recv: bool, sites: Sequence[tuple[str, int]]) -> str:
+    """``sites``: (call site, rank) of the call and of the peer's."""
+    where = " and ".join(f"{site} on rank {rk}" if site else f"rank {rk}" for site, rk in sites)
+    if both_send:
+        return (
+            f"ranks {rank} and {peer} both send first and wait for the other to receive: order the calls "
+            "so one side receives first (e.g. even ranks send first, odd ranks receive first) or use "
+            f"batch_isend_irecv; check {where}"
+        )
+    if both_recv:
+        return f"ranks {rank} and {peer} both wait to receive from each other: one side must send first; check {where}"
+    return (
+        "every send needs a matching recv on the peer, in the same group and in the same order; "
+        f"check the order of the send/recv calls at {where}"
+    )
+
+
+def aftermath_of(root_id: str, kind: str) -> str:
+    return f"the aftermath of {root_id} ({kind}), which tells it"
+
+
+def went_past(op: str, seq: int, late: str) -> str:
+    return f"the ranks went past {op} (seq {seq}); late rank(s): {late or '-'}"
+
+
+def all_completed(op: str, seq: int, late: str) -> str:
+    return f"every rank completed {op} (seq {seq}); late rank(s): {late or '-'}"

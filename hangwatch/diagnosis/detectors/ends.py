@@ -17,7 +17,7 @@ import signal
 
 from hangwatch import records as r
 from hangwatch.diagnosis.detectors import Context, SlotId
-from hangwatch.diagnosis.detectors.stuck import EARLY_EXIT_HINT, EXTRA_HINT, SKIPPED_HINT
+from hangwatch.diagnosis.detectors.stuck import EARLY_EXIT_HINT
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, RankState
 from hangwatch.wording import describe_call, stories
@@ -472,7 +472,7 @@ def _early_exit(
     summary = stories.left_early(first.rank, first.step, end, sorted(waiting), op, group, seq)
     culprits, others = [first.rank], sorted(waiting)
     if why is not None:  # it did not leave the loop: it skipped a call and ran out, or they made one more
-        kind, hint = IncidentKind.STUCK_COLLECTIVE, SKIPPED_HINT if why.skipped else EXTRA_HINT
+        kind, hint = IncidentKind.STUCK_COLLECTIVE, stories.SKIPPED_HINT if why.skipped else stories.EXTRA_HINT
         step = int(str(why.facts.get("step", step)))
         details["skipped" if why.skipped else "edit"] = why.facts
         if not why.skipped:

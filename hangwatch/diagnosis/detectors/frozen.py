@@ -15,14 +15,6 @@ from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, inci
 from hangwatch.diagnosis.state import JobState, RankState
 from hangwatch.wording import stories
 
-_STATE_TEXT = {
-    r.ProcState.STOPPED: "is stopped (SIGSTOP or a debugger)",
-    r.ProcState.DISK_SLEEP: "is in uninterruptible sleep (D state: I/O or a driver call)",
-    r.ProcState.RUNNING: "is running but its Python threads cannot run (likely the GIL held in native code)",
-    r.ProcState.SLEEPING: "is sleeping while holding the interpreter (likely the GIL held in a native wait)",
-}
-
-
 #: More silent ranks than this, on more than two hosts, is not a freeze without an agent's word.
 MASS_SILENCE = 16
 _EVIDENCE = (r.ProcState.STOPPED, r.ProcState.DISK_SLEEP)
@@ -45,10 +37,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     for st in silent:
         silent_for = ctx.now - st.last_seen
         proc = st.proc
-        if proc is None:
-            how = "has gone silent and no node agent reports on its process"
-        else:
-            how = _STATE_TEXT.get(proc.state, f"is alive ({proc.state.value}) but silent")
+        how = stories.frozen_how(proc.state if proc is not None else None)
         waiting = [rk for rk in blocked if rk != st.rank]
         last = st.last_call
         summary = stories.frozen(st.rank, st.identity.pid, st.identity.host, how, ctx.silence_after, last, waiting)

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 
 from hangwatch.diagnosis.rules import P2P_MISMATCH, Mismatch
 from hangwatch.records import RECV_OPS, SEND_OPS, CallRecord
-from hangwatch.wording import describe_call, p2p_doing
-from hangwatch.wording.stories import p2p_unmatched as p2p_unmatched_story
+from hangwatch.wording import describe_call, p2p_doing, stories
 
 
 def unmatched_p2p(open_calls: Sequence[CallRecord], now: float, grace_s: float) -> list[tuple[CallRecord, Mismatch]]:
@@ -57,27 +56,11 @@ def _unmatched(c: CallRecord, peer_calls: Sequence[CallRecord], now: float) -> M
     assert c.peer is not None
     sending = c.op in SEND_OPS
     theirs = " and ".join(p2p_doing(p, c) for p in peer_calls)
-    summary = p2p_unmatched_story(c, theirs, now - c.enter_time)
+    summary = stories.p2p_unmatched(c, theirs, now - c.enter_time)
     both_send = sending and any(p.op in SEND_OPS and p.peer == c.rank for p in peer_calls)
     both_recv = not sending and any(p.op in RECV_OPS and p.peer == c.rank for p in peer_calls)
-    sites = " and ".join(
-        f"{x.call_site} on rank {x.rank}" if x.call_site else f"rank {x.rank}" for x in (c, peer_calls[0])
-    )
-    if both_send:
-        hint = (
-            f"ranks {c.rank} and {c.peer} both send first and wait for the other to receive: order the "
-            "calls so one side receives first (e.g. even ranks send first, odd ranks receive first) "
-            f"or use batch_isend_irecv; check {sites}"
-        )
-    elif both_recv:
-        hint = (
-            f"ranks {c.rank} and {c.peer} both wait to receive from each other: one side must send first; check {sites}"
-        )
-    else:
-        hint = (
-            "every send needs a matching recv on the peer, in the same group and in the same order; "
-            f"check the order of the send/recv calls at {sites}"
-        )
+    sites = [(x.call_site, x.rank) for x in (c, peer_calls[0])]
+    hint = stories.p2p_hint(c.rank, c.peer, both_send, both_recv, sites)
     details = {c.rank: describe_call(c), c.peer: "; ".join(describe_call(p) for p in peer_calls)}
     return Mismatch(
         kind=P2P_MISMATCH,

@@ -30,17 +30,6 @@ from hangwatch.wording import describe_call, doing, gpu_load, stories
 EARLY_EXIT_HINT = kinds.hint(IncidentKind.EARLY_EXIT)
 
 
-SKIPPED_HINT = (
-    "Every rank must make the same collectives in the same order. A rank that skips a step on its own "
-    "(a NaN or inf loss, an empty batch, a condition only it sees) must agree on the skip with the others: "
-    "all_reduce the skip flag (ReduceOp.MAX) and let every rank skip together, or skip only local work."
-)
-
-EXTRA_HINT = (
-    "Every rank must make the same collectives in the same order. A collective only some ranks make (a "
-    "metric or a norm logged on one rank, a debug check) must be made by every rank of its group, or by none."
-)
-
 #: Heartbeats come every second; a rank silent this long may be frozen (the frozen detector
 #: decides at ``silence_after``), so a hang it is absent from is not yet blamed on it.
 SUSPECT_SILENCE_S = 2.5
@@ -400,9 +389,9 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
                 IncidentKind.STUCK_COLLECTIVE,
                 why.culprits,
                 stories.waiting_in(waiting, where, waited)
-                + f" and rank {absent[0]} will never make it: {why.clause}; rank {absent[0]} {doings[absent[0]]}"
+                + stories.will_never_make_it(absent[0], why.clause, doings[absent[0]])
                 + stories.then(device[0] if device else ""),
-                SKIPPED_HINT if why.skipped else EXTRA_HINT,
+                stories.SKIPPED_HINT if why.skipped else stories.EXTRA_HINT,
                 stack_ranks,
                 others=None if why.skipped else absent,  # their extra call: the absent rank did right
             )

@@ -17,6 +17,7 @@ from hangwatch.diagnosis.rules.checks import numel, single
 from hangwatch.diagnosis.rules.slot import SHAPE_MISMATCH, Mismatch, SlotCalls, field_label, group_ranks
 from hangwatch.records import TensorMeta
 from hangwatch.wording import format_shape
+from hangwatch.wording import mismatches as words
 
 
 def group_index(s: SlotCalls) -> dict[int, int] | None:
@@ -63,20 +64,9 @@ def _pair_culprits(pairs: Sequence[_Pair]) -> list[int]:
 
 def _pairs_mismatch(s: SlotCalls, pairs: list[_Pair], hint: str, what: str) -> Mismatch:
     p = pairs[0]
-    text = (
-        f"rank {p.receiver} expects {p.expects} from rank {p.sender}, "
-        f"but rank {p.sender} sends {p.sends} to rank {p.receiver}"
-    )
-    if len(pairs) > 1:
-        more = len(pairs) - 1
-        text += f" ({more} more pair{'s disagree' if more > 1 else ' disagrees'})"
+    text = words.pair_text(p.receiver, p.expects, p.sender, p.sends, len(pairs) - 1)
     culprits = _pair_culprits(pairs)
-    return s.mismatch(
-        SHAPE_MISMATCH,
-        culprits,
-        f"{s.head(what)}: {text}",
-        f"{hint}; check {s.where(culprits)}",
-    )
+    return s.mismatch(SHAPE_MISMATCH, culprits, f"{s.head(what)}: {text}", words.check_where(hint, s.where(culprits)))
 
 
 @dataclass(frozen=True)
@@ -104,11 +94,7 @@ class _Chunks:
         if self.splits is None:
             return f"{self.elements(j)} elements (an even split of {format_shape(self.meta.shape)})"
         k = self.splits[j]
-        if len(self.meta.shape) == 1:
-            amount = f"{k} element{'' if k == 1 else 's'}"
-        else:
-            amount = f"{k} row{'' if k == 1 else 's'} of {self.row} element{'' if self.row == 1 else 's'}"
-        return f"{amount} ({self.key}[{j}] = {k})"
+        return f"{words.chunk_amount(k, self.row, len(self.meta.shape) == 1)} ({self.key}[{j}] = {k})"
 
 
 def _chunks(metas: Sequence[TensorMeta], key: str, splits: tuple[int, ...] | None, n: int) -> _Chunks | None:
@@ -129,11 +115,7 @@ def _even_numel_field(s: SlotCalls, field: str) -> Mismatch | None:
         return f"{format_shape(metas[r].shape)} ({sigs[r]} elements)"
 
     def hint(ref: list[int], bad: list[int]) -> str:
-        return (
-            f"without split sizes, every rank must pass an {what} with the same number of elements "
-            f"to all_to_all_single; {s.which(bad, 'pass')} a different size (or pass "
-            "input_split_sizes/output_split_sizes)"
-        )
+        return words.even_split_hint(what, s.which(bad, "pass"))
 
     return s.cross(sigs, SHAPE_MISMATCH, f"{field_label(field)}size mismatch", show, hint)
 
@@ -182,8 +164,7 @@ def _rule_pairwise_single(s: SlotCalls) -> Mismatch | None:
     return _pairs_mismatch(
         s,
         pairs,
-        "rank i's output_split_sizes[j] must equal rank j's input_split_sizes[i]; compute the split "
-        "sizes from the same data on every rank (e.g. exchange counts with an all_to_all_single first)",
+        words.SPLIT_PAIRING,
         "split mismatch",
     )
 
@@ -217,7 +198,7 @@ def _rule_pairwise_list(s: SlotCalls) -> Mismatch | None:
     return _pairs_mismatch(
         s,
         pairs,
-        "rank i's output tensor j must have the shape of rank j's input tensor i in all_to_all",
+        words.LIST_PAIRING,
         "shape mismatch",
     )
 

@@ -19,6 +19,7 @@ from hangwatch.catalogue import INPUT_SPLITS, OUTPUT_SPLITS, SPLITS_VARY, canoni
 from hangwatch.diagnosis.incidents import IncidentKind
 from hangwatch.records import CallRecord, TensorMeta
 from hangwatch.wording import format_shape, tensors_word
+from hangwatch.wording import mismatches as words
 
 SHAPE_MISMATCH = IncidentKind.SHAPE_MISMATCH
 DTYPE_MISMATCH = IncidentKind.DTYPE_MISMATCH
@@ -51,32 +52,20 @@ def _check_list(
     """A per-rank tensor list (``name``) against the group size and the rank's own ``ref``."""
     problems: list[Problem] = []
     if gs is not None and len(lst) != gs:
-        problems.append(
-            Problem(
-                SHAPE_MISMATCH,
-                f"passes {tensors_word(len(lst))} in its {name} list, but the group has {gs} ranks",
-                f"{op} needs exactly one {name} tensor per rank in the group ({gs})",
-            )
-        )
+        problems.append(Problem(SHAPE_MISMATCH, *words.list_length(op, name, tensors_word(len(lst)), gs)))
     if ref is not None:
         for k, meta in enumerate(lst):
             if meta.dtype != ref.dtype:
                 problems.insert(
                     0,
-                    Problem(
-                        DTYPE_MISMATCH,
-                        f"has {name} tensor {k} of dtype {meta.dtype}, but its {ref_name} is {ref.dtype}",
-                        f"{op} needs every {name} tensor to have the {ref_name}'s dtype",
-                    ),
+                    Problem(DTYPE_MISMATCH, *words.list_dtype(op, name, k, meta.dtype, ref_name, ref.dtype)),
                 )
                 break
             if meta.shape != ref.shape:
                 problems.append(
                     Problem(
                         SHAPE_MISMATCH,
-                        f"has {name} tensor {k} of shape {format_shape(meta.shape)}, "
-                        f"but its {ref_name} has shape {format_shape(ref.shape)}",
-                        f"{op} needs every {name} tensor to have the {ref_name}'s shape",
+                        *words.list_shape(op, name, k, format_shape(meta.shape), ref_name, format_shape(ref.shape)),
                     )
                 )
                 break
@@ -117,30 +106,32 @@ def _numel_ratio(
     for k, (s, b) in enumerate(zip(small, big, strict=True)):
         which = f" {k}" if len(small) > 1 else ""
         if s.dtype != b.dtype:
-            return [
-                Problem(
-                    DTYPE_MISMATCH,
-                    f"has {big_name}{which} of dtype {b.dtype}, but its {small_name}{which} is {s.dtype}",
-                    f"{op} needs the input and output tensors to have the same dtype",
-                )
-            ]
+            return [Problem(DTYPE_MISMATCH, *words.ratio_dtype(op, big_name, b.dtype, small_name, s.dtype, which))]
         n_small, n_big = numel(s.shape), numel(b.shape)
         if gs is not None and n_big != gs * n_small:
             return [
                 Problem(
                     SHAPE_MISMATCH,
-                    f"has {big_name}{which} {format_shape(b.shape)} ({n_big} elements), but its "
-                    f"{small_name}{which} {format_shape(s.shape)} x {gs} ranks needs {gs * n_small}",
-                    f"{op} needs the {big_name} to hold group size x the {small_name}'s elements",
+                    *words.ratio_size(
+                        op,
+                        big_name,
+                        format_shape(b.shape),
+                        n_big,
+                        small_name,
+                        format_shape(s.shape),
+                        which,
+                        gs,
+                        gs * n_small,
+                    ),
                 )
             ]
         if gs is None and n_small and n_big % n_small:
             return [
                 Problem(
                     SHAPE_MISMATCH,
-                    f"has {big_name}{which} {format_shape(b.shape)} ({n_big} elements), not a multiple "
-                    f"of its {small_name}{which} {format_shape(s.shape)} ({n_small} elements)",
-                    f"{op} needs the {big_name} to hold group size x the {small_name}'s elements",
+                    *words.ratio_multiple(
+                        op, big_name, format_shape(b.shape), n_big, small_name, format_shape(s.shape), which, n_small
+                    ),
                 )
             ]
     return []
@@ -160,13 +151,7 @@ def _all_to_all(c: CallRecord, gs: int | None) -> list[Problem]:
         return problems
     for name, lst in (("input", c.inputs), ("output", c.outputs)):
         if lst and len(lst) != gs:
-            problems.append(
-                Problem(
-                    SHAPE_MISMATCH,
-                    f"passes {tensors_word(len(lst))} in its {name} list, but the group has {gs} ranks",
-                    f"all_to_all needs exactly one {name} tensor per rank in the group ({gs})",
-                )
-            )
+            problems.append(Problem(SHAPE_MISMATCH, *words.list_length("all_to_all", name, tensors_word(len(lst)), gs)))
     return problems
 
 
@@ -183,30 +168,14 @@ def _all_to_all_single(c: CallRecord, gs: int | None) -> list[Problem]:
         if splits is None:
             if gs and dim0 % gs:
                 problems.append(
-                    Problem(
-                        SHAPE_MISMATCH,
-                        f"has {name} {format_shape(meta.shape)} with no {key}, but dim 0 ({dim0}) "
-                        f"does not divide evenly over {gs} ranks",
-                        f"without {key}, all_to_all_single splits dim 0 evenly over the group",
-                    )
+                    Problem(SHAPE_MISMATCH, *words.uneven_split(name, format_shape(meta.shape), key, dim0, gs))
                 )
             continue
         if gs is not None and len(splits) != gs:
-            problems.append(
-                Problem(
-                    SHAPE_MISMATCH,
-                    f"passes {len(splits)} {key}, but the group has {gs} ranks",
-                    f"{key} needs one entry per rank in the group ({gs})",
-                )
-            )
+            problems.append(Problem(SHAPE_MISMATCH, *words.split_count(key, len(splits), gs)))
         elif sum(splits) != dim0:
             problems.append(
-                Problem(
-                    SHAPE_MISMATCH,
-                    f"has {key} {list(splits)} summing to {sum(splits)}, but its {name} "
-                    f"{format_shape(meta.shape)} has {dim0} rows",
-                    f"{key} must add up to dim 0 of the {name} tensor",
-                )
+                Problem(SHAPE_MISMATCH, *words.split_sum(key, list(splits), name, format_shape(meta.shape), dim0))
             )
     return problems
 

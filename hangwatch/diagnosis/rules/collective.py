@@ -55,6 +55,7 @@ from hangwatch.wording import (
     ranks_label,
     tensors_word,
 )
+from hangwatch.wording import mismatches as words
 
 
 def _rule_op(s: SlotCalls) -> Mismatch | None:
@@ -65,13 +66,15 @@ def _rule_op(s: SlotCalls) -> Mismatch | None:
     culprits = [r for r in sigs if r not in ref]
     ref_op = sigs[min(ref)]
     bad_ops = sorted({sigs[r] for r in culprits})
-    summary = f"op mismatch in group {s.group} seq {s.seq}: {listing(sigs)}"
-    hint = (
-        f"every rank of group {s.group} must call the same collectives in the same order; "
-        f"{ranks_label(culprits)} called {' / '.join(bad_ops)}{s.sites(culprits)} where "
-        f"{ranks_label(ref)} called {ref_op}{s.sites(sorted(ref))}; look for a collective "
-        "inside a rank-dependent branch, an early exit, or a loop that runs a different number "
-        "of times on some ranks"
+    summary = words.op_summary(s.group, s.seq, listing(sigs))
+    hint = words.op_hint(
+        s.group,
+        ranks_label(culprits),
+        " / ".join(bad_ops),
+        s.sites(culprits),
+        ranks_label(ref),
+        ref_op,
+        s.sites(sorted(ref)),
     )
     return s.mismatch(OP_MISMATCH, culprits, summary, hint)
 
@@ -83,11 +86,7 @@ def _rule_group_ranks(s: SlotCalls) -> Mismatch | None:
         ARG_MISMATCH,
         "group membership mismatch",
         lambda r: "{" + format_ranks(sigs[r]) + "}",
-        lambda ref, bad: (
-            f"ranks disagree on which ranks form group {s.group}; every rank must create its "
-            "process groups with the same ranks and in the same order (new_group is collective "
-            f"even for non-members); {s.which(bad, 'create')} a different group"
-        ),
+        lambda ref, bad: words.group_ranks_hint(s.group, s.which(bad, "create")),
         prefer=lambda _sig, _ranks: False,
     )
 
@@ -101,13 +100,8 @@ def _rule_root(s: SlotCalls) -> Mismatch | None:
         return None
 
     def hint(ref: list[int], bad: list[int]) -> str:
-        ref_root = sigs[ref[0]]
-        return (
-            f"every rank must pass the same {name} to {s.op}; "
-            f"{ranks_label(ref)} {conj('pass', ref)} {name}={ref_root}; "
-            f"{s.which(bad, 'pass')} a different one ({name} is a global rank, even in a subgroup: "
-            "use group_src/group_dst or get_global_rank to convert)"
-        )
+        root = sigs[ref[0]]
+        return words.root_hint(name, s.op, ranks_label(ref), conj("pass", ref), root, s.which(bad, "pass"))
 
     return s.cross(
         sigs,
@@ -139,12 +133,8 @@ def _dtype_field(s: SlotCalls, field: str) -> Mismatch | None:
         return format_dtypes(sigs[r])
 
     def hint(ref: list[int], bad: list[int]) -> str:
-        return (
-            f"every rank must pass {label}tensors of the same dtype to {s.op} "
-            f"({ranks_label(ref)} {conj('use', ref)} {format_dtypes(sigs[ref[0]])}); "
-            f"{s.which(bad, 'use')} a different dtype (a missing .to(dtype), autocast, or "
-            "a dtype taken from rank-dependent data)"
-        )
+        dtypes = format_dtypes(sigs[ref[0]])
+        return words.dtype_hint(label, s.op, ranks_label(ref), conj("use", ref), dtypes, s.which(bad, "use"))
 
     return s.cross(sigs, DTYPE_MISMATCH, f"{label}dtype mismatch", show, hint)
 
@@ -163,8 +153,8 @@ def _intrinsic(s: SlotCalls, kind: IncidentKind) -> Mismatch | None:
         return None
     culprits = sorted(first)
     what = "dtype mismatch" if kind == DTYPE_MISMATCH else "shape mismatch"
-    summary = f"{s.head(what)}: " + "; ".join(f"rank {r} {p.text}" for r, p in first.items())
-    hint = f"{first[culprits[0]].hint}; check {s.where(culprits)}"
+    summary = words.intrinsic_summary(s.head(what), {r: p.text for r, p in first.items()})
+    hint = words.check_where(first[culprits[0]].hint, s.where(culprits))
     return s.mismatch(kind, culprits, summary, hint)
 
 
@@ -195,11 +185,7 @@ def _length_field(s: SlotCalls, field: str) -> Mismatch | None:
         return tensors_word(sigs[r])
 
     def hint(ref: list[int], bad: list[int]) -> str:
-        return (
-            f"every rank must pass {label}lists of the same length to {s.op} "
-            f"({ranks_label(ref)} {conj('pass', ref)} {sigs[ref[0]]}); "
-            f"{s.which(bad, 'pass')} a different number"
-        )
+        return words.length_hint(label, s.op, ranks_label(ref), conj("pass", ref), sigs[ref[0]], s.which(bad, "pass"))
 
     return s.cross(sigs, SHAPE_MISMATCH, f"{label}list length mismatch", show, hint)
 
@@ -224,9 +210,7 @@ def _shape_field(s: SlotCalls, field: str) -> Mismatch | None:
         return format_shapes(metas[r])
 
     def hint(ref: list[int], bad: list[int]) -> str:
-        if objects:
-            return f"every rank must pass {needs} to {s.op}; {s.which(bad, 'pass')} a different length"
-        return f"every rank must pass {needs} to {s.op}; {s.which(bad, 'build')} a different shape"
+        return words.shape_hint(needs, s.op, s.which(bad, "pass" if objects else "build"), objects)
 
     return s.cross(sigs, SHAPE_MISMATCH, what, show, hint)
 
@@ -240,10 +224,7 @@ def _rule_reduce_op(s: SlotCalls) -> Mismatch | None:
         ARG_MISMATCH,
         "reduce op mismatch",
         lambda r: sigs[r],
-        lambda ref, bad: (
-            f"every rank must use the same reduce op for {s.op} ({ranks_label(ref)} {conj('use', ref)} "
-            f"{sigs[ref[0]]}); {s.which(bad, 'use')} a different one"
-        ),
+        lambda ref, bad: words.reduce_hint(s.op, ranks_label(ref), conj("use", ref), sigs[ref[0]], s.which(bad, "use")),
     )
 
 

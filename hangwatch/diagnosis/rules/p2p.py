@@ -11,6 +11,7 @@ from hangwatch.diagnosis.rules.checks import numel
 from hangwatch.diagnosis.rules.slot import P2P_MISMATCH, Mismatch
 from hangwatch.records import CallRecord, TensorMeta
 from hangwatch.wording import describe_call, format_metas
+from hangwatch.wording import mismatches as words
 
 
 def _p2p_metas(c: CallRecord) -> tuple[TensorMeta, ...]:
@@ -42,15 +43,8 @@ def match_p2p(send: CallRecord, recv: CallRecord) -> Mismatch | None:
     if not objects:
         send_desc += f" ({s_numel} elements)"
         recv_desc += f" ({r_numel} elements)"
-    summary = (
-        f"p2p mismatch in group {send.group} (pair seq {send.seq}): rank {send.rank} sends "
-        f"{send_desc} to rank {recv.rank}, but rank {recv.rank} receives {recv_desc} ({problem})"
-    )
-    sites = " and ".join(
-        f"{what} at {c.call_site} on rank {c.rank}" if c.call_site else f"{what} on rank {c.rank}"
-        for what, c in (("the send", send), ("the recv", recv))
-    )
-    hint = f"a send and its matching recv must carry {fix}; check {sites}"
+    summary = words.p2p_summary(send.group, send.seq, send.rank, send_desc, recv.rank, recv_desc, problem)
+    hint = words.p2p_hint(fix, [("the send", send.call_site, send.rank), ("the recv", recv.call_site, recv.rank)])
     return Mismatch(
         kind=P2P_MISMATCH,
         culprit_ranks=tuple(sorted({send.rank, recv.rank})),

@@ -20,7 +20,8 @@ from hangwatch.catalogue import GROUP_RANKS, canonical_op, parse_ints
 from hangwatch.diagnosis.incidents import IncidentKind
 from hangwatch.diagnosis.rules.checks import CHECKS, Intrinsic
 from hangwatch.records import CallRecord, TensorMeta
-from hangwatch.wording import conj, describe_call, listing, more, ranks_label
+from hangwatch.wording import conj, describe_call, listing, more
+from hangwatch.wording import mismatches as words
 
 OP_MISMATCH = IncidentKind.OP_MISMATCH
 SHAPE_MISMATCH = IncidentKind.SHAPE_MISMATCH
@@ -140,11 +141,10 @@ class SlotCalls:
 
     def where(self, ranks: Sequence[int]) -> str:
         """``"the code at train.py:42 on rank 1"`` (grouped by call site)."""
-        by_site: dict[str, list[int]] = {}
+        sites: dict[str, list[int]] = {}
         for rank in ranks:
-            by_site.setdefault(self.calls[rank].call_site, []).append(rank)
-        parts = [f"at {site} on {ranks_label(rs)}" if site else f"on {ranks_label(rs)}" for site, rs in by_site.items()]
-        return "the code " + " and ".join(parts)
+            sites.setdefault(self.calls[rank].call_site, []).append(rank)
+        return words.by_site(sites)
 
     def sites(self, ranks: Sequence[int]) -> str:
         """``" at train.py:42"`` (the distinct call sites of ``ranks``), or ``""``."""
