@@ -189,19 +189,31 @@ class PsutilInspector:
         return ProcessStatus(pid, ProcState.DEAD, now, start, exit_code=code, signal=sig)
 
 
-def exit_when_gone(pid: int, wait_s: float = 0.02, proc_root: str = "/proc") -> tuple[int | None, int | None]:
+#: Index in :func:`stat_fields` of the flags word (field 9 of proc(5)), and its bit for a task
+#: on its way out (``PF_EXITING``): set from the start of exit until the process is a zombie.
+FLAGS_FIELD = 6
+PF_EXITING = 0x4
+
+
+def exit_when_gone(
+    pid: int, wait_s: float = 0.02, exiting_s: float = 1.0, proc_root: str = "/proc"
+) -> tuple[int | None, int | None]:
     """Exit code or signal of ``pid`` whose rank link just closed: the process is exiting, and
     becomes a zombie within moments, until its parent reaps it (torchrun polls every 0.1 s), so
-    look at once and for a few milliseconds more. (None, None) when it could not be seen."""
-    deadline = time.monotonic() + wait_s
+    look at once and for a few milliseconds more, and for up to ``exiting_s`` while the kernel
+    says it is still on its way out (a big process's exit frees its memory first: seconds under
+    load). (None, None) when it could not be seen."""
+    start = time.monotonic()
     while True:
         try:
             fields = stat_fields(pid, proc_root)
             if fields[0] == "Z":
                 return wait_status(int(fields[EXIT_FIELD]))
+            exiting = int(fields[FLAGS_FIELD]) & PF_EXITING
         except (OSError, ValueError, IndexError):
             return None, None  # reaped already (or never readable)
-        if time.monotonic() >= deadline:
+        waited = time.monotonic() - start
+        if waited >= (exiting_s if exiting else wait_s):
             return None, None
         time.sleep(0.001)
 

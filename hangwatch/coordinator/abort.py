@@ -25,7 +25,7 @@ def after(c: Coordinator, incident: Incident) -> None:
         while time.time() < deadline and incident.stacks_time is None and incident.stack_notes == {}:
             time.sleep(0.2)
         with c.lock:
-            job = c.jobs.for_run(incident.run)  # only the incident's own job is touched
+            job = c.jobs.for_incarnation(incident.incarnation)  # only the incident's own job is touched
             if job is None:
                 return
             job.aborted_at = time.time()

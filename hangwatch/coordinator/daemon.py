@@ -294,7 +294,7 @@ class Coordinator:
         """Register (or re-register) a rank in its job; returns the highest call id already held
         for its session (0 for a new one) and how often it should report."""
         with self.lock:
-            known = len(self.jobs.ended_runs), len(self.jobs)
+            known = len(self.jobs.ended_incarnations), len(self.jobs)
             try:
                 job, state = self.jobs.register(identity, time.time(), via)
             except JobsFull as e:
@@ -307,8 +307,8 @@ class Coordinator:
                 self.metrics_rejected("claim")
                 log.warning("registration refused: %s", e)
                 raise IntakeError(str(e)) from None
-            if (len(self.jobs.ended_runs), len(self.jobs)) != known:  # a run ended or a job began
-                log.info("job %s: run %s (%s)", identity.job_id, job.run, self.jobs.key_of(job))
+            if (len(self.jobs.ended_incarnations), len(self.jobs)) != known:  # a run ended or a job began
+                log.info("job %s: run %s (%s)", identity.job_id, job.incarnation, self.jobs.key_of(job))
             # sessions of ended runs and of a rank's earlier process are over
             kept = {s: d for s, d in self.decoders.items() if self.jobs.for_session(s) is not None}
             for session, gone in self.decoders.items():

@@ -59,7 +59,7 @@ def import_dumps(c: Coordinator, folder: Folder, job_selector: str = "") -> dict
             return None  # no job followed (an empty one has no run to join)
         stuck_after = c.engine.stuck_threshold(job)
         world = job.world_size or None
-        live = [inc for inc in c.engine.incidents.values() if inc.run == job.run]
+        live = [inc for inc in c.engine.incidents.values() if inc.incarnation == job.incarnation]
     analysis = replay.analyze(folder, stuck_after=stuck_after, world_size=world)  # outside the lock
     now = time.time()
     found = {(inc.group, inc.seq): inc for inc in analysis.incidents}
@@ -83,15 +83,15 @@ def import_dumps(c: Coordinator, folder: Folder, job_selector: str = "") -> dict
         known = {inc.key for inc in live}
         skipped = 0
         for inc in found.values():
-            # the job's run, then the finding's own key without the analysis's throwaway run:
-            # the same dumps give the same key, and the run is the job's (``run_of``)
-            key = f"{job.run}/postmortem.{inc.key.split('/', 1)[-1]}"
+            # the job's incarnation, then the finding's own key without the analysis's throwaway one:
+            # the same dumps give the same key, and the run is the job's (``incarnation_of``)
+            key = f"{job.incarnation}/postmortem.{inc.key.split('/', 1)[-1]}"
             if key in known or len(added) >= MAX_IMPORTED_INCIDENTS:
                 skipped += 1  # imported before (the same dumps again), or past the bound
                 continue
             known.add(key)
             inc.id = c.engine.next_id()
-            inc.job, inc.run, inc.launch, inc.attempt = job.job_id, job.run, job.launch, job.attempt
+            inc.job, inc.incarnation, inc.launch, inc.attempt = job.job_id, job.incarnation, job.launch, job.attempt
             inc.key = key
             inc.detected_time = now
             inc.status, inc.resolved_time = "resolved", now
@@ -101,7 +101,7 @@ def import_dumps(c: Coordinator, folder: Folder, job_selector: str = "") -> dict
             added.append(inc.id)
     return {
         "job": job.job_id,
-        "run": job.run,
+        "run": job.incarnation,
         "ranks": format_ranks(analysis.ranks),
         "missing_ranks": format_ranks(analysis.missing),
         "attached": attached,

@@ -18,11 +18,11 @@ def incidents_json(c: Coordinator, job_selector: str = "") -> list[dict[str, Any
     """Every incident kept, or those of the jobs ``job_selector`` names (their runs, live or
     ended, are matched by job id, launch or run)."""
     with c.lock:
-        runs = {job.run for job in c.jobs.find(job_selector)} if job_selector else set()
+        runs = {job.incarnation for job in c.jobs.find(job_selector)} if job_selector else set()
         return [
             inc.to_json()
             for inc in c.engine.incidents.values()
-            if not job_selector or inc.run in runs or _names(job_selector, inc)
+            if not job_selector or inc.incarnation in runs or _names(job_selector, inc)
         ]
 
 
@@ -37,7 +37,7 @@ def status(c: Coordinator, job_selector: str = "") -> dict[str, Any] | None:
         open_incidents = [
             {k: v for k, v in inc.to_json().items() if k not in ("stacks", "details")}
             for inc in c.engine.incidents.values()
-            if inc.status == "open" and inc.run == job.run
+            if inc.status == "open" and inc.incarnation == job.incarnation
         ]
         extra = {
             "coordinator_id": c.coordinator_id,
@@ -58,14 +58,14 @@ def status(c: Coordinator, job_selector: str = "") -> dict[str, Any] | None:
         }
         status = status_json(job, now, c.options.silence_after, extra, open_incidents)
         status["graph"] = waits.graph_json(waits.graph(job, now, c.options.silence_after))
-        open_by_run: dict[str, int] = {}
+        open_by_incarnation: dict[str, int] = {}
         for inc in c.engine.incidents.values():
             if inc.status == "open":
-                open_by_run[inc.run] = open_by_run.get(inc.run, 0) + 1
+                open_by_incarnation[inc.incarnation] = open_by_incarnation.get(inc.incarnation, 0) + 1
         status["jobs"] = [
             {
                 **job_line(j, c.jobs.key_of(j), now, c.options.silence_after),
-                "open_incidents": open_by_run.get(j.run, 0),
+                "open_incidents": open_by_incarnation.get(j.incarnation, 0),
                 "shown": j is job,
             }
             for j in c.jobs
@@ -74,4 +74,6 @@ def status(c: Coordinator, job_selector: str = "") -> dict[str, Any] | None:
 
 
 def _names(selector: str, incident: Incident) -> bool:
-    return any(s.startswith(selector) for s in (incident.job, incident.run, f"{incident.job}@{incident.launch}") if s)
+    return any(
+        s.startswith(selector) for s in (incident.job, incident.incarnation, f"{incident.job}@{incident.launch}") if s
+    )

@@ -26,8 +26,8 @@ from hangwatch.diagnosis.incidents import (
     Incident,
     IncidentKind,
     KeyFamily,
+    incarnation_of,
     key_family,
-    run_of,
     scoped,
 )
 from hangwatch.diagnosis.jobs import Jobs
@@ -117,13 +117,13 @@ class Engine:
         opened: list[Incident] = []
         stack_jobs: list[tuple[Incident, list[int], bool]] = []
         with self.lock:
-            by_run: dict[str, list[Incident]] = {}
+            by_incarnation: dict[str, list[Incident]] = {}
             for inc in self.incidents.values():
-                by_run.setdefault(run_of(inc.key), []).append(inc)
-            self._end_runs(by_run, now)
+                by_incarnation.setdefault(incarnation_of(inc.key), []).append(inc)
+            self._end_incarnations(by_incarnation, now)
             for job in self.jobs:
                 job.before_detection(now, functools.partial(self.stuck_threshold, job))
-                for finding, incident, new in self._detect(job, by_run.get(job.run, []), now):
+                for finding, incident, new in self._detect(job, by_incarnation.get(job.incarnation, []), now):
                     if new and incident is not None:
                         opened.append(incident)
                         if finding.stack_ranks:
@@ -160,9 +160,9 @@ class Engine:
             if inc.status == "open" and key_family(inc.key) in HANG_FAMILIES
             for rank in inc.culprit_ranks + inc.waiting_ranks
         }
-        cache = self.caches.get(job.run)
+        cache = self.caches.get(job.incarnation)
         if cache is None:  # made once per run: making it is most of an idle tick's cost
-            cache = self.caches[job.run] = new_cache()
+            cache = self.caches[job.incarnation] = new_cache()
         ctx = Context(
             now=now,
             stuck_after_s=lambda: self.stuck_threshold(job),
@@ -191,17 +191,17 @@ class Engine:
                         ctx.hangs.setdefault(rank, incident.key)
         return absorbed
 
-    def _end_runs(self, by_run: dict[str, list[Incident]], now: float) -> None:
+    def _end_incarnations(self, by_incarnation: dict[str, list[Incident]], now: float) -> None:
         """Runs no longer followed (a new run of the job began, the job was retired, or the
         coordinator restarted since): what the detectors remembered of them goes, and their open
         incidents can no longer change (their ranks are gone): they are resolved as such."""
-        live = {job.run for job in self.jobs}
+        live = {job.incarnation for job in self.jobs}
         followed = set(self.caches)  # runs this engine has ticked (the others: from the store)
         self.caches = {run: cache for run, cache in self.caches.items() if run in live}
-        for run, incidents in by_run.items():
+        for run, incidents in by_incarnation.items():
             if run in live:
                 continue
-            why = self.jobs.ended_runs.get(run) or (
+            why = self.jobs.ended_incarnations.get(run) or (
                 "the job's run ended (a new run of it began)"
                 if run in followed
                 else "no longer followed: the coordinator restarted (a hang still under way is reported again)"
@@ -214,9 +214,9 @@ class Engine:
                     self.persist(incident)
 
     def _absorb(self, finding: Finding, job: JobState, now: float) -> tuple[Incident | None, bool]:
-        finding.key = scoped(job.run, finding.key)
+        finding.key = scoped(job.incarnation, finding.key)
         if finding.aftermath_of:
-            finding.aftermath_of = scoped(job.run, finding.aftermath_of)
+            finding.aftermath_of = scoped(job.incarnation, finding.aftermath_of)
             self._fold_aftermath(finding, now)
             return None, False
         existing_id = self.by_key.get(finding.key)
@@ -247,7 +247,7 @@ class Engine:
                 self.persist(incident)
             return incident, False
         incident = Incident.from_finding(self.next_id(), job.job_id, finding, now)
-        incident.run, incident.launch, incident.attempt = job.run, job.launch, job.attempt
+        incident.incarnation, incident.launch, incident.attempt = job.incarnation, job.launch, job.attempt
         self.incidents[incident.id] = incident
         self.by_key[finding.key] = incident.id
         if len(self.incidents) > MAX_INCIDENTS_IN_MEMORY:
@@ -291,13 +291,13 @@ class Engine:
         # its key stays known, so the same root cause is not reported again
 
     def _resolve(self, now: float) -> None:
-        jobs = {job.run: job for job in self.jobs}
+        jobs = {job.incarnation: job for job in self.jobs}
         for incident in self.incidents.values():
             if incident.status != "open":
                 continue
-            job = jobs.get(run_of(incident.key))
+            job = jobs.get(incarnation_of(incident.key))
             if job is None:
-                continue  # its run ended: resolved by _end_runs on the next tick
+                continue  # its run ended: resolved by _end_incarnations on the next tick
             reason = self._resolution(job, incident, now)
             if reason:
                 incident.status = "resolved"
@@ -347,7 +347,7 @@ class Engine:
             return
         targets: list[r.Target] = []
         with self.lock:
-            job = self.jobs.for_run(incident.run) or self.job
+            job = self.jobs.for_incarnation(incident.incarnation) or self.job
             for rank in ranks:
                 st = job.ranks.get(rank)
                 if st is None:

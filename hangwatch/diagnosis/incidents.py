@@ -70,11 +70,11 @@ def incident_key(
 
 def key_family(key: str) -> str:
     """The family part of a stored key (``"mismatch"`` for ``"mismatch:0:5"``, and for
-    ``"3f9a1c2e/mismatch:0:5"``, the key as the engine stores it: scoped to the job's run)."""
+    ``"3f9a1c2e/mismatch:0:5"``, the key as the engine stores it: scoped to the job's incarnation)."""
     return key.split(":", 1)[0].rsplit("/", 1)[-1]
 
 
-def run_of(key: str) -> str:
+def incarnation_of(key: str) -> str:
     """The run a stored key is scoped to (``""`` for a key that is not)."""
     head = key.split(":", 1)[0]
     return head.rsplit("/", 1)[0] if "/" in head else ""
@@ -131,9 +131,10 @@ class Incident:
     stack_notes: dict[int, str] = field(default_factory=dict)  # rank -> why its stack is missing
     stacks_time: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
-    #: which run of the job (a fresh id per run), its launch (rendezvous endpoint) and the
-    #: launcher's restart count: the same hang in two runs or two jobs is two incidents
-    run: str = ""
+    #: the job's incarnation (a fresh id each time it runs; ``run`` in the JSON), its launch
+    #: (rendezvous endpoint) and the launcher's restart count: the same hang in two
+    #: incarnations or two jobs is two incidents
+    incarnation: str = ""
     launch: str = ""
     attempt: int = 0
 
@@ -166,7 +167,7 @@ class Incident:
         return {
             "id": self.id,
             "job": self.job,
-            "run": self.run,
+            "run": self.incarnation,
             "launch": self.launch,
             "attempt": self.attempt,
             "kind": self.kind.value,
@@ -215,7 +216,7 @@ class Incident:
             stack_notes={int(k): str(v) for k, v in data.get("stack_notes", {}).items()},
             stacks_time=data.get("stacks_time"),
             details=dict(data.get("details", {})),
-            run=str(data.get("run", "")),
+            incarnation=str(data.get("run", "")),
             launch=str(data.get("launch", "")),
             attempt=int(data.get("attempt", 0)),
         )

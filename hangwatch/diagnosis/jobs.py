@@ -12,7 +12,7 @@ A job is *over* once each of its ranks has ended or its process is gone. An over
 ``torchrun --standalone`` meets at a new port, with a new run id: nothing but the old job's end
 ties the two), until it has been over for ``OVER_KEPT_S``, or until ``MAX_JOBS`` needs its room.
 A live job is never retired. Retiring a job ends its
-run: the engine resolves the run's open incidents (``ended_runs`` says why). A new job that
+run: the engine resolves the run's open incidents (``ended_incarnations`` says why). A new job that
 would exceed ``MAX_JOBS`` live jobs is refused (``JobsFull``), never merged into another.
 """
 
@@ -34,7 +34,7 @@ EMPTY_JOB_S = 60.0
 #: How long an over job's state is kept for ``status`` before it is retired.
 OVER_KEPT_S = 3600.0
 #: Runs whose end is remembered (why their incidents were resolved).
-ENDED_RUNS_KEPT = 1024
+ENDED_KEPT = 1024
 
 
 #: Sessions of retired jobs whose rank had ended or died, kept to refuse them again.
@@ -74,7 +74,7 @@ class Jobs:
         self.keys: dict[int, str] = {}  # id(JobState) -> its key
         self.sessions: dict[str, JobState] = {}  # session id -> its job
         #: run -> why it ended (the engine resolves its open incidents with this)
-        self.ended_runs: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.ended_incarnations: collections.OrderedDict[str, str] = collections.OrderedDict()
         #: sessions whose rank ended or died in a retired job (``SessionOver``)
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.refused = 0  # registrations refused because MAX_JOBS jobs were live
@@ -118,7 +118,7 @@ class Jobs:
                 raise JobsFull(f"this coordinator already follows {MAX_JOBS} live jobs")
             job = JobState(self.ledger)
             self._add(key, job)
-        run = job.run
+        run = job.incarnation
         previous = job.ranks.get(identity.rank)
         try:
             state = job.register(identity, now, via)
@@ -129,7 +129,7 @@ class Jobs:
             raise
         if previous is not None and previous.identity.session != identity.session:
             self.sessions.pop(previous.identity.session, None)  # that process's session is over
-        if job.run != run:
+        if job.incarnation != run:
             self._ended(run, "the job's run ended (a new run of it began)")
             self.sessions = {s: j for s, j in self.sessions.items() if j is not job or s in job.sessions}
         self.sessions[identity.session] = job
@@ -153,17 +153,17 @@ class Jobs:
     def find(self, selector: str) -> list[JobState]:
         """Jobs a ``--job`` selector names: a key, a job id or a run, exactly; else a prefix of
         one (``train`` never selects ``train-big`` when a job ``train`` exists)."""
-        exact = [job for key, job in self.by_key.items() if selector in (key, job.job_id, job.run)]
+        exact = [job for key, job in self.by_key.items() if selector in (key, job.job_id, job.incarnation)]
         if exact:
             return exact
         return [
             job
             for key, job in self.by_key.items()
-            if any(s.startswith(selector) for s in (key, job.job_id, job.run) if s)
+            if any(s.startswith(selector) for s in (key, job.job_id, job.incarnation) if s)
         ]
 
-    def for_run(self, run: str) -> JobState | None:
-        return next((j for j in self.by_key.values() if j.run == run), None)
+    def for_incarnation(self, run: str) -> JobState | None:
+        return next((j for j in self.by_key.values() if j.incarnation == run), None)
 
     def holding(self, target: r.Target) -> RankState | None:
         """The rank a process target belongs to, in whichever job."""
@@ -221,12 +221,12 @@ class Jobs:
                 self.finished[st.identity.session] = None
         while len(self.finished) > FINISHED_KEPT:
             self.finished.popitem(last=False)
-        self._ended(job.run, why)
+        self._ended(job.incarnation, why)
 
     def _ended(self, run: str, why: str) -> None:
-        self.ended_runs[run] = why
-        while len(self.ended_runs) > ENDED_RUNS_KEPT:
-            self.ended_runs.popitem(last=False)
+        self.ended_incarnations[run] = why
+        while len(self.ended_incarnations) > ENDED_KEPT:
+            self.ended_incarnations.popitem(last=False)
 
 
 def over(job: JobState, now: float | None = None) -> bool:

@@ -101,8 +101,8 @@ def status_json(
         counts[rk["state"]] = counts.get(rk["state"], 0) + 1
     info = {
         "id": job.job_id,
-        "run": job.run,  # this run of the job (a rerun or a restart by the launcher is a new run)
-        "runs": job.runs,
+        "run": job.incarnation,  # this incarnation of the job (a rerun or a restart is a new one)
+        "runs": job.incarnations,
         "attempt": job.attempt,
         "launch": job.launch,
         "world_size": job.world_size,
@@ -133,7 +133,7 @@ def job_line(job: JobState, key: str, now: float, silence_after: float) -> dict[
         "key": key,
         "id": job.job_id,
         "launch": job.launch,
-        "run": job.run,
+        "run": job.incarnation,
         "attempt": job.attempt,
         "world_size": job.world_size,
         "registered": len(job.ranks),

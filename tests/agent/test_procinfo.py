@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 from hangwatch.agent.identity import check, verify
-from hangwatch.agent.procinfo import PsutilInspector, exit_when_gone, memory_events_path, oom_kills
+from hangwatch.agent.procinfo import PF_EXITING, PsutilInspector, exit_when_gone, memory_events_path, oom_kills
 from hangwatch.records import ProcessStatus, ProcState, Target
 
 from .conftest import Spawn, target, wait_until
@@ -81,9 +82,10 @@ def test_check_cannot_inspect() -> None:
     )
 
 
-def _stat(state: str, wait_status: int) -> str:
-    # pid (comm) state, then fields 4..52 of proc(5); the exit code is field 52
+def _stat(state: str, wait_status: int, flags: int = 0) -> str:
+    # pid (comm) state, then fields 4..52 of proc(5); flags are field 9, the exit code field 52
     rest = ["0"] * 49
+    rest[5] = str(flags)
     rest[-1] = str(wait_status)
     return f"42 (python3 x) {state} " + " ".join(rest) + "\n"
 
@@ -139,3 +141,19 @@ def test_an_unparsable_stat_falls_back_to_psutil(tmp_path: Path, spawn: Spawn) -
     s = inspector.status(proc.pid)
     assert s.start_time == target(proc).start_time and s.num_threads >= 1
     assert PsutilInspector(proc_root=str(tmp_path)).status(proc.pid + 10_000_000).state is ProcState.DEAD
+
+
+def test_a_process_on_its_way_out_is_waited_for_until_it_is_a_zombie(tmp_path: Path) -> None:
+    """Seen under load: the link closed, and the process freed its memory for longer than the
+    first look waits; while the kernel flags it exiting, its exit status is still to come."""
+    (tmp_path / "42").mkdir()
+    stat = tmp_path / "42" / "stat"
+    stat.write_text(_stat("R", 0, flags=PF_EXITING))
+    timer = threading.Timer(0.1, lambda: stat.write_text(_stat("Z", signal.SIGKILL)))
+    timer.start()
+    try:
+        assert exit_when_gone(42, wait_s=0.01, proc_root=str(tmp_path)) == (None, signal.SIGKILL)
+    finally:
+        timer.cancel()
+    stat.write_text(_stat("R", 0, flags=PF_EXITING))  # never becomes one: bounded
+    assert exit_when_gone(42, wait_s=0.01, exiting_s=0.05, proc_root=str(tmp_path)) == (None, None)

@@ -20,7 +20,7 @@ from hangwatch import records as r
 from hangwatch.cli.client import CoordinatorUnreachable, import_dumps
 from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import Coordinator
-from hangwatch.diagnosis.incidents import run_of
+from hangwatch.diagnosis.incidents import incarnation_of
 from hangwatch.postmortem import dumps
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
@@ -64,10 +64,10 @@ def test_a_hang_the_dumps_show_and_the_job_did_not_is_added_found_post_mortem(
     result = _import(c, _skipped())
     assert result["attached"] == [] and len(result["added"]) == 1 and result["ranks"] == "0-2"
     (inc,) = c.incidents_json()
-    assert inc["id"] == result["added"][0] and inc["run"] == c.job.run and inc["job"] == "job"
+    assert inc["id"] == result["added"][0] and inc["run"] == c.job.incarnation and inc["job"] == "job"
     assert (inc["kind"], inc["culprit_ranks"], inc["waiting_ranks"]) == ("stuck_collective", [1], [0, 2])
     assert inc["status"] == "resolved" and "post-mortem" in inc["resolution"]  # history: no alert, no abort
-    assert run_of(c.engine.incidents[inc["id"]].key) == c.job.run
+    assert incarnation_of(c.engine.incidents[inc["id"]].key) == c.job.incarnation
     assert inc["details"]["postmortem"]["dumps"]["1"] == "/tmp/nccl_trace_rank_1"
     c.engine.tick(time.time())  # the detectors run on: the imported incident stays as it was
     assert [i["status"] for i in c.incidents_json()] == ["resolved"]

@@ -64,11 +64,11 @@ def test_world_size_and_attempt_come_from_the_run_not_from_one_registration() ->
 
 def test_an_unproven_claim_of_a_new_attempt_does_not_end_a_run_of_proven_ranks() -> None:
     job = _job(via="agent")
-    run = job.run
+    run = job.incarnation
     for rank in (0, 1):
         with pytest.raises(ClaimRefused, match="attempt 9"):
             job.register(identity(rank, 2, session=f"x{rank}", pid=666, attempt=9), T0 + 1)
-    assert job.run == run and job.ranks[0].identity.session == "s0"
+    assert job.incarnation == run and job.ranks[0].identity.session == "s0"
 
 
 def test_the_same_process_registering_a_new_session_keeps_its_rank() -> None:
@@ -129,10 +129,10 @@ def test_unproven_claims_never_shape_a_job_that_proven_ranks_join() -> None:
     their agent, are not refused for it: the claims are set aside."""
     job = JobState()
     job.register(identity(0, 1, session="squat", pid=666, launch="127.0.0.1:29500"), T0)
-    run = job.run
+    run = job.incarnation
     for rk in range(4):
         job.register(identity(rk, 4, session=f"real{rk}", launch="127.0.0.1:29500"), T0 + 1, via="agent")
-    assert job.world_size == 4 and sorted(job.ranks) == [0, 1, 2, 3] and job.run != run
+    assert job.world_size == 4 and sorted(job.ranks) == [0, 1, 2, 3] and job.incarnation != run
     assert all(st.proven for st in job.ranks.values()) and "squat" not in job.sessions
     assert "set aside 1 unproven claim" in str(job.conflicts[0]["what"])
     with pytest.raises(ClaimRefused, match="world size 1"):  # and the squatter cannot come back

@@ -44,7 +44,7 @@ def test_the_same_hang_in_a_rerun_is_reported_again() -> None:
     assert (again.kind, again.culprit_ranks, again.seq) == ("stuck_collective", [1], 2)
     assert again.id != first.id and again.key != first.key
     assert first.status == "resolved" and "run ended" in first.resolution
-    assert sim.job.runs == 2
+    assert sim.job.incarnations == 2
 
 
 def test_the_next_job_on_the_coordinator_starts_from_nothing() -> None:
@@ -74,7 +74,7 @@ def test_a_restart_by_the_launcher_is_a_new_run() -> None:
     _hang(sim, T0)
     (first,) = engine.tick(T0 + 20)
     _rerun(sim, T0 + 25, attempt=1)  # the old processes may not even be seen gone yet
-    assert sim.job.runs == 2 and sim.job.attempt == 1
+    assert sim.job.incarnations == 2 and sim.job.attempt == 1
     _hang(sim, T0 + 26)
     (again,) = engine.tick(T0 + 46)
     assert again.id != first.id
@@ -84,9 +84,9 @@ def test_a_rank_restarted_alone_in_a_live_run_stays_in_it() -> None:
     """The look-alike: one rank re-registers (a new session, same launch and attempt) while the
     others run: the same run goes on."""
     sim = SimJob(2)
-    run = sim.job.run
+    run = sim.job.incarnation
     sim.register(1, T0 + 5, identity(1, 2, session="restarted-1"))
-    assert sim.job.run == run and sim.job.runs == 1
+    assert sim.job.incarnation == run and sim.job.incarnations == 1
 
 
 def test_another_launch_is_another_job_and_never_wipes_the_first() -> None:
@@ -119,7 +119,7 @@ def test_a_rerun_through_a_new_endpoint_retires_the_job_that_is_over() -> None:
     old, _ = jobs.register(identity(0, 1, session="a", launch="127.0.0.1:40001"), T0)
     old.ranks[0].end = r.RankEnd(0, r.EndKind.SIGNAL, T0 + 5, "SIGKILL")
     new, _ = jobs.register(identity(0, 1, session="b", launch="127.0.0.1:40002"), T0 + 10)
-    assert list(jobs) == [new] and "new run" in jobs.ended_runs[old.run]
+    assert list(jobs) == [new] and "new run" in jobs.ended_incarnations[old.incarnation]
 
 
 def test_a_rank_on_its_way_out_never_registers_again_into_its_retired_job() -> None:
@@ -173,9 +173,9 @@ def test_a_rank_registering_after_the_first_has_already_ended_joins_its_run() ->
     sim.world = 2
     sim.register(0, T0, identity(0, 2, session="s0"))
     sim.end(0, r.EndKind.CLEAN_EXIT, T0 + 0.1)
-    run = sim.job.run
+    run = sim.job.incarnation
     sim.register(1, T0 + 0.2, identity(1, 2, session="s1"))
-    assert sim.job.run == run and sorted(sim.job.ranks) == [0, 1]
+    assert sim.job.incarnation == run and sorted(sim.job.ranks) == [0, 1]
 
 
 def test_ranks_silent_for_long_are_gone_for_the_job_s_end_and_the_next_run() -> None:
@@ -189,7 +189,7 @@ def test_ranks_silent_for_long_are_gone_for_the_job_s_end_and_the_next_run() -> 
     jobs.register(identity(1, 2, session="old1", launch=launch), T0)
     later = T0 + SILENT_GONE_S + 60
     new, _ = jobs.register(identity(0, 4, session="new0", launch=launch), later)  # resubmitted, 4 ranks
-    assert new is old and new.run != "" and new.world_size == 4 and sorted(new.ranks) == [0]
+    assert new is old and new.incarnation != "" and new.world_size == 4 and sorted(new.ranks) == [0]
 
 
 def test_destroy_then_init_again_keeps_the_job_live() -> None:

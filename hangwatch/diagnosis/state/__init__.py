@@ -97,14 +97,14 @@ class JobState(Registry, Arena, Calls, Device, Runs, Groups):
     def __init__(self, ledger: b.Ledger | None = None) -> None:
         #: the coordinator's account of memory held, against its budgets (``budget``)
         self.ledger = ledger or b.Ledger()
-        self.held = 0  # bytes this run's tables hold (its ranks' included)
+        self.held = 0  # bytes this incarnation's tables hold (its ranks' included)
         self.refused = 0  # calls and groups refused for a memory budget
-        #: this run of the job: a fresh id for each run (a rerun, a restart by the launcher, the
+        #: this incarnation of the job: a fresh id each time it runs (a rerun, a restart by the launcher, the
         #: coordinator restarted), so one run's incidents are never taken for another's
-        self.run = uuid.uuid4().hex[:8]
-        self.runs = 1  # runs this coordinator has seen of the job
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.incarnations = 1  # incarnations of the job this coordinator has seen
         self.launch = ""  # the run's rendezvous endpoint, from its first rank
-        self.attempt = 0  # the launcher's restart count of this run
+        self.attempt = 0  # the launcher's restart count of this incarnation
         self.job_id = ""
         self.world_size = 0
         #: made from Flight Recorder dumps (``hangwatch analyze``): a rank with no dump is unknown,

@@ -46,7 +46,7 @@ SILENT_GONE_S = 900.0
 
 
 class ClaimRefused(ValueError):
-    """A registration that contradicts what the job's run already holds (the message says why)."""
+    """A registration that contradicts what the job's incarnation already holds (the message says why)."""
 
 
 ARRIVALS_KEPT = 32
@@ -162,8 +162,8 @@ class _Base:
     ledger: b.Ledger
     held: int
     refused: int
-    run: str
-    runs: int
+    incarnation: str
+    incarnations: int
     launch: str
     attempt: int
     job_id: str

@@ -54,10 +54,10 @@ class Registry(_Base):
         # a proven rank is never refused for what unproven claims alone said of the job
         set_aside = len(self.ranks) if via == "agent" and self._shaped_by_claims(identity) else 0
         if set_aside or self._new_run(identity, now, via):
-            runs, ledger = self.runs + 1, self.ledger
+            incarnations, ledger = self.incarnations + 1, self.ledger
             ledger.held -= self.held
             self.__init__(ledger)  # type: ignore[misc]  # a clean slate: nothing of the last run is kept
-            self.runs = runs
+            self.incarnations = incarnations
         if set_aside:
             self._conflict(
                 identity, now, via, f"set aside {set_aside} unproven claim(s) that shaped this job otherwise"
