@@ -400,11 +400,12 @@ class RingServer:
                 self.changed.set()  # it waits for its farewell
             return  # nothing else is said on a link
         sel.unregister(sock)
-        link.closed_at = self._clock()
+        closed_at = self._clock()
         with contextlib.suppress(OSError):
             sock.close()
         link.sock = None
         self._ended(link)
+        link.closed_at = closed_at  # said closed once how it ended is read: the shipper reads both
         self.changed.set()
         if self._on_close is not None:
             self._on_close(link)

@@ -37,6 +37,9 @@ from hangwatch.wording import stories
 
 log = logging.getLogger("hangwatch.coordinator")
 
+#: Families of a hang at a slot that a mismatch found there later tells instead.
+_SUPERSEDED = frozenset({KeyFamily.STUCK.value, KeyFamily.EARLY.value})
+
 #: Incidents kept in memory (the store keeps more); the oldest resolved ones are let go first.
 MAX_INCIDENTS_IN_MEMORY = 10_000
 
@@ -253,7 +256,26 @@ class Engine:
         if len(self.incidents) > MAX_INCIDENTS_IN_MEMORY:
             self._forget_oldest()
         self.persist(incident)
+        if key_family(finding.key) == KeyFamily.MISMATCH.value and finding.group:
+            self._supersede(incident, now)
         return incident, True
+
+    def _supersede(self, verdict: Incident, now: float) -> None:
+        """One slot, one story: a hang told at a slot whose calls, read later, disagree (C++
+        calls from a Flight Recorder read that came after the threshold) was told on less
+        evidence. The mismatch tells it; the hang is resolved into it."""
+        for inc in self.incidents.values():
+            if (
+                inc.status == "open"
+                and inc is not verdict
+                and inc.incarnation == verdict.incarnation
+                and (inc.group, inc.seq) == (verdict.group, verdict.seq)
+                and key_family(inc.key) in _SUPERSEDED
+            ):
+                inc.status = "resolved"
+                inc.resolved_time = now
+                inc.resolution = stories.told_again(verdict.id, verdict.kind.value)
+                self.persist(inc)
 
     def _fold_aftermath(self, finding: Finding, now: float) -> None:
         """A consequence (a rank killed by the mismatch it took part in) joins its root cause's

@@ -15,6 +15,11 @@ from hangwatch import records as r
 from hangwatch.diagnosis.state import HISTORY_PER_GROUP, JobState, RankState
 from hangwatch.model.align import Edit, Mark, align, in_order, trace
 
+#: How long a finding waits for the Flight Recorder reads that make a rank's trace known through
+#: the moment it is about (read every second; spaced out to 20 s on a loaded node), before it
+#: is told on what is known.
+TRACE_WAIT_S = 10.0
+
 
 def _calls(st: RankState) -> tuple[list[r.CallRecord], float, bool]:
     """Every call the rank's histories hold up to where its trace is known, and from when all of

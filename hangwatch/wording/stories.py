@@ -427,6 +427,10 @@ def aftermath_of(root_id: str, kind: str) -> str:
     return f"the aftermath of {root_id} ({kind}), which tells it"
 
 
+def told_again(verdict_id: str, kind: str) -> str:
+    return f"told again as {verdict_id} ({kind}) once the calls at its slot were read"
+
+
 def went_past(op: str, seq: int, late: str) -> str:
     return f"the ranks went past {op} (seq {seq}); late rank(s): {late or '-'}"
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from hangwatch import config
+from hangwatch.diagnosis import traces
 from hangwatch.diagnosis.incidents import Finding
 from hangwatch.diagnosis.state import JobState
 from hangwatch.records import (
@@ -166,3 +167,29 @@ def test_incident_keys_are_built_from_fields_in_the_stored_form() -> None:
     assert incident_key(KeyFamily.P2P, group="0", seq=4, ranks=(0, 1)) == "p2p:0:4:0,1"
     assert incident_key(KeyFamily.P2P, group="0", ranks=(1, 0), direction="send") == "p2p:0:1,0:send"
     assert key_family("mismatch:0:5") == KeyFamily.MISMATCH.value
+
+
+def test_a_hang_told_before_its_calls_were_read_is_told_again_by_the_mismatch_there() -> None:
+    """One slot, one story. Rank 1 waits in a barrier; rank 0's C++ calls come from Flight
+    Recorder reads that stopped for longer than the wait for them, so it is told busy. When the
+    read comes, its all_reduce is at the barrier's seq: the mismatch tells the slot, and the hang
+    is resolved into it (not two incidents of one root cause)."""
+    sim = SimJob(2)
+    for seq in range(1, 5):
+        for rank in (0, 1):
+            sim.call(rank, T0 + seq, seq=seq, source="flight_recorder", exit_time=T0 + seq + 0.1)
+    for rank in (0, 1):
+        sim.job.ranks[rank].flight_to = T0 + 4.5
+    sim.call(1, T0 + 6, op="barrier", seq=5, shape=None, site="train.py:133 in <module>")
+    engine = sim.engine()
+    late = T0 + 6 + 10 + traces.TRACE_WAIT_S + 0.5
+    sim.beat(late, where_user="train.py:129 in <module>")
+    (hang,) = engine.tick(late)
+    assert (hang.kind, hang.culprit_ranks) == ("stuck_collective", [0])
+    sim.call(0, T0 + 5.5, seq=5, source="flight_recorder")  # the read, at last
+    sim.job.ranks[0].flight_to = late + 1
+    sim.beat(late + 1, where_user="train.py:129 in <module>")
+    (told,) = engine.tick(late + 1)
+    assert (told.group, told.seq) == ("0", 5) and told.kind != "stuck_collective"
+    assert hang.status == "resolved" and hang.resolution.startswith(f"told again as {told.id}")
+    assert [i.id for i in engine.incidents.values() if i.status == "open"] == [told.id]

@@ -41,9 +41,6 @@ FIRSTS_KEPT = 1024
 #: majority for either side, waits for the batches of ranks whose absence is not known yet
 #: (their latest batch left before the slot's latest call began) before it is told provisionally.
 PROVISIONAL_WAIT_S = 1.0
-#: How long a mismatch waits for the Flight Recorder reads that make its sides' traces whole
-#: (read every second; spaced out to 20 s on a loaded node), before its rules alone tell it.
-TRACE_WAIT_S = 10.0
 
 
 @dataclass
@@ -183,7 +180,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             story is None
             and agreeing
             and first is None
-            and ctx.now - slot.first_enter < TRACE_WAIT_S
+            and ctx.now - slot.first_enter < traces.TRACE_WAIT_S
             and traces.unknown_at(job, [culprit[0], agreeing[0]], slot.last_enter)
         ):
             cache.waiting.setdefault((group, seq), ctx.now)

@@ -24,6 +24,7 @@ from hangwatch.diagnosis import waits
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, RankState, Slot
+from hangwatch.diagnosis.traces import TRACE_WAIT_S, unknown_at
 from hangwatch.model.waitfor import Graph, Stand
 from hangwatch.wording import describe_call, doing, gpu_load, stories
 
@@ -79,6 +80,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         root = _root(graph, finding.culprit_ranks, hung)
         if not root and _held_by_younger(job, ctx, finding):
             continue  # told next, as the aftermath of the hang its culprits' waits end in
+        if not root and _held_for_traces(job, ctx, finding):
+            continue  # the culprits' C++ calls since the wait began are not read yet
         if root and root != finding.key:
             finding.aftermath_of = root
         else:
@@ -103,6 +106,16 @@ def _held_by_younger(job: JobState, ctx: Context, finding: Finding) -> bool:
         if any(ctx.now - c.enter_time < ctx.stuck_after for c in st.open_calls.values()):
             return True
     return False
+
+
+def _held_for_traces(job: JobState, ctx: Context, finding: Finding) -> bool:
+    """Whether a culprit's trace is not known through the wait's start: its C++ collectives come
+    from Flight Recorder reads, the latest older than the wait (under load, rank 0 seen busy in
+    its backward while its gradient all_reduce, issued from C++, met rank 1's barrier). Held for
+    ``TRACE_WAIT_S`` past the threshold at most: reads that stopped are told as they are."""
+    if ctx.now - finding.onset_time >= ctx.stuck_after + TRACE_WAIT_S:
+        return False
+    return bool(unknown_at(job, finding.culprit_ranks, finding.onset_time))
 
 
 def _root(graph: Graph, culprits: list[int], hung: dict[int, str]) -> str:

@@ -7,6 +7,7 @@ from the former test_detectors.py, one file per detector module.
 from __future__ import annotations
 
 from hangwatch import records as r
+from hangwatch.diagnosis import traces
 from hangwatch.diagnosis.detectors import mismatch
 from hangwatch.records import (
     GroupEvent,
@@ -236,7 +237,7 @@ def test_a_mismatch_waits_for_the_flight_recorder_read_that_makes_its_traces_who
     sim2.call(0, T0 + 6, op="barrier", seq=2, shape=None)
     sim2.call(1, T0 + 6.2, seq=2)
     assert mismatch.detect(sim2.job, sim2.ctx(T0 + 6.3)) == []
-    late = T0 + 6 + mismatch.TRACE_WAIT_S + 0.1
+    late = T0 + 6 + traces.TRACE_WAIT_S + 0.1
     only(mismatch.detect(sim2.job, sim2.ctx(late)), "early_exit")
 
 

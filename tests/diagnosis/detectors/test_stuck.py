@@ -7,6 +7,7 @@ from the former test_detectors.py, one file per detector module.
 from __future__ import annotations
 
 from hangwatch import config
+from hangwatch.diagnosis import traces
 from hangwatch.diagnosis.detectors import stuck
 from hangwatch.records import CallRecord, EndKind
 from tests.factories import T0, SimJob, only
@@ -426,3 +427,30 @@ def test_a_culprit_always_in_some_young_call_is_blamed_one_threshold_later() -> 
         sim.beat(now)
         told += [(i.kind, i.group, i.culprit_ranks) for i in engine.tick(now)]
     assert told == [("stuck_collective", "0", [0, 1])]
+
+
+def test_a_busy_rank_whose_cpp_calls_are_not_read_yet_is_not_told_busy() -> None:
+    """Found by the story table under load: rank 1 skipped a backward under DDP and waited in the
+    final barrier; rank 0, whose gradient all_reduces come from Flight Recorder reads, was told
+    "busy in its backward" 3 s later, because the read that held its all_reduce at the barrier's
+    seq had not come. A culprit whose trace is not known through the wait's start is waited for
+    (``TRACE_WAIT_S`` past the threshold at most); once read, it is what the read shows."""
+    sim = SimJob(2)
+    for seq in range(1, 5):
+        for rank in (0, 1):
+            sim.call(rank, T0 + seq, seq=seq, source="flight_recorder", exit_time=T0 + seq + 0.1)
+    for rank in (0, 1):
+        sim.job.ranks[rank].flight_to = T0 + 4.5  # read up to the fourth call
+    sim.call(1, T0 + 6, op="barrier", seq=5, shape=None, site="train.py:133 in <module>")
+    threshold = T0 + 6 + 10.0 + 0.5
+    sim.beat(threshold, where_user="train.py:129 in <module>")
+    assert stuck.detect(sim.job, sim.ctx(threshold)) == []  # rank 0's C++ calls after 4.5 s: unknown
+    # a read past the wait that shows nothing more: busy, as it is
+    sim.job.ranks[0].flight_to = threshold
+    f = only(stuck.detect(sim.job, sim.ctx(threshold + 0.1)), "stuck_collective")
+    assert f.culprit_ranks == [0] and "rank 0 is busy" in f.summary
+    # and reads that never come hold it TRACE_WAIT_S at most
+    sim.job.ranks[0].flight_to = T0 + 4.5
+    late = T0 + 6 + 10.0 + traces.TRACE_WAIT_S + 0.1
+    sim.beat(late, where_user="train.py:129 in <module>")
+    assert only(stuck.detect(sim.job, sim.ctx(late)), "stuck_collective").culprit_ranks == [0]
