@@ -68,7 +68,7 @@ ENV_REQUIRE_NATIVE = "HANGWATCH_REQUIRE_NATIVE"
 ENV_RUNS = "HANGWATCH_RUNS"
 #: Node agent (and the coordinator's embedded one): ``0`` reads every rank's ring every tick and
 #: its Flight Recorder rings at every poll, whatever they show; default: a steady rank's ring
-#: looked at every ``shipper.STEADY_S`` and read every ``shipper.READ_S`` (at once where the look
+#: looked at every ``agent.shipped.STEADY_S`` and read every ``agent.shipped.READ_S`` (at once where the look
 #: shows what a detector waits for), and a CPU Flight Recorder ring that Python calls account for
 #: left unread (``flight_entries.PythonAccounts``). For A/B measurements and to rule them out.
 ENV_READ_LESS = "HANGWATCH_READ_LESS"

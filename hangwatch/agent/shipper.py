@@ -34,108 +34,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from hangwatch import config, wire
 from hangwatch import records as r
-from hangwatch.agent.flightrecorder import Fetched, RingFetcher
+from hangwatch.agent.flightrecorder import RingFetcher
 from hangwatch.agent.intake import DirectIntake, Intake, identity_of
 from hangwatch.agent.namespaces import path_of
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
+from hangwatch.agent.shipped import (
+    IDLE_S,
+    LAST_READ_S,
+    MAX_SLOTS,
+    READ_S,
+    STACK_KEPT,
+    STEADY_S,
+    TICK_S,
+    ShippedRank,
+    has_records,
+    returned,
+)
 from hangwatch.flight_entries import EntryTracker, PythonAccounts
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Batch, Kind, RingReader
-from hangwatch.ringwire import RingEncoder
+from hangwatch.ring import Batch, Kind
 
 log = logging.getLogger("hangwatch.agent")
 
-#: Slots read per rank per tick at most (a batch the coordinator takes in one piece).
-MAX_SLOTS = 8000
-#: How often the shipper looks at its ranks' rings.
-TICK_S = 0.05
-#: The program's own frames of a rank's status shipped (``Recorder.program_frames`` writes as many).
-STACK_KEPT = 6
-#: How long a rank's last Flight Recorder read, asked of its worker server as it ends, may take
-#: (the rank waits ``client.session.FAREWELL_TIMEOUT_S`` for its farewell).
-LAST_READ_S = 0.5
-#: How often it looks at the ring of a rank in a steady state: whose last batch held only calls
-#: of signatures shown before, each returned without error (``RingEncoder.steady``), and no call
-#: under way held back; anything else is read every tick. Steady ranks are looked at on the same
-#: tick, once a period of the monotonic clock, so that their records of one collective arrive
-#: together, and read once every ``READ_S``; between reads a look is a few of the ring's stamps
-#: (``RingReader.peek``), and the rank is read at once where it shows what a detector waits for:
-#: nothing written since the last look while some slots are unread, or a call entered and still
-#: under way a tick later. Fewer, larger batches cost the coordinator less per call.
-STEADY_S = 0.2
-#: How often a steady rank that keeps writing is read: every other look. At most half the Flight
-#: Recorder poll interval (``config.FR_POLL_INTERVAL_S``): a CPU ring is left unread only where
-#: Python calls decoded since its last poll account for what it gained (``PythonAccounts``), so
-#: every poll must follow a read of the rank's ring.
-READ_S = 2 * STEADY_S
-#: The slots a call entered at a look may be followed by, before the look a tick later stops
-#: searching them for its exit and reads the rank (another thread's calls, written meanwhile).
-RECHECK_SLOTS = 256
-#: With no rank linked, the loop sleeps this long at most: a new link wakes it
-#: (``RingServer.changed``), so this only bounds how long a missed wake could last.
-IDLE_S = 1.0
-
-
-@dataclass
-class _Rank:
-    link: RankLink
-    identity: r.RankIdentity
-    encoder: RingEncoder = field(default_factory=RingEncoder)
-    registered: bool = False
-    batch_seq: int = 0
-    pending: Batch | None = None
-    last_sent: float = -1e9  # monotonic time of the last batch (none yet: long ago)
-    gone_reported: bool = False
-    #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when
-    #: the last batch left: a batch without records is a heartbeat only if the rank wrote since
-    status_time: float | None = None
-    #: Flight Recorder: entries made into records, a read waiting for the ring to be read past
-    #: it, and when the ring was last read to its end
-    flight: EntryTracker | None = None
-    fetched: Fetched | None = None
-    read_to: float = float("-inf")
-    farewell: bool = False
-    #: when its last Flight Recorder read was asked for, as it ends, where it handed none over
-    last_asked: float | None = None
-    unsent: list[r.RankEvent] = field(default_factory=list)
-    #: the STEADY_S period (of the monotonic clock) in which a steady rank's ring was last read
-    #: or looked at (None: not steady, read every tick)
-    steady_period: int | None = None
-    #: the READ_S period in which a steady rank was last read; where its ring's published slots
-    #: ended at the last look; whether a call it was entering then is to be looked at again on
-    #: the next tick; whether its next read comes of a look that found it had written nothing
-    #: since (what it holds under way has been so for a tick at least: sent, not held back)
-    read_period: int | None = None
-    peek_head: int = 0
-    recheck: tuple[int, int] | None = None  # (position, call id) of a call entered at the last look
-    quiet: bool = False
-    #: when the latest Flight Recorder read whose records have all gone was asked (the
-    #: header's ``flight_read_time``), and that of a read whose records wait in ``unsent``
-    flight_told: float = 0.0
-    flight_pending: float = 0.0
-    flight_floor: float = 0.0  # when it last registered: polls vouched for before do not count
-    flight_said: float = 0.0  # the ``flight_read_time`` of the latest batch sent
-
-
-def _has_records(batch: Batch | None) -> bool:
-    """A read that found something to send (slots, or blobs alone)."""
-    return batch is not None and bool(batch.slots or batch.blobs)
-
-
-def _returned(reader: RingReader, entered: tuple[int, int], head: int) -> bool:
-    """Whether the call entered at ``entered``'s position (with its call id) has its exit among
-    the slots after it, up to ``head`` (``RECHECK_SLOTS`` of them at most: beyond, no)."""
-    at, call_id = entered
-    for p in range(at + 1, min(head, at + 1 + RECHECK_SLOTS)):
-        slot = reader.slot_at(p)
-        if slot.kind == Kind.EXIT and slot.call_id == call_id:
-            return True
-    return False
+__all__ = ["READ_S", "STEADY_S", "TICK_S", "Shipper"]
 
 
 class Shipper:
@@ -161,7 +86,7 @@ class Shipper:
         self.mono = mono
         self.heartbeat_s = heartbeat_s
         self.fetcher = flight_recorder if flight_recorder is not None else RingFetcher(clock=clock)
-        self._ranks: dict[int, _Rank] = {}  # by id(link)
+        self._ranks: dict[int, ShippedRank] = {}  # by id(link)
         #: the coordinator is in this process: records go to it typed, not through protobuf
         #: (``bench/ring_to_state.py`` measures both)
         self.direct: DirectIntake | None = intake if hasattr(intake, "accept_events") else None  # type: ignore[assignment]
@@ -204,7 +129,7 @@ class Shipper:
                     self.read_less
                     and (state.encoder.steady or still)
                     and not state.encoder.holding
-                    and not _has_records(state.pending)  # an empty read is kept back, not sent
+                    and not has_records(state.pending)  # an empty read is kept back, not sent
                     and not state.unsent
                 )
                 state.steady_period = period if steady else None
@@ -222,7 +147,7 @@ class Shipper:
                     log.warning("cannot ship rank %d's records (%s); will retry", state.identity.rank, e)
                     self._failing = True
 
-    def _due(self, state: _Rank) -> bool:
+    def _due(self, state: ShippedRank) -> bool:
         """Whether a steady rank, read in this ``READ_S`` already, is to be read now: a look at
         its ring's stamps (``RingReader.peek``, a few µs), its newest slot, and its Flight
         Recorder reads.
@@ -244,7 +169,7 @@ class Shipper:
         if head < 0 or head - reader.position >= min(MAX_SLOTS, reader.capacity // 4):
             return True
         entered, state.recheck = state.recheck, None
-        if entered is not None and not _returned(reader, entered, head):
+        if entered is not None and not returned(reader, entered, head):
             state.quiet = True
             return True
         if head == state.peek_head:
@@ -300,8 +225,8 @@ class Shipper:
                 stop.wait(TICK_S)
         self.close()
 
-    def _new_rank(self, link: RankLink) -> _Rank:
-        state = _Rank(link, identity_of(link, self.host, self.inspector))
+    def _new_rank(self, link: RankLink) -> ShippedRank:
+        state = ShippedRank(link, identity_of(link, self.host, self.inspector))
         path = link.hello.get("worker_socket")
         if isinstance(path, str) and path and link.alive:
             state.flight = EntryTracker(state.identity.rank)
@@ -315,7 +240,7 @@ class Shipper:
             self.fetcher.watch(id(link), path_of(link.peer.pid, path), link.peer.pid, needed, accounted)
         return state
 
-    def _ship(self, state: _Rank) -> None:
+    def _ship(self, state: ShippedRank) -> None:
         link = state.link
         closed = link.closed_at is not None
         # said before this tick's reads: its RankEnd, written before it said so, is read by them
@@ -353,7 +278,7 @@ class Shipper:
         while True:
             # an empty batch kept back (nothing to send before the next heartbeat) is no reason
             # not to look again: the rank may have written since, or just died
-            pending = state.pending if state.pending is not None and _has_records(state.pending) else self._read(state)
+            pending = state.pending if state.pending is not None and has_records(state.pending) else self._read(state)
             state.pending = pending
             now = self.clock()
             # a trailing call under way waits for the next read (runs), where the read reached the
@@ -363,7 +288,7 @@ class Shipper:
             state.encoder.hold = (
                 runs and not closed and pending is not None and len(pending.slots) < MAX_SLOTS and not state.quiet
             )
-            if not _has_records(pending) and not self._heartbeat_due(state) and not state.encoder.holding:
+            if not has_records(pending) and not self._heartbeat_due(state) and not state.encoder.holding:
                 break
             held = state.encoder.held_mark()
             if self.direct is not None:
@@ -398,14 +323,14 @@ class Shipper:
         if closed and not state.gone_reported and (state.flight is None or not ending or state.farewell):
             self._gone(state)
 
-    def _read(self, state: _Rank) -> Batch:
+    def _read(self, state: ShippedRank) -> Batch:
         asked = self.clock()
         batch = state.link.reader.poll(MAX_SLOTS)
         if len(batch.slots) < MAX_SLOTS:
             state.read_to = asked
         return batch
 
-    def _flight_recorder(self, state: _Rank) -> None:
+    def _flight_recorder(self, state: ShippedRank) -> None:
         """Ship the entries of the newest Flight Recorder read that no Python call covered, once
         the rank's ring has been read past the moment of that read (every Python call an entry
         could belong to has then been seen: its record was written before it was issued). A
@@ -427,10 +352,10 @@ class Shipper:
             if not done and self.mono() - state.last_asked < LAST_READ_S + TICK_S:
                 return  # looked at again next tick (the rank waits for its farewell)
             state.fetched = last or state.fetched
-            if not _has_records(state.pending):
+            if not has_records(state.pending):
                 state.pending = self._read(state)  # read the ring past this last read
         fetched = state.fetched
-        if fetched is not None and state.pending is not None and _has_records(state.pending):
+        if fetched is not None and state.pending is not None and has_records(state.pending):
             batch = self._batch(state, state.pending, self.clock())  # records read meanwhile go first
             if self.intake.accept_report(batch).reregister:
                 state.registered = False
@@ -473,7 +398,7 @@ class Shipper:
             state.farewell = True
             self.server.farewell(link)
 
-    def _heartbeat_due(self, state: _Rank) -> bool:
+    def _heartbeat_due(self, state: ShippedRank) -> bool:
         """Time for a batch without records, and the rank itself is alive: its sender thread
         rewrote its status since the last batch (or never wrote one yet). The agent never
         heartbeats for a rank whose interpreter is stuck (the GIL held in native code, SIGSTOP):
@@ -483,12 +408,12 @@ class Shipper:
         status = state.link.reader.status()
         return status is None or state.status_time is None or status[0] != state.status_time
 
-    def _batch(self, state: _Rank, ring: Batch, now: float) -> pb.ReportBatch:
+    def _batch(self, state: ShippedRank, ring: Batch, now: float) -> pb.ReportBatch:
         batch = self._header(state, now)
         state.encoder.encode(ring, batch)
         return batch
 
-    def _header(self, state: _Rank, now: float) -> pb.ReportBatch:
+    def _header(self, state: ShippedRank, now: float) -> pb.ReportBatch:
         """A batch's header: who, when, how many records lost, where the rank's main thread is."""
         ident = state.identity
         state.batch_seq += 1
@@ -522,7 +447,7 @@ class Shipper:
             batch.where_stack.extend(s for s in stack if s)
         return batch
 
-    def _flight_read_time(self, state: _Rank) -> float:
+    def _flight_read_time(self, state: ShippedRank) -> float:
         """What the header says of the rank's Flight Recorder: when its latest read whose
         records have all gone was asked, or, later, the latest poll its Python calls accounted
         for, where the ring has been read past it (those calls have gone) and nothing waits."""
@@ -537,7 +462,7 @@ class Shipper:
             told = vouched
         return told
 
-    def _gone(self, state: _Rank) -> None:
+    def _gone(self, state: ShippedRank) -> None:
         """The rank's process is gone (its link closed): say so, with how it ended if /proc knows."""
         link = state.link
         closed_at = link.closed_at or self.clock()

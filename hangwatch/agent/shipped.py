@@ -1,0 +1,101 @@
+"""What the shipper keeps of each linked rank, and the pace it reads them at."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hangwatch import records as r
+from hangwatch.agent.flightrecorder import Fetched
+from hangwatch.agent.rings import RankLink
+from hangwatch.flight_entries import EntryTracker
+from hangwatch.ring import Batch, Kind, RingReader
+from hangwatch.ringwire import RingEncoder
+
+#: Slots read per rank per tick at most (a batch the coordinator takes in one piece).
+MAX_SLOTS = 8000
+#: How often the shipper looks at its ranks' rings.
+TICK_S = 0.05
+#: The program's own frames of a rank's status shipped (``Recorder.program_frames`` writes as many).
+STACK_KEPT = 6
+#: How long a rank's last Flight Recorder read, asked of its worker server as it ends, may take
+#: (the rank waits ``client.session.FAREWELL_TIMEOUT_S`` for its farewell).
+LAST_READ_S = 0.5
+#: How often it looks at the ring of a rank in a steady state: whose last batch held only calls
+#: of signatures shown before, each returned without error (``RingEncoder.steady``), and no call
+#: under way held back; anything else is read every tick. Steady ranks are looked at on the same
+#: tick, once a period of the monotonic clock, so that their records of one collective arrive
+#: together, and read once every ``READ_S``; between reads a look is a few of the ring's stamps
+#: (``RingReader.peek``), and the rank is read at once where it shows what a detector waits for:
+#: nothing written since the last look while some slots are unread, or a call entered and still
+#: under way a tick later. Fewer, larger batches cost the coordinator less per call.
+STEADY_S = 0.2
+#: How often a steady rank that keeps writing is read: every other look. At most half the Flight
+#: Recorder poll interval (``config.FR_POLL_INTERVAL_S``): a CPU ring is left unread only where
+#: Python calls decoded since its last poll account for what it gained (``PythonAccounts``), so
+#: every poll must follow a read of the rank's ring.
+READ_S = 2 * STEADY_S
+#: The slots a call entered at a look may be followed by, before the look a tick later stops
+#: searching them for its exit and reads the rank (another thread's calls, written meanwhile).
+RECHECK_SLOTS = 256
+#: With no rank linked, the loop sleeps this long at most: a new link wakes it
+#: (``RingServer.changed``), so this only bounds how long a missed wake could last.
+IDLE_S = 1.0
+
+
+@dataclass
+class ShippedRank:
+    """What the shipper keeps of one linked rank between ticks."""
+
+    link: RankLink
+    identity: r.RankIdentity
+    encoder: RingEncoder = field(default_factory=RingEncoder)
+    registered: bool = False
+    batch_seq: int = 0
+    pending: Batch | None = None
+    last_sent: float = -1e9  # monotonic time of the last batch (none yet: long ago)
+    gone_reported: bool = False
+    #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when
+    #: the last batch left: a batch without records is a heartbeat only if the rank wrote since
+    status_time: float | None = None
+    #: Flight Recorder: entries made into records, a read waiting for the ring to be read past
+    #: it, and when the ring was last read to its end
+    flight: EntryTracker | None = None
+    fetched: Fetched | None = None
+    read_to: float = float("-inf")
+    farewell: bool = False
+    #: when its last Flight Recorder read was asked for, as it ends, where it handed none over
+    last_asked: float | None = None
+    unsent: list[r.RankEvent] = field(default_factory=list)
+    #: the STEADY_S period (of the monotonic clock) in which a steady rank's ring was last read
+    #: or looked at (None: not steady, read every tick)
+    steady_period: int | None = None
+    #: the READ_S period in which a steady rank was last read; where its ring's published slots
+    #: ended at the last look; whether a call it was entering then is to be looked at again on
+    #: the next tick; whether its next read comes of a look that found it had written nothing
+    #: since (what it holds under way has been so for a tick at least: sent, not held back)
+    read_period: int | None = None
+    peek_head: int = 0
+    recheck: tuple[int, int] | None = None  # (position, call id) of a call entered at the last look
+    quiet: bool = False
+    #: when the latest Flight Recorder read whose records have all gone was asked (the
+    #: header's ``flight_read_time``), and that of a read whose records wait in ``unsent``
+    flight_told: float = 0.0
+    flight_pending: float = 0.0
+    flight_floor: float = 0.0  # when it last registered: polls vouched for before do not count
+    flight_said: float = 0.0  # the ``flight_read_time`` of the latest batch sent
+
+
+def has_records(batch: Batch | None) -> bool:
+    """A read that found something to send (slots, or blobs alone)."""
+    return batch is not None and bool(batch.slots or batch.blobs)
+
+
+def returned(reader: RingReader, entered: tuple[int, int], head: int) -> bool:
+    """Whether the call entered at ``entered``'s position (with its call id) has its exit among
+    the slots after it, up to ``head`` (``RECHECK_SLOTS`` of them at most: beyond, no)."""
+    at, call_id = entered
+    for p in range(at + 1, min(head, at + 1 + RECHECK_SLOTS)):
+        slot = reader.slot_at(p)
+        if slot.kind == Kind.EXIT and slot.call_id == call_id:
+            return True
+    return False
