@@ -16,6 +16,10 @@ import tempfile
 ENV_ADDR = "HANGWATCH_ADDR"
 #: ``1`` turns the in-rank hook off even when ``HANGWATCH_ADDR`` is set.
 ENV_DISABLE = "HANGWATCH_DISABLE"
+#: ``0``: a process its launcher started as a rank does not link to its node agent before
+#: ``init_process_group`` returns (hangs before it, in ``init_process_group`` or before it is
+#: entered, are then not seen).
+ENV_JOINING = "HANGWATCH_JOINING"
 #: The credential of node agents (registering agents and the ranks they proved, relaying
 #: batches); without it agents present the job's token, which every rank holds.
 ENV_AGENT_TOKEN = "HANGWATCH_AGENT_TOKEN"
@@ -56,6 +60,11 @@ ENV_NODE_NAME = "HANGWATCH_NODE_NAME"
 #: Set by the hook in a registered rank's environment: the pid of that rank. A process that
 #: inherits it with a different pid is a subprocess of a rank and never registers itself.
 ENV_RANK_PID = "HANGWATCH_RANK_PID"
+#: Set with ``HANGWATCH_RANK_PID`` by a process that links as the rank its launcher says it will
+#: be, before ``init_process_group`` (``client.joining``): that rank (``RANK/LOCAL_RANK``). A
+#: process started by it with the same launcher variables is its subprocess; with others, a rank
+#: of its own that it launched (Lightning's and ``mp.spawn``'s rank 0 starts the others).
+ENV_RANK_OF = "HANGWATCH_RANK_OF"
 #: ``0`` keeps the hook's fast path, and the node agent's gathering of runs, in Python even where
 #: their C build (``client/_fastpath.c``) is installed (for A/B measurements and to rule it out);
 #: default: C where built.
@@ -100,6 +109,10 @@ DEFAULT_DATA_DIR = "./hangwatch-data"
 DEFAULT_MAX_DATA_MB = 256.0
 #: Upper bound of the adaptive stuck threshold (seconds) when ``--stuck-after`` is not given.
 DEFAULT_STUCK_AFTER = 30.0
+#: How long ranks may wait in ``init_process_group`` for the others before it is a hang, unless
+#: ``--stuck-after`` is given: longer than any threshold a job's rhythm sets, for a rank may take
+#: this long to start on a cold node (imports over a network file system, a container pull).
+DEFAULT_INIT_AFTER = 60.0
 #: Floor of the adaptive stuck threshold (seconds).
 MIN_STUCK_AFTER = 5.0
 DEFAULT_QUEUE_SIZE = 65536
@@ -189,6 +202,21 @@ def attempt_from_env() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     except ValueError:
         return 0
+
+
+def launcher_rank() -> str:
+    """The rank the launcher gave this process, as ``HANGWATCH_RANK_OF`` holds it."""
+    return f"{os.environ.get('RANK', '')}/{os.environ.get('LOCAL_RANK', '')}"
+
+
+def inherited_rank() -> bool:
+    """Whether this process inherited a rank's claim: a subprocess of that rank (a DataLoader
+    worker, a tool it runs), which never links or registers as a rank itself."""
+    owner = os.environ.get(ENV_RANK_PID)
+    if not owner or owner == str(os.getpid()):
+        return False
+    claimed = os.environ.get(ENV_RANK_OF)
+    return claimed is None or claimed == launcher_rank()
 
 
 def job_id_from_env() -> str:

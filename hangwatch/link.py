@@ -39,6 +39,12 @@ MAX_FDS = 2  # the ring, and one spare for later use
 ACK = b"\x01"  # the agent took the hello
 ENDING = b"E"  # the rank: my last records are written (with it, maybe: its last Flight Recorder dump)
 FAREWELL = b"\x02"  # the agent: read; you may go
+#: A process its launcher started as a rank links from its first line, without a ring: its hello
+#: says ``"phase": "starting"``, then it says when it enters ``init_process_group`` (``IN_INIT``)
+#: and that it joined (``JOINED``: init returned; its rank's own link follows), and closes.
+STARTING = "starting"
+IN_INIT = b"I"
+JOINED = b"J"
 
 
 @dataclass(frozen=True)

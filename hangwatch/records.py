@@ -143,6 +143,12 @@ class StepEvent:
 #: number on it when the forward began. A rank whose forward passes keep pace with the others'
 #: while its gradient all-reduces fall behind skipped a backward (``model.align``).
 DDP_FORWARD = "ddp.forward"
+#: Phases of a process its launcher started as a rank, before it joined (``RankIdentity.phase``):
+#: started, not in ``init_process_group`` yet; inside it; ended without joining.
+STARTING, IN_INIT, GONE = "starting", "init", "gone"
+JOIN_PHASES = (STARTING, IN_INIT, GONE)
+#: The op of a hang before the ranks joined (``diagnosis.detectors.joins``).
+INIT_OP = "init_process_group"
 #: Marker a rank's hook writes as it turns its call capture off after an internal error (its
 #: detail: what it was doing, and the error): calls after it are not recorded.
 CAPTURE_OFF = "hangwatch.capture_off"
@@ -200,6 +206,9 @@ class RankIdentity:
     #: running at once have different ones, whatever their run ids say
     launch: str = ""
     attempt: int = 0  # the launcher's restart count (TORCHELASTIC_RESTART_COUNT): a new attempt, a new run
+    #: "" for a rank; for a process its launcher started as the rank, before it joined (its
+    #: node agent says so): ``JOIN_PHASES``
+    phase: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,20 @@ def summarize(dump: StackDump) -> str:
     return line + (", holding the GIL" if thread.owns_gil else "")
 
 
+def user_frame(dump: StackDump) -> str:
+    """Where the process is in its own code: ``download_dataset at train.py:12`` ("": unknown)."""
+    if dump.error is not None:
+        return ""
+    thread = main_thread(dump)
+    if thread is None or not thread.frames:
+        return ""
+    at = _user_index(thread.frames)
+    if at is None:
+        return ""
+    place = thread.frames[at]
+    return f"{place.function} at {short_path(place.filename)}:{place.line}"
+
+
 def dump_json(d: StackDump) -> dict[str, Any]:
     """One dump as ``stacks --json`` gives it."""
     return {

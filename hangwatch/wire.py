@@ -120,6 +120,7 @@ def identity_to_pb(i: r.RankIdentity, msg: pb.RankIdentity) -> None:
     msg.pid_namespace = i.pid_namespace
     msg.launch = i.launch
     msg.attempt = i.attempt
+    msg.phase = i.phase
 
 
 def process_status_to_pb(s: r.ProcessStatus, msg: pb.ProcStatus) -> None:
@@ -325,6 +326,7 @@ def identity_from_pb(msg: pb.RankIdentity) -> r.RankIdentity:
         pid_namespace=clip(msg.pid_namespace, MAX_NAME),
         launch=clip(msg.launch, MAX_NAME),
         attempt=msg.attempt,
+        phase=clip(msg.phase, MAX_NAME),
     )
 
 

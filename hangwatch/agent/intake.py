@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from hangwatch import records as r
+from hangwatch.agent.joining import JoiningLink
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -36,7 +37,7 @@ class DirectIntake(Intake, Protocol):
     takes_runs: bool
 
 
-def identity_of(link: RankLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
+def identity_of(link: RankLink | JoiningLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:
     """The rank's identity: pid from the kernel, the rest from its hello (checked for type)."""
     hello = link.hello
 

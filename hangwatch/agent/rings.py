@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hangwatch.agent.identity import Proofs, proven_start_time
+from hangwatch.agent.joining import JoiningLink
 from hangwatch.agent.procinfo import exit_when_gone, memory_events_path, oom_kills
-from hangwatch.link import ACK, ENDING, FAREWELL, HelloReader, LinkError, Peer, peer_of
+from hangwatch.link import ACK, ENDING, FAREWELL, STARTING, HelloReader, LinkError, Peer, peer_of
 from hangwatch.records import link_tag
 from hangwatch.ring import RingError, RingReader
 
@@ -175,6 +176,7 @@ class RingServer:
         #: its next read is due, or until this (``Shipper.run``)
         self.changed = threading.Event()
         self._links: list[RankLink] = []
+        self._joining: list[JoiningLink] = []  # processes linked before they are ranks
         self.refused = 0  # connections dropped: no hello, a bad ring, too many links
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -236,10 +238,24 @@ class RingServer:
             for link in self._links:
                 link.close()
             self._links.clear()
+            for joining in self._joining:
+                joining.close()
+            self._joining.clear()
 
     def links(self) -> list[RankLink]:
         with self._lock:
             return list(self._links)
+
+    def joining(self) -> list[JoiningLink]:
+        with self._lock:
+            return list(self._joining)
+
+    def forget_joining(self, link: JoiningLink) -> None:
+        """Drop a starting process's link once the coordinator was told how it ended."""
+        with self._lock:
+            if link in self._joining:
+                self._joining.remove(link)
+        link.close()
 
     def farewell(self, link: RankLink) -> None:
         """Tell a rank that said it is ending that its last records are read: it may go."""
@@ -278,6 +294,8 @@ class RingServer:
                                 self._wake[0].recv(64)
                         elif isinstance(key.data, _Pending):
                             self._hello(sel, pending, key.data)
+                        elif isinstance(key.data, JoiningLink):
+                            self._joining_said(sel, key.data)
                         else:
                             self._readable(sel, key.data)
                     except Exception:  # one peer's trouble never stops the loop that serves all
@@ -322,6 +340,15 @@ class RingServer:
         sel.unregister(p.conn)
         del pending[p.conn]
         fds, p.reader.fds = p.reader.fds, []
+        if hello.get("phase") == STARTING and not fds:
+            joining = self._establish_joining(p.conn, p.peer, hello)
+            if joining is None:
+                self.refused += 1
+                p.conn.close()
+                return
+            sel.register(p.conn, selectors.EVENT_READ, joining)
+            self.changed.set()
+            return
         link = self._establish(p.conn, p.peer, hello, fds)
         if link is None:
             self.refused += 1
@@ -345,6 +372,37 @@ class RingServer:
         sel.unregister(p.conn)
         del pending[p.conn]
         p.drop()
+
+    def _establish_joining(self, conn: socket.socket, peer: Peer, hello: dict[str, Any]) -> JoiningLink | None:
+        """A starting process's link: proven like a rank's (its stacks may be dumped), no ring."""
+        with self._lock:
+            if len(self._links) + len(self._joining) >= MAX_LINKS:
+                return None
+            link = JoiningLink(peer, hello, self._clock(), sock=conn)
+            self._joining.append(link)
+        started = proven_start_time(peer.pid)
+        session = hello.get("session")
+        if self.proofs is not None and started is not None and isinstance(session, str) and session:
+            self.proofs.add(peer.pid, peer.uid, started, link_tag(session))
+        return link
+
+    def _joining_said(self, sel: selectors.BaseSelector, link: JoiningLink) -> None:
+        sock = link.sock
+        if sock is None:
+            return
+        try:
+            data = sock.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            link.said(data, self._clock())
+        else:
+            sel.unregister(sock)
+            link.closed_at = self._clock()
+            link.close()
+        self.changed.set()
 
     def _establish(self, conn: socket.socket, peer: Peer, hello: dict[str, Any], fds: list[int]) -> RankLink | None:
         """The link of a whole hello and its descriptors (the caller's to close on None)."""

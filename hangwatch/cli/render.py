@@ -86,6 +86,13 @@ def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
         f"job {job.get('id') or '?'}: {job.get('registered', 0)}/{job.get('world_size', 0)} ranks registered, "
         f"stuck threshold {job.get('stuck_after', '?')} s\n"
     )
+    joining: dict[str, list[int]] = {}
+    for rank, j in (job.get("joining") or {}).items():
+        word = {"init": "in init_process_group", "starting": "not in init_process_group yet", "gone": "ended unjoined"}
+        where = f" ({j['where']})" if j.get("where") else ""
+        joining.setdefault(word.get(j.get("phase"), str(j.get("phase"))) + where, []).append(int(rank))
+    if joining:
+        out.write("joining: " + "; ".join(f"{ranks_label(sorted(r))} {w}" for w, r in joining.items()) + "\n")
     paths: dict[str, list[int]] = {}
     for rank in data["ranks"]:
         paths.setdefault(str(rank.get("via") or "direct"), []).append(rank["rank"])

@@ -17,8 +17,7 @@ def _bootstrap() -> None:
 
     if config.env_flag(config.ENV_DISABLE):
         return
-    owner = os.environ.get(config.ENV_RANK_PID)
-    if owner and owner != str(os.getpid()):
+    if config.inherited_rank():
         return  # a subprocess started by a rank (DataLoader worker, tool): never a rank itself
     level = os.environ.get(config.ENV_LOG_LEVEL)
     if level:
@@ -30,6 +29,13 @@ def _bootstrap() -> None:
             pass  # an unknown level name must not cost the job its hook
     if config.env_flag(config.ENV_FLIGHT_RECORDER, True):
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(config.DEFAULT_FR_BUFFER_SIZE))
+    addr = os.environ.get(config.ENV_ADDR, "")
+    if config.env_flag(config.ENV_JOINING, True):
+        from hangwatch.client import joining
+
+        if joining.start(addr):
+            os.environ[config.ENV_RANK_PID] = str(os.getpid())  # its subprocesses are not ranks
+            os.environ[config.ENV_RANK_OF] = config.launcher_rank()
     from hangwatch.client import importhook
 
     importhook.when_imported("torch.distributed", _instrument)

@@ -22,6 +22,7 @@ from types import FrameType, ModuleType
 from typing import Any
 
 from hangwatch import catalogue, config, native
+from hangwatch.client import joining
 from hangwatch.client.ops import OPS, OpSpec
 from hangwatch.client.recorder import _ENTER, _EXIT, _now
 from hangwatch.native import foreign
@@ -287,6 +288,8 @@ def _wrap_lifecycle(name: str, original: Callable[..., Any]) -> Callable[..., An
                 if foreign(exc):
                     raise
                 log.debug("hangwatch: destroy hook failed: %s", exc)
+        if name == "init_process_group":
+            joining.entering_init()
         result = original(*args, **kwargs)
         try:
             if name == "init_process_group":

@@ -22,7 +22,7 @@ from typing import Any
 
 from hangwatch import __version__, config, link, native
 from hangwatch import records as r
-from hangwatch.client import capture, workerserver
+from hangwatch.client import capture, joining, workerserver
 from hangwatch.client.recorder import Recorder
 from hangwatch.client.ringsink import RingSink
 from hangwatch.native import foreign
@@ -189,8 +189,7 @@ def after_init(params: dict[str, Any]) -> None:
     import torch
     import torch.distributed.distributed_c10d as c10d
 
-    owner = os.environ.get(config.ENV_RANK_PID)
-    if owner and owner != str(os.getpid()):
+    if config.inherited_rank():
         return  # a subprocess of a rank that initialised its own group: not one of the job's ranks
     addr = _settings.get("addr") or os.environ.get(config.ENV_ADDR)
     if not addr or config.env_flag(config.ENV_DISABLE):
@@ -221,6 +220,7 @@ def after_init(params: dict[str, Any]) -> None:
             identity, addr, _settings.get("token") or os.environ.get(config.ENV_TOKEN), c10d, _agent_socket(addr)
         )
         os.environ[config.ENV_RANK_PID] = str(os.getpid())
+        os.environ.pop(config.ENV_RANK_OF, None)  # every process it starts from now on is not a rank
         session.recorder.default_pg = c10d._get_default_group()
         session.recorder.group_info(session.recorder.default_pg)
         _session = session
@@ -228,6 +228,7 @@ def after_init(params: dict[str, Any]) -> None:
         _install_end_hooks()
         _install_step_hook()
         session.sender.start()
+    joining.joined()
 
 
 def after_new_group(pg: Any, params: dict[str, Any]) -> None:

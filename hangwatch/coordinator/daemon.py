@@ -286,6 +286,19 @@ class Coordinator:
         )
         return last_call_id, interval
 
+    def join(self, identity: r.RankIdentity, via: str) -> None:
+        """A process started as a rank, not joined yet: only its node agent, which proved it,
+        says so (``RankIdentity.phase``)."""
+        if via != "agent" or identity.phase not in r.JOIN_PHASES:
+            self.metrics_rejected("invalid")
+            raise IntakeError("a process that has not joined is told by the node agent that proved it")
+        with self.lock:
+            try:
+                self.jobs.join(identity, time.time())
+            except JobsFull as e:
+                self.metrics_rejected("jobs")
+                raise IntakeError(str(e)) from None
+
     def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> pb.RegisterReply:
         """Register a rank (from a ``Register`` RPC, or from the node agent that read its link).
         Raises :class:`IntakeError` for an identity that cannot be a rank of a job."""
@@ -294,6 +307,9 @@ class Coordinator:
             raise IntakeError(f"invalid rank {identity.rank} for world size {identity.world_size}")
         if not identity.session:
             raise IntakeError("registration without a session id")
+        if identity.phase:
+            self.join(identity, via)
+            return pb.RegisterReply(coordinator_id=self.coordinator_id, server_time=time.time())
         last_call_id, interval = self.register_rank(identity, via)
         return pb.RegisterReply(
             coordinator_id=self.coordinator_id,

@@ -32,7 +32,7 @@ from hangwatch.diagnosis.incidents import (
 )
 from hangwatch.diagnosis.jobs import Jobs
 from hangwatch.diagnosis.state import JobState
-from hangwatch.stackviews import summarize
+from hangwatch.stackviews import summarize, user_frame
 from hangwatch.wording import stories
 
 log = logging.getLogger("hangwatch.coordinator")
@@ -169,6 +169,7 @@ class Engine:
         ctx = Context(
             now=now,
             stuck_after_s=lambda: self.stuck_threshold(job),
+            init_after=config.DEFAULT_INIT_AFTER if self.stuck_after_override is None else self.stuck_after_override,
             silence_after=self.silence_after,
             claimed=claimed,
             mismatched=mismatched,
@@ -351,6 +352,10 @@ class Engine:
             done = all(c.exit_time is not None and c.error is None for c in slot.calls.values())
             if done and (not members or len(slot.calls) >= len(members)):
                 return stories.all_completed(incident.op, incident.seq, late)
+        if incident.op == r.INIT_OP and not incident.group:
+            inside = [j for j in job.joining.values() if j.identity.phase == r.IN_INIT]
+            if not inside or any(st.identity.attempt >= incident.attempt for st in job.ranks.values()):
+                return stories.joined()
         if incident.kind == IncidentKind.RANK_FROZEN:
             for rank in incident.culprit_ranks:
                 st = job.ranks.get(rank)
@@ -372,6 +377,11 @@ class Engine:
             job = self.jobs.for_incarnation(incident.incarnation) or self.job
             for rank in ranks:
                 st = job.ranks.get(rank)
+                joiner = job.joining.get(rank)
+                if st is None and joiner is not None:  # proven by its agent, not joined yet
+                    i = joiner.identity
+                    targets.append(r.Target(rank, i.pid, i.start_time, i.pid_namespace, r.link_tag(i.session)))
+                    continue
                 if st is None:
                     incident.stack_notes[rank] = "rank never registered"
                     continue
@@ -400,6 +410,10 @@ class Engine:
                     doing = summarize(dump)
                     if doing:
                         incident.details.setdefault("stack_summary", {})[str(rank)] = doing
+                    job = self.jobs.for_incarnation(incident.incarnation)
+                    joiner = job.joining.get(rank) if job is not None else None
+                    if joiner is not None and joiner.identity.pid == dump.pid:
+                        joiner.where = user_frame(dump)  # where it is: its story says so next tick
             incident.stacks_time = time.time()
             self.persist(incident)
 

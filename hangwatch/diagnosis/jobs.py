@@ -129,11 +129,29 @@ class Jobs:
             raise
         if previous is not None and previous.identity.session != identity.session:
             self.sessions.pop(previous.identity.session, None)  # that process's session is over
+        job.joined(identity.rank)
         if job.incarnation != run:
             self._ended(run, "the job's run ended (a new run of it began)")
             self.sessions = {s: j for s, j in self.sessions.items() if j is not job or s in job.sessions}
         self.sessions[identity.session] = job
         return job, state
+
+    def join(self, identity: r.RankIdentity, now: float) -> JobState | None:
+        """A process started as a rank of a job, not joined yet (``identity.phase``): its job
+        begins with it where none has (None: it ended before any of it was known)."""
+        key = job_key(identity)
+        job = self.by_key.get(key)
+        if job is None:
+            if identity.phase == r.GONE:
+                return None
+            self.retire_over(now, rerun_of=identity.job_id)
+            if len(self.by_key) >= MAX_JOBS:
+                self.refused += 1
+                raise JobsFull(f"this coordinator already follows {MAX_JOBS} live jobs")
+            job = JobState(self.ledger)
+            self._add(key, job)
+        job.join(identity, now)
+        return job
 
     def for_session(self, session: str) -> JobState | None:
         job = self.sessions.get(session)
@@ -234,7 +252,7 @@ def over(job: JobState, now: float | None = None) -> bool:
     left with no rank, its registrations refused, is over after a minute)."""
     now = time.time() if now is None else now
     if not job.ranks:
-        return now - job.started > EMPTY_JOB_S
+        return not job.joiners_live() and now - job.started > EMPTY_JOB_S
     return all(st.end is not None or not st.alive or now - st.last_seen > SILENT_GONE_S for st in job.ranks.values())
 
 

@@ -117,6 +117,17 @@ def status_json(
         "relays": sorted({rk["relay"] for rk in ranks if rk["relay"]}),
         "dropped": sum(rk["dropped"] for rk in ranks),
         "conflicts": list(job.conflicts),  # registrations refused or overridden, newest last
+        # processes started as its ranks that have not joined (init_process_group not returned)
+        "joining": {
+            str(rank): {
+                "phase": j.identity.phase,
+                "pid": j.identity.pid,
+                "host": j.identity.host,
+                "since": j.since,
+                "where": j.where,
+            }
+            for rank, j in sorted(job.joining.items())
+        },
         "time": now,
     }
     info.update(extra_job)

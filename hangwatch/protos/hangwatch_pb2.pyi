@@ -214,7 +214,7 @@ class CallColumns(_message.Message):
     def __init__(self, signature: _Optional[_Iterable[int]] = ..., call_id: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., enter_time: _Optional[_Iterable[float]] = ..., exit_time: _Optional[_Iterable[float]] = ..., seq_count: _Optional[_Iterable[int]] = ..., run: _Optional[_Iterable[int]] = ..., run_enter: _Optional[_Iterable[float]] = ..., run_exit: _Optional[_Iterable[float]] = ..., run_cycle: _Optional[_Iterable[int]] = ..., run_signature: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RankIdentity(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version", "pid_namespace", "launch", "attempt")
+    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version", "pid_namespace", "launch", "attempt", "phase")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class RankIdentity(_message.Message):
     PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -243,7 +244,8 @@ class RankIdentity(_message.Message):
     pid_namespace: str
     launch: str
     attempt: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., start_time: _Optional[float] = ..., session: _Optional[str] = ..., backend: _Optional[str] = ..., torch_version: _Optional[str] = ..., hook_version: _Optional[str] = ..., pid_namespace: _Optional[str] = ..., launch: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    phase: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., start_time: _Optional[float] = ..., session: _Optional[str] = ..., backend: _Optional[str] = ..., torch_version: _Optional[str] = ..., hook_version: _Optional[str] = ..., pid_namespace: _Optional[str] = ..., launch: _Optional[str] = ..., attempt: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("token", "identity", "via")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hangwatch import config
 from hangwatch.diagnosis.incidents import Finding
 from hangwatch.diagnosis.state import Changes, JobState
 
@@ -68,6 +69,8 @@ class Context:
     #: one of them afterwards (NCCL's watchdog aborting at its timeout) is that hang's aftermath
     hangs: dict[int, str] = field(default_factory=dict)
     changes: Changes = field(default_factory=Changes)  # what changed since the last tick
+    #: seconds ranks may wait in ``init_process_group`` for the others (``config.DEFAULT_INIT_AFTER``)
+    init_after: float = config.DEFAULT_INIT_AFTER
     cache: DetectorCache = field(default_factory=new_cache)  # the engine's; fresh: recompute all
 
     @property
@@ -86,6 +89,6 @@ def all_detectors() -> list[Detector]:
     """The detectors, with the model they ask loaded now: not on a job's first tick, where its
     import (6 ms) is paid inside the job's time."""
     from hangwatch.diagnosis import explain  # noqa: F401
-    from hangwatch.diagnosis.detectors import ends, frozen, mismatch, p2p, straggler, stuck
+    from hangwatch.diagnosis.detectors import ends, frozen, joins, mismatch, p2p, straggler, stuck
 
-    return [mismatch.detect, p2p.detect, ends.detect, frozen.detect, stuck.detect, straggler.detect]
+    return [mismatch.detect, p2p.detect, ends.detect, frozen.detect, joins.detect, stuck.detect, straggler.detect]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from hangwatch import catalogue, config, kinds
 from hangwatch import records as r
 from hangwatch.diagnosis import waits
-from hangwatch.diagnosis.detectors import Context
+from hangwatch.diagnosis.detectors import Context, joins
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, RankState, Slot
 from hangwatch.diagnosis.traces import TRACE_WAIT_S, unknown_at
@@ -349,6 +349,16 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             stories.waiting_in(waiting, where, waited) + stories.no_dump(unregistered),
             stories.NO_DUMP_HINT,
             [],
+        )
+    if unregistered and all(rk in job.joining for rk in unregistered):
+        # started as ranks, not joined: where their processes are (the model's edge to them)
+        told = "; ".join(joins.joiner_story(job.joining[rk]) for rk in unregistered)
+        return finding(
+            IncidentKind.STUCK_COLLECTIVE,
+            unregistered,
+            stories.waiting_in(waiting, where, waited) + "; " + told,
+            stories.JOIN_HINT,
+            [rk for rk in unregistered if job.joining[rk].identity.phase == r.STARTING] + waiting[:1],
         )
     if unregistered:
         return finding(

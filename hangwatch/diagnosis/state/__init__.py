@@ -43,6 +43,7 @@ from hangwatch.diagnosis.state.base import (
 from hangwatch.diagnosis.state.calls import Calls
 from hangwatch.diagnosis.state.device import Device
 from hangwatch.diagnosis.state.groups import Groups
+from hangwatch.diagnosis.state.joining import Joiner, Joining
 from hangwatch.diagnosis.state.ranks import (
     CLOCK_JUMP_S,
     CLOCK_STEP_S,
@@ -80,6 +81,7 @@ __all__ = [
     "ClaimRefused",
     "IngestResult",
     "JobState",
+    "Joiner",
     "OnDevice",
     "RankState",
     "Slot",
@@ -89,7 +91,7 @@ __all__ = [
 _TRACED = frozenset((r.CallRecord, r.CallRun, r.MarkerEvent))
 
 
-class JobState(Registry, Arena, Calls, Device, Runs, Groups):
+class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
     """A job's state: each concern its own class (``state/<concern>.py``), this the facade: a
     batch applied (``ingest``, ``apply``), what changed handed to the engine (``take_changes``),
     and what the detectors ask of the job (``members``, its rhythm)."""
@@ -111,6 +113,7 @@ class JobState(Registry, Arena, Calls, Device, Runs, Groups):
         #: not one that never registered
         self.from_dumps = False
         self.ranks: dict[int, RankState] = {}
+        self.joining: dict[int, Joiner] = {}  # processes started as ranks, not joined yet
         self.sessions: dict[str, int] = {}  # session id -> rank
         self.groups: dict[str, r.GroupInfo] = {}  # canonical (first seen) membership per group name
         self.slots: dict[str, collections.OrderedDict[int, Slot]] = {}

@@ -12,6 +12,7 @@ import bisect
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hangwatch import records as r
 from hangwatch.diagnosis import budget as b
@@ -21,6 +22,9 @@ from hangwatch.diagnosis.state.ranks import (
     Slot,
 )
 from hangwatch.flight_entries import ENTRY_CALL_IDS
+
+if TYPE_CHECKING:
+    from hangwatch.diagnosis.state.joining import Joiner
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
@@ -170,6 +174,7 @@ class _Base:
     world_size: int
     from_dumps: bool
     ranks: dict[int, RankState]
+    joining: dict[int, Joiner]
     sessions: dict[str, int]
     groups: dict[str, r.GroupInfo]
     slots: dict[str, collections.OrderedDict[int, Slot]]

@@ -7,6 +7,7 @@ from the former test_detectors.py, one file per detector module.
 from __future__ import annotations
 
 from hangwatch import config
+from hangwatch import records as r
 from hangwatch.diagnosis import traces
 from hangwatch.diagnosis.detectors import stuck
 from hangwatch.records import CallRecord, EndKind
@@ -170,6 +171,23 @@ def test_stuck_unregistered_rank() -> None:
     f = only(stuck.detect(sim.job, sim.ctx(T0 + 12)), "stuck_collective")
     assert f.culprit_ranks == [2]
     assert "never registered" in f.summary
+
+
+def test_an_absent_rank_that_started_and_never_joined_is_told_where_it_is() -> None:
+    """On NCCL init returns on each rank alone: ranks 0 and 1 wait in their first all_reduce for
+    rank 2, whose process its agent proved and which never entered init_process_group."""
+    sim = SimJob(2)
+    sim.job.world_size = 3
+    sim.job.join(r.RankIdentity("job", 2, 3, "node-b", 4002, start_time=502.0, session="s2", phase=r.STARTING), T0)
+    sim.job.joining[2].where = "download_dataset at train.py:12"
+    sim.call(0, T0 + 1)
+    sim.call(1, T0 + 1)
+    sim.beat(T0 + 12)
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 12)), "stuck_collective")
+    assert f.culprit_ranks == [2] and f.stack_ranks == [2, 0]
+    assert f.summary.endswith(
+        "; rank 2 never entered init_process_group: it is in download_dataset at train.py:12 (pid 4002 on node-b)"
+    )
 
 
 def test_early_exit_absent_rank_exited_cleanly() -> None:
