@@ -382,6 +382,8 @@ class StackDump:
     text: str = ""
     native: bool = False
     error: str | None = None
+    #: its own processes' stacks (a rank's DataLoader workers, a subprocess it waits for)
+    children: tuple[StackDump, ...] = ()
 
     @property
     def ok(self) -> bool:

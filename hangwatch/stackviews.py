@@ -100,6 +100,48 @@ def user_frame(dump: StackDump) -> str:
     return f"{place.function} at {short_path(place.filename)}:{place.line}"
 
 
+#: A main thread in one of these waits on the rank's own processes (its DataLoader's workers, a
+#: subprocess, a multiprocessing pool).
+_WAITS_ON_CHILDREN = re.compile(
+    r"torch[/\\]utils[/\\]data[/\\]dataloader\.py$|[/\\]subprocess\.py$|"
+    r"[/\\]multiprocessing[/\\](pool|connection|queues|popen_\w+)\.py$"
+)
+#: A DataLoader worker's loop: frames outside it are its parent's, copied at fork.
+_WORKER_LOOP = re.compile(r"torch[/\\]utils[/\\]data[/\\]_utils[/\\]worker\.py$")
+
+
+def child_where(dump: StackDump) -> tuple[str, str]:
+    """What one of a rank's processes is and where it is in the program's code:
+    ``("DataLoader worker", "read_shard at train.py:355")``; where is "" when it is idle in
+    library code (a worker waiting for its next index)."""
+    thread = main_thread(dump) or (dump.threads[0] if dump.threads else None)
+    if thread is None:
+        return "child process", ""
+    frames = thread.frames
+    loop = next((i for i, f in enumerate(frames) if _WORKER_LOOP.search(f.filename)), None)
+    inner = frames[:loop] if loop is not None else frames
+    user = next((f for f in inner if not f.native and not _LIBRARY.search(f.filename)), None)
+    what = "DataLoader worker" if loop is not None else "child process"
+    return what, f"{user.function} at {short_path(user.filename)}:{user.line}" if user is not None else ""
+
+
+def waited_children(dump: StackDump) -> list[tuple[int, str, str]]:
+    """The rank's own processes its main thread waits for that are in the program's code:
+    (pid, what, where) each; none where it waits on nothing of its own."""
+    thread = main_thread(dump)
+    if dump.error is not None or thread is None or not dump.children:
+        return []
+    if not any(_WAITS_ON_CHILDREN.search(f.filename) for f in thread.frames):
+        return []
+    out = []
+    for child in dump.children:
+        if child.error is None:
+            what, where = child_where(child)
+            if where:
+                out.append((child.pid, what, where))
+    return out
+
+
 def dump_json(d: StackDump) -> dict[str, Any]:
     """One dump as ``stacks --json`` gives it."""
     return {
@@ -121,4 +163,5 @@ def dump_json(d: StackDump) -> dict[str, Any]:
             }
             for t in d.threads
         ],
+        "children": [dump_json(c) for c in d.children],
     }

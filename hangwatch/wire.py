@@ -163,6 +163,8 @@ def stack_dump_to_pb(d: r.StackDump, rank: int, msg: pb.StackDumpMsg) -> None:
             fm.filename = f.filename
             fm.line = f.line
             fm.native = f.native
+    for child in d.children:
+        stack_dump_to_pb(child, rank, msg.children.add())
 
 
 # ---- protobuf -> records ------------------------------------------------------------------
@@ -202,6 +204,7 @@ def _finite(*times: float) -> None:
 MAX_DIMS = 16
 MAX_TENSORS = 4096
 MAX_GPUS = 64  # per process status: more than any node has
+MAX_CHILDREN = 8  # a rank's own processes dumped with it (its DataLoader workers)
 
 
 def tensor_from_pb(msg: pb.TensorMeta) -> r.TensorMeta:
@@ -375,4 +378,5 @@ def stack_dump_from_pb(msg: pb.StackDumpMsg) -> r.StackDump:
         )
         for t in msg.threads
     )
-    return r.StackDump(msg.pid, msg.time, threads, msg.text, msg.native, msg.error or None)
+    children = tuple(stack_dump_from_pb(c) for c in msg.children[:MAX_CHILDREN] if not c.children)
+    return r.StackDump(msg.pid, msg.time, threads, msg.text, msg.native, msg.error or None, children)

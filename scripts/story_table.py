@@ -25,7 +25,8 @@ def table() -> str:
     from tests.e2e.test_story import STORIES
 
     lines = [
-        "| program | kind, culprit | what it must say (`{X}`: the script's line marked `@X`) | before the model |",
+        "| program | kind, culprit | what it must say (`{X}`: the script's line marked `@X`; `{lineX}`: its file "
+        "and line) | before the model |",
         "| --- | --- | --- | --- |",
     ]
     for s in STORIES:

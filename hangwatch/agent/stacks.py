@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,19 @@ class Dumper(Protocol):
 
 #: Seconds ``dump_many`` waits beyond ``timeout_s`` for dumps to come back (process start-up).
 SLACK_S = 1.0
+#: A rank's own processes dumped with it at most (its DataLoader workers, a subprocess).
+MAX_CHILDREN = 4
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes ``pid`` started that still run (the kernel's parent links: a process
+    cannot claim to be another's child)."""
+    try:
+        import psutil
+
+        return sorted(c.pid for c in psutil.Process(pid).children(recursive=False))
+    except Exception:  # gone, or not readable: no children to tell of
+        return []
 
 
 def dump_many(
@@ -47,7 +61,17 @@ def dump_many(
         budget = min(timeout_s, deadline - SLACK_S / 2 - time.monotonic())
         if budget <= 0:
             return StackDump(target.pid, time.time(), native=native, error="no time left for this dump")
-        return dumper(target.pid, native=native, timeout_s=budget)
+        dump = dumper(target.pid, native=native, timeout_s=budget)
+        if dump.error is not None:
+            return dump
+        # its own processes, which it may be waiting for: their stacks, Python only, in the time left
+        children = []
+        for pid in children_of(target.pid)[:MAX_CHILDREN]:
+            left = min(timeout_s, deadline - SLACK_S / 2 - time.monotonic())
+            if left <= 0:
+                break
+            children.append(dumper(pid, native=False, timeout_s=left))
+        return dataclasses.replace(dump, children=tuple(children)) if children else dump
 
     if not targets:
         return {}

@@ -32,7 +32,7 @@ from hangwatch.diagnosis.incidents import (
 )
 from hangwatch.diagnosis.jobs import Jobs
 from hangwatch.diagnosis.state import JobState
-from hangwatch.stackviews import summarize, user_frame
+from hangwatch.stackviews import child_where, summarize, user_frame, waited_children
 from hangwatch.wording import stories
 
 log = logging.getLogger("hangwatch.coordinator")
@@ -414,8 +414,27 @@ class Engine:
                     joiner = job.joining.get(rank) if job is not None else None
                     if joiner is not None and joiner.identity.pid == dump.pid:
                         joiner.where = user_frame(dump)  # where it is: its story says so next tick
+                    st = job.ranks.get(rank) if job is not None else None
+                    if st is not None and dump.children:  # what of its own it waits for, if anything
+                        st.waits_for, st.waits_for_at = tuple(waited_children(dump)), time.time()
+                        if st.waits_for:
+                            _tell_waits_for(incident, rank, stories.waits_for_own(st.where_user, st.waits_for))
+                    for child in dump.children:
+                        what, _ = child_where(child)
+                        body = child.text or f"no stacks: {child.error}"
+                        incident.stacks[rank] += f"\n\n--- its {what}, pid {child.pid} ---\n{body}"
             incident.stacks_time = time.time()
             self.persist(incident)
+
+
+def _tell_waits_for(incident: Incident, rank: int, told: str) -> None:
+    """An absent rank's clause told again from its stack: what of its own it waits for (the
+    stuck detector tells a slot once; its stack comes after)."""
+    absent = incident.details.get("absent")
+    if not isinstance(absent, dict) or not isinstance(old := absent.get(str(rank)), str) or old == told:
+        return
+    incident.summary = incident.summary.replace(f"rank {rank} {old}", f"rank {rank} {told}", 1)
+    absent[str(rank)] = told
 
 
 def _aftermath_clause(incident: Incident) -> str:

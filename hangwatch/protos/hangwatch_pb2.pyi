@@ -470,7 +470,7 @@ class ThreadStackMsg(_message.Message):
     def __init__(self, thread_id: _Optional[int] = ..., name: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[FrameMsg, _Mapping]]] = ..., active: _Optional[bool] = ..., owns_gil: _Optional[bool] = ...) -> None: ...
 
 class StackDumpMsg(_message.Message):
-    __slots__ = ("pid", "rank", "time", "threads", "text", "native", "error")
+    __slots__ = ("pid", "rank", "time", "threads", "text", "native", "error", "children")
     PID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -478,6 +478,7 @@ class StackDumpMsg(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     NATIVE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
     pid: int
     rank: int
     time: float
@@ -485,7 +486,8 @@ class StackDumpMsg(_message.Message):
     text: str
     native: bool
     error: str
-    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., time: _Optional[float] = ..., threads: _Optional[_Iterable[_Union[ThreadStackMsg, _Mapping]]] = ..., text: _Optional[str] = ..., native: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    children: _containers.RepeatedCompositeFieldContainer[StackDumpMsg]
+    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., time: _Optional[float] = ..., threads: _Optional[_Iterable[_Union[ThreadStackMsg, _Mapping]]] = ..., text: _Optional[str] = ..., native: _Optional[bool] = ..., error: _Optional[str] = ..., children: _Optional[_Iterable[_Union[StackDumpMsg, _Mapping]]] = ...) -> None: ...
 
 class DumpCommand(_message.Message):
     __slots__ = ("targets", "native", "timeout_s")

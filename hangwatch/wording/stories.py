@@ -443,6 +443,13 @@ def all_completed(op: str, seq: int, late: str) -> str:
 # Before the ranks joined (``detectors.joins``)
 
 
+def waits_for_own(where_user: str, children: Sequence[tuple[int, str, str]]) -> str:
+    """A rank waiting for its own processes (pid, what, where each): a DataLoader's worker."""
+    at = f" in {where_user}" if where_user else ""
+    told = "; ".join(f"{what} (pid {pid}), which is in {where}" for pid, what, where in children)
+    return f"waits{at} for its {told}"
+
+
 def joined() -> str:
     return "the ranks left init_process_group (the job's ranks joined, or those waiting gave up)"
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from hangwatch import wire
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.pyspy import find_pyspy
-from hangwatch.agent.stacks import dump_many
+from hangwatch.agent.stacks import children_of, dump_many
+from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.records import Frame, StackDump, Target, ThreadStack
-from hangwatch.stackviews import group_identical, summarize
+from hangwatch.stackviews import child_where, group_identical, summarize, waited_children
 
 from .conftest import Spawn, target
 
@@ -119,3 +122,78 @@ def test_summarize_names_the_user_frame() -> None:
     )
     assert summarize(_dump(1, libc)) == "in native code: __futex_abstimed_wait (libc.so.6)"
     assert summarize(_dump(1, error="timed out")) == "no stacks: timed out"
+
+
+PARENT_OF_A_WORKER = """\
+import subprocess, sys, time
+
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("ready", flush=True)
+child.wait()
+"""
+
+
+def test_a_ranks_own_processes_are_dumped_with_it(spawn: Spawn) -> None:
+    """The kernel's parent links say which processes are the rank's: each is dumped with it, in
+    the time left, and never one that is not its child."""
+    proc = spawn(PARENT_OF_A_WORKER)
+    stranger = spawn(SLEEPER)
+    calls: list[int] = []
+
+    def dumper(pid: int, *, native: bool = False, timeout_s: float = 10.0) -> StackDump:
+        calls.append(pid)
+        return StackDump(pid, 0.0, text=f"stacks of {pid}")
+
+    time.sleep(0.3)  # its child started
+    (child,) = children_of(proc.pid)
+    dumps = dump_many([target(proc, rank=1)], native=True, timeout_s=2.0, inspector=PsutilInspector(), dumper=dumper)
+    assert calls == [proc.pid, child]
+    assert [c.pid for c in dumps[1].children] == [child]
+    assert stranger.pid not in calls
+
+
+def test_what_a_rank_waits_for_of_its_own_is_a_worker_in_the_programs_code() -> None:
+    """A rank in its DataLoader's wait, one worker stalled in the dataset's code and one idle
+    (its frames below the worker loop are its parent's, copied at fork): only the stalled one."""
+    lib = "/venv/lib/python3.11/site-packages/torch/utils/data/"
+    forked = (
+        Frame("_bootstrap", "/usr/lib/python3.11/multiprocessing/process.py", 314),
+        Frame("_launch", "/usr/lib/python3.11/multiprocessing/popen_fork.py", 71),
+        Frame("<module>", "/job/train.py", 25),
+    )
+    loop = Frame("_worker_loop", lib + "_utils/worker.py", 349)
+    stalled = _dump(
+        11,
+        Frame("time_sleep", "/lib/libc.so.6", 0, native=True),
+        Frame("read_shard", "/job/train.py", 15),
+        Frame("__getitem__", "/job/train.py", 9),
+        Frame("fetch", lib + "_utils/fetch.py", 52),
+        loop,
+        *forked,
+    )
+    idle = _dump(12, Frame("get", "/usr/lib/python3.11/multiprocessing/queues.py", 113), loop, *forked)
+    rank = _dump(
+        10,
+        Frame("select", "/usr/lib/python3.11/selectors.py", 415),
+        Frame("_try_get_data", lib + "dataloader.py", 1291),
+        Frame("<module>", "/job/train.py", 25),
+    )
+    rank = dataclasses.replace(rank, children=(idle, stalled))
+    assert child_where(stalled) == ("DataLoader worker", "read_shard at train.py:15")
+    assert child_where(idle) == ("DataLoader worker", "")
+    assert waited_children(rank) == [(11, "DataLoader worker", "read_shard at train.py:15")]
+    # a rank busy in its own code does not wait for its workers, whatever they do
+    busy = dataclasses.replace(_dump(10, Frame("train_step", "/job/train.py", 40)), children=(stalled,))
+    assert waited_children(busy) == []
+
+
+def test_a_ranks_own_stacks_cross_the_wire_one_level_deep() -> None:
+    child = _dump(11, Frame("read_shard", "/job/train.py", 15))
+    rank = dataclasses.replace(_dump(10, Frame("main", "/job/train.py", 25)), children=(child,))
+    msg = pb.StackDumpMsg()
+    wire.stack_dump_to_pb(rank, 1, msg)
+    back = wire.stack_dump_from_pb(msg)
+    assert back.children == (child,) and back.threads == rank.threads
+    nested = pb.StackDumpMsg()  # a dump whose children claim children of their own: not taken
+    wire.stack_dump_to_pb(dataclasses.replace(rank, children=(rank,)), 1, nested)
+    assert wire.stack_dump_from_pb(nested).children == ()

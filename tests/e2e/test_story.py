@@ -74,6 +74,8 @@ def expected(story: Story, script: str, text: str | None = None) -> re.Pattern[s
             out.append(r"\w+")
         elif part == "{rest}":  # what more an aftermath says, as far as the reads got
             out.append(r".*")
+        elif part.startswith("{line"):  # a site as a frame names it: file and line alone
+            out.append(re.escape(_site(script, story.program, part[5:-1], "").removesuffix(" in ")))
         elif part.startswith("{") and part.endswith("}"):
             marker = part[1:-1]
             out.append(re.escape(_site(script, story.program, marker, story.functions.get(marker, "<module>"))))
@@ -352,7 +354,7 @@ class Shards(torch.utils.data.Dataset):
 
 
 def read_shard(i):
-    time.sleep(600)  # a stalled network filesystem
+    time.sleep(600)  # @R a stalled network filesystem
 
 
 loader = torch.utils.data.DataLoader(Shards(), batch_size=4, num_workers=1)
@@ -371,8 +373,8 @@ DATALOADER = Story(
     kind="stuck_collective",
     culprits=[1],
     waiting=[0],
-    summary="rank 0 waits in all_reduce (group 0, seq 11) at {S} for {n} s; rank 1 is busy in {I} (innermost: "
-    "selectors.py:{n} in select)",
+    summary="rank 0 waits in all_reduce (group 0, seq 11) at {S} for {n} s; rank 1 waits in {I} for its DataLoader "
+    "worker (pid {n}), which is in read_shard at {lineR}",
     lookalike=INIT + LOADER.replace("{stall}", "False"),
     today="stuck_collective, 'rank 1 is busy in selectors.py:415 in select': a frame of the standard library",
 )

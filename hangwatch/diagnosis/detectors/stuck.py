@@ -108,6 +108,15 @@ def _held_by_younger(job: JobState, ctx: Context, finding: Finding) -> bool:
     return False
 
 
+def _doing(st: RankState, now: float) -> str:
+    """What an absent rank is doing: where its own processes it waits for are (an edge of the
+    wait-for graph to them, from a stack dumped since its last progress), else its own word."""
+    blocked = st.oldest_open()
+    if st.end is None and blocked is None and st.waits_for and st.waits_for_at >= st.last_progress:
+        return stories.waits_for_own(st.where_user, st.waits_for)
+    return doing(st.end, blocked, st.where, st.where_user, now)
+
+
 def _held_for_traces(job: JobState, ctx: Context, finding: Finding) -> bool:
     """Whether a culprit's trace is not known through the wait's start: its C++ collectives come
     from Flight Recorder reads, the latest older than the wait (under load, rank 0 seen busy in
@@ -397,9 +406,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             else st.last_sent < slot.first_enter + config.FR_POLL_INTERVAL_S
         ):
             return None
-    doings = {
-        rk: doing(st.end, st.oldest_open(), st.where, st.where_user, ctx.now) for rk, st in sorted(present.items())
-    }
+    doings = {rk: _doing(st, ctx.now) for rk, st in sorted(present.items())}
     details["absent"] = {str(rk): text for rk, text in doings.items()}
     absent_text = "; ".join(f"rank {rk} {text}" for rk, text in doings.items())
     stack_ranks = absent + waiting[:1]

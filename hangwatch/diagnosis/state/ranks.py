@@ -80,6 +80,10 @@ class RankState:
     proc: r.ProcessStatus | None = None
     where: str = ""
     where_user: str = ""
+    #: which of its own processes its main thread waits for, and where each is, from a stack
+    #: dumped at ``waits_for_at`` (coordinator time): (pid, what, where)
+    waits_for: tuple[tuple[int, str, str], ...] = ()
+    waits_for_at: float = 0.0
     #: the program's own frames of its main thread at its latest batch, innermost first (a few)
     where_stack: tuple[str, ...] = ()
     #: what its hook or its node agent slowed down to stay within its CPU budget (its latest batch's word)
