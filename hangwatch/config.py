@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 
 # --- environment variables -------------------------------------------------------------
 
@@ -164,6 +163,16 @@ def env_int(name: str, default: int) -> int:
         return default
 
 
+def _temp_dir() -> str:
+    """Where temporary files go, as ``tempfile.gettempdir`` finds it for a writable system (without
+    importing tempfile, most of what a hooked interpreter's start would cost)."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        d = os.environ.get(name)
+        if d and os.path.isdir(d):
+            return os.path.abspath(d)
+    return "/tmp"
+
+
 def private_dir() -> str:
     """``$XDG_RUNTIME_DIR/hangwatch`` (else ``<tmp>/hangwatch-<uid>``), created 0700; an error
     if it exists and is not a directory of this user that only this user can enter."""
@@ -171,7 +180,7 @@ def private_dir() -> str:
     base = (
         os.path.join(runtime, "hangwatch")
         if runtime
-        else os.path.join(tempfile.gettempdir(), f"hangwatch-{os.getuid()}")
+        else os.path.join(_temp_dir(), f"hangwatch-{os.getuid()}")
     )
     os.makedirs(base, mode=0o700, exist_ok=True)
     st = os.lstat(base)
