@@ -115,7 +115,7 @@ def _wrap_op(spec: OpSpec, original: Callable[..., Any]) -> Callable[..., Any]:
             # was remembered of it (``Recorder.remember``), without reading its arguments again:
             # the same two slots ``Recorder.enter`` and ``exit`` write. Every operation here is
             # paid cold, right after the previous collective (measured 4-10x its cost in a warm
-            # loop, BENCHMARKS.md "The whole bill"), so it does as few as it can: no thread-local
+            # loop, docs/benchmarks-history.md, "The whole bill"), so it does as few as it can: no thread-local
             # writes (these ops never call another wrapped function), no second read of the
             # group's counter (each issues exactly one collective).
             try:
