@@ -52,3 +52,33 @@ def test_every_path_the_docs_name_exists(doc: str) -> None:
     assert named or doc.startswith("docs/"), f"{doc} names no repository path: the pattern is broken"
     missing = [p for p in named if not (ROOT / p.rstrip("/")).exists()]
     assert not missing, f"{doc} names paths that do not exist: {missing}"
+
+
+#: What a newcomer reads through: the rest belongs in docs/.
+README_WORDS = 2000
+
+
+def test_the_readme_stays_within_its_budget() -> None:
+    words = len((ROOT / "README.md").read_text().split())
+    assert words <= README_WORDS, f"README.md has {words} words (at most {README_WORDS}): move detail to docs/"
+
+
+def test_every_flag_the_readme_names_exists() -> None:
+    """A flag the README shows (``--stuck-after``) is one the CLI's parser takes."""
+    from hangwatch.cli.parser import build_parser
+
+    parser = build_parser()
+    known: set[str] = set()
+
+    def collect(p: object) -> None:
+        for action in getattr(p, "_actions", []):
+            known.update(action.option_strings)
+            for sub in (getattr(action, "choices", None) or {}).values():
+                if hasattr(sub, "_actions"):
+                    collect(sub)
+
+    collect(parser)
+    readme = (ROOT / "README.md").read_text()
+    torchrun = {"--standalone", "--nproc-per-node", "--nnodes", "--node-rank", "--max-restarts"}
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", readme)) - torchrun
+    assert named <= known, f"README.md names flags the CLI does not take: {sorted(named - known)}"
