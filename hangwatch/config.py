@@ -177,11 +177,7 @@ def private_dir() -> str:
     """``$XDG_RUNTIME_DIR/hangwatch`` (else ``<tmp>/hangwatch-<uid>``), created 0700; an error
     if it exists and is not a directory of this user that only this user can enter."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = (
-        os.path.join(runtime, "hangwatch")
-        if runtime
-        else os.path.join(_temp_dir(), f"hangwatch-{os.getuid()}")
-    )
+    base = os.path.join(runtime, "hangwatch") if runtime else os.path.join(_temp_dir(), f"hangwatch-{os.getuid()}")
     os.makedirs(base, mode=0o700, exist_ok=True)
     st = os.lstat(base)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:

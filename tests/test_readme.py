@@ -73,9 +73,9 @@ def test_every_flag_the_readme_names_exists() -> None:
     def collect(p: object) -> None:
         for action in getattr(p, "_actions", []):
             known.update(action.option_strings)
-            for sub in (getattr(action, "choices", None) or {}).values():
-                if hasattr(sub, "_actions"):
-                    collect(sub)
+            choices = getattr(action, "choices", None)
+            for sub in choices.values() if isinstance(choices, dict) else ():
+                collect(sub)
 
     collect(parser)
     readme = (ROOT / "README.md").read_text()

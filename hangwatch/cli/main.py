@@ -67,10 +67,27 @@ def cmd_report(args: argparse.Namespace) -> int:
             return 1
         ident = incidents[-1]["id"]
     data = query(_addr(args), "GetIncident", token=_token(args), id=ident)
+    if args.graph:
+        return _report_graph(data, args.format)
     if args.json:
         _print_json(data)
     else:
         render.render_report(data)
+    return 0
+
+
+def _report_graph(data: dict[str, Any], fmt: str) -> int:
+    from hangwatch.cli import graphs
+
+    graph = (data.get("details") or {}).get("graph")
+    if not graph:
+        sys.stderr.write(f"hangwatch: {data['id']} has no wait-for graph: nobody waited on what it tells\n")
+        return 1
+    if fmt == "dot":
+        sys.stdout.write(graphs.dot(graph, data["id"]))
+    else:
+        sys.stdout.write(f"{data['id']}: who waited for whom when it was told\n")
+        sys.stdout.write("".join(f"  {line}\n" for line in graphs.text(graph)))
     return 0
 
 

@@ -237,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="the full diagnosis of one incident (default: the latest)")
     _add_query_flags(p)
     p.add_argument("id", nargs="?", default=None, help="incident id, e.g. inc-0001")
+    p.add_argument("--graph", action="store_true", help="who waited for whom when it was told, by node")
+    p.add_argument(
+        "--format", choices=("text", "dot"), default="text", help="with --graph: text, or Graphviz (dot -Tsvg)"
+    )
     _add_job_flag(p, "every job: the latest incident")
 
     p = sub.add_parser("stacks", help="dump py-spy stacks of ranks now")

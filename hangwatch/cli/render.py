@@ -10,8 +10,8 @@ import time
 from typing import Any, TextIO
 
 from hangwatch import wording
+from hangwatch.cli import graphs
 from hangwatch.wording import KIND_TITLES, in_step, on_device, ranks_label
-from hangwatch.wording.stories import hang_line, wait_line
 
 
 def use_colour(stream: TextIO) -> bool:
@@ -70,12 +70,14 @@ def _render_waits(graph: dict[str, Any], out: TextIO) -> None:
     if not waits:
         return
     out.write("who waits for whom:\n")
-    for w in waits[:WAITS_SHOWN]:
-        out.write(f"  {wait_line(w['ranks'], w['op'], w['group'], w['seq'], w['waits_for'])}\n")
+    lines = graphs.text({**graph, "waits": waits[:WAITS_SHOWN]})
+    told = min(len(waits), WAITS_SHOWN)
+    for line in lines[:told]:
+        out.write(f"  {line}\n")
     if len(waits) > WAITS_SHOWN:
         out.write(f"  ... and {len(waits) - WAITS_SHOWN} more waits (status --json)\n")
-    for h in graph.get("hangs") or []:
-        out.write(f"  -> {hang_line(h['ranks'], h['stand'], h['upstream'])}\n")
+    for line in lines[told:]:
+        out.write(f"  {line}\n")
 
 
 def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
@@ -254,6 +256,13 @@ def render_report(inc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     aftermath = details.get("aftermath")
     if aftermath:
         out.write(f"\naftermath (what this caused): {aftermath.get('summary', '')}\n")
+    graph = details.get("graph")
+    if graph:
+        lines = graphs.text(graph)
+        out.write("\nwho waited for whom (report --graph; --format dot to draw it):\n")
+        out.write("".join(f"  {line}\n" for line in lines[:WAITS_SHOWN]))
+        if len(lines) > WAITS_SHOWN:
+            out.write(f"  ... and {len(lines) - WAITS_SHOWN} more lines (report --graph)\n")
     doing = details.get("stack_summary") or {}
     if doing:
         out.write("\nwhat the stacks show:\n")

@@ -57,7 +57,10 @@ def status(c: Coordinator, job_selector: str = "") -> dict[str, Any] | None:
             "budget": {**c.jobs.ledger.view(), "job_held_bytes": job.held, "job_refused": job.refused},
         }
         status = status_json(job, now, c.options.silence_after, extra, open_incidents)
-        status["graph"] = waits.graph_json(waits.graph(job, now, c.options.silence_after))
+        status["graph"] = {
+            **waits.graph_json(waits.graph(job, now, c.options.silence_after)),
+            "hosts": waits.hosts_of(job),  # the views group ranks by node
+        }
         open_by_incarnation: dict[str, int] = {}
         for inc in c.engine.incidents.values():
             if inc.status == "open":

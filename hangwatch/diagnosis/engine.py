@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from hangwatch import config, kinds
 from hangwatch import records as r
+from hangwatch.diagnosis import waits
 from hangwatch.diagnosis.detectors import Context, Detector, DetectorCache, all_detectors, new_cache
 from hangwatch.diagnosis.incidents import (
     Finding,
@@ -252,6 +253,13 @@ class Engine:
             return incident, False
         incident = Incident.from_finding(self.next_id(), job.job_id, finding, now)
         incident.incarnation, incident.launch, incident.attempt = job.incarnation, job.launch, job.attempt
+        if key_family(finding.key) in HANG_FAMILIES and job.ranks:
+            # who waited for whom when it was told: ``report --graph`` draws it
+            graph = waits.incident_graph(
+                waits.graph(job, now, self.silence_after), incident.culprit_ranks, waits.hosts_of(job)
+            )
+            if graph is not None:
+                incident.details["graph"] = graph
         self.incidents[incident.id] = incident
         self.by_key[finding.key] = incident.id
         if len(self.incidents) > MAX_INCIDENTS_IN_MEMORY:

@@ -79,3 +79,29 @@ def _matched(job: JobState, call: r.CallRecord) -> bool:
         return False
     other = r.RECV_OPS if call.op in r.SEND_OPS else r.SEND_OPS
     return any(c.op in other and c.peer == call.rank and c.group == call.group for c in _open(peer))
+
+
+def hosts_of(job: JobState) -> dict[str, list[int]]:
+    """Each node's ranks (what the graph's views group by)."""
+    out: dict[str, list[int]] = {}
+    for rank, st in sorted(job.ranks.items()):
+        out.setdefault(st.identity.host, []).append(rank)
+    return out
+
+
+def incident_graph(g: Graph, culprits: list[int], hosts: dict[str, list[int]]) -> dict[str, Any] | None:
+    """The part of the graph an incident is about: the hangs its culprits' waits end in, every
+    wait upstream of them, and the nodes of the ranks in them (None: no wait leads there)."""
+    hangs = g.reached(culprits)
+    if not hangs:
+        return None
+    inside = {rank for h in hangs for rank in (*h.ranks, *h.upstream)}
+    waits = [w for w in g.waits if inside & set(w.waiters)]
+    full = graph_json(Graph(g.stands, waits))
+    full["hangs"] = [
+        {"ranks": list(h.ranks), "stand": h.stand.value if h.stand else "cycle", "upstream": list(h.upstream)}
+        for h in hangs
+    ]
+    full["hosts"] = {host: [rk for rk in ranks if rk in inside] for host, ranks in hosts.items()}
+    full["hosts"] = {host: ranks for host, ranks in full["hosts"].items() if ranks}
+    return full

@@ -193,3 +193,21 @@ def test_a_hang_told_before_its_calls_were_read_is_told_again_by_the_mismatch_th
     assert (told.group, told.seq) == ("0", 5) and told.kind != "stuck_collective"
     assert hang.status == "resolved" and hang.resolution.startswith(f"told again as {told.id}")
     assert [i.id for i in engine.incidents.values() if i.status == "open"] == [told.id]
+
+
+def test_a_hang_keeps_who_waited_for_whom_when_it_was_told() -> None:
+    """``report --graph`` draws what the graph was when the incident was told: its waits, the
+    sink they end in, and each node's ranks among them."""
+    sim = SimJob(3)
+    sim.collective(1, T0 + 1)
+    for rank in (0, 2):
+        sim.call(rank, T0 + 2, seq=2)
+    engine = sim.engine()
+    sim.beat(T0 + 13, where_user="train.py:88 in save_checkpoint")
+    (inc,) = engine.tick(T0 + 13)
+    graph = inc.details["graph"]
+    assert graph["waits"] == [{"group": "0", "seq": 2, "op": "all_reduce", "ranks": [0, 2], "waits_for": [1]}]
+    assert graph["hangs"] == [{"ranks": [1], "stand": "busy", "upstream": [0, 2]}]
+    hosts = {st.identity.host for st in sim.job.ranks.values()}
+    assert sorted(rank for ranks in graph["hosts"].values() for rank in ranks) == [0, 1, 2]
+    assert set(graph["hosts"]) == hosts

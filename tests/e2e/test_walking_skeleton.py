@@ -88,6 +88,14 @@ def test_stuck_all_reduce_diagnosed_end_to_end(
     assert report.returncode == 0
     assert "culprit ranks  1" in report.stdout
     assert "--- rank 1 ---" in report.stdout
+    graph = cli("report", incident["id"], "--graph", "--addr", addr)
+    assert graph.returncode == 0, graph.stderr
+    host = data["ranks"][0]["host"]
+    assert f"rank 0 ({host}) waits in all_reduce (group 0, seq " in graph.stdout
+    assert f"for rank 1 ({host})" in graph.stdout and "-> rank 1 is busy" in graph.stdout
+    drawn = cli("report", incident["id"], "--graph", "--format", "dot", "--addr", addr)
+    assert drawn.returncode == 0 and drawn.stdout.startswith(f'digraph "{incident["id"]}" {{')
+    assert "shape=doubleoctagon" in drawn.stdout and " -> " in drawn.stdout
     job.kill()
 
 
