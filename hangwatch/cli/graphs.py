@@ -7,6 +7,7 @@ Ranks are collapsed into ranges and split by node, so a hang of a thousand ranks
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -26,12 +27,32 @@ def _by_host(ranks: Iterable[int], host_of: Mapping[int, str]) -> list[tuple[str
 HOSTS_SHOWN = 4
 
 
+#: A list of ranks longer than this is told by its stride (a data-parallel group's ranks).
+LABEL_CHARS = 60
+
+
+def _compact(ranks: list[int]) -> str:
+    """``ranks 0-7`` as ranges, or, where ranges are long, by their stride: ``ranks 1-1017 every
+    8 but 513 (127 ranks)``; else the first few and a count."""
+    label = ranks_label(ranks)
+    if len(label) <= LABEL_CHARS or len(ranks) < 3:
+        return label
+    steps = [b - a for a, b in itertools.pairwise(ranks)]
+    step = max(set(steps), key=steps.count)
+    grid = range(ranks[0], ranks[-1] + 1, step)
+    missing = sorted(set(grid) - set(ranks))
+    if step > 1 and set(ranks) <= set(grid) and len(missing) <= 3:
+        but = f" but {', '.join(map(str, missing))}" if missing else ""
+        return f"ranks {ranks[0]}-{ranks[-1]} every {step}{but} ({len(ranks)} ranks)"
+    return f"ranks {', '.join(map(str, ranks[:6]))}, ... ({len(ranks)} ranks)"
+
+
 def _named(ranks: Iterable[int], host_of: Mapping[int, str]) -> str:
     groups = _by_host(ranks, host_of)
     if len(groups) > HOSTS_SHOWN:
-        every = [rank for _, rs in groups for rank in rs]
-        return f"{ranks_label(sorted(every))} on {len(groups)} nodes ({groups[0][0]} to {groups[-1][0]})"
-    return "; ".join(f"{ranks_label(rs)} ({host})" if host else ranks_label(rs) for host, rs in groups)
+        every = sorted(rank for _, rs in groups for rank in rs)
+        return f"{_compact(every)} on {len(groups)} nodes ({groups[0][0]} to {groups[-1][0]})"
+    return "; ".join(f"{_compact(rs)} ({host})" if host else _compact(rs) for host, rs in groups)
 
 
 def _host_of(graph: Mapping[str, Any]) -> dict[int, str]:
@@ -51,7 +72,11 @@ def text(graph: Mapping[str, Any]) -> list[str]:
         )
     for h in graph.get("hangs") or []:
         where = "; ".join(f"{host}: {format_ranks(rs)}" for host, rs in _by_host(h["ranks"], host_of) if host)
-        lines.append("-> " + hang_line(h["ranks"], h["stand"], h["upstream"]) + (f" [{where}]" if where else ""))
+        line = hang_line(h["ranks"], h["stand"], h["upstream"])
+        upstream = ranks_label(h["upstream"])
+        if len(upstream) > LABEL_CHARS:
+            line = line.replace(upstream, _compact(h["upstream"]))
+        lines.append("-> " + line + (f" [{where}]" if where else ""))
     return lines
 
 
@@ -79,7 +104,7 @@ def dot(graph: Mapping[str, Any], name: str) -> str:
         key = (host, tuple(ranks))
         if key not in ids:
             ids[key] = f"n{len(ids)}"
-            label = ranks_label(ranks) + (f"\n{host}" if host else "")
+            label = _compact(ranks) + (f"\n{host}" if host else "")
             attrs = ""
             if ranks[0] in sinks:  # a part is of one stand (``parts``)
                 label += "\n" + sinks[ranks[0]]
@@ -90,9 +115,13 @@ def dot(graph: Mapping[str, Any], name: str) -> str:
         return ids[key]
 
     def parts(ranks: list[int]) -> list[tuple[str, list[int]]]:
-        """``ranks`` split by node, and a node's sinks of one stand apart from the rest."""
+        """``ranks`` split by node (one box past ``HOSTS_SHOWN`` nodes), and a node's sinks of one
+        stand apart from the rest."""
         out: list[tuple[str, list[int]]] = []
-        for host, rs in _by_host(ranks, host_of):
+        groups = _by_host(ranks, host_of)
+        if len(groups) > HOSTS_SHOWN and not any(r in sinks for r in ranks):
+            return [(f"{len(groups)} nodes", sorted(ranks))]
+        for host, rs in groups:
             by_stand: dict[str, list[int]] = {}
             for r in rs:
                 by_stand.setdefault(sinks.get(r, ""), []).append(r)

@@ -69,3 +69,21 @@ def test_the_dot_draws_the_sink_apart_and_the_cycle_in_red() -> None:
     assert cycle.startswith('digraph "inc \\"4\\"" {')
     assert '  n0 -> n1 [label="send (group 0, seq 1)", color=red];' in cycle
     assert '  n1 -> n0 [label="send (group 0, seq 1)", color=red];' in cycle
+
+
+def test_a_strided_group_is_told_by_its_stride() -> None:
+    """A data-parallel group of a 1,024-rank job (every 8th rank), its culprit taken out."""
+    dp = [r for r in range(1, 1024, 8) if r != 513]
+    graph = {
+        "waits": [{"group": "130", "seq": 13, "op": "all_reduce", "ranks": dp, "waits_for": [513]}],
+        "hangs": [{"ranks": [513], "stand": "busy", "upstream": dp}],
+        "hosts": {f"sim-node-{n}": list(range(8 * n, 8 * n + 8)) for n in range(128)},
+    }
+    assert graphs.text(graph) == [
+        "ranks 1-1017 every 8 but 513 (127 ranks) on 127 nodes (sim-node-0 to sim-node-127) wait in all_reduce "
+        "(group 130, seq 13) for rank 513 (sim-node-64)",
+        "-> rank 513 is busy outside the call, holding up ranks 1-1017 every 8 but 513 (127 ranks) [sim-node-64: 513]",
+    ]
+    drawn = graphs.dot(graph, "inc-0001")
+    assert '  n0 [label="ranks 1-1017 every 8 but 513 (127 ranks)\\n127 nodes"];' in drawn
+    assert drawn.count(" -> ") == 1
