@@ -416,8 +416,8 @@ CLEAN_READS = 3
 
 class PythonAccounts:
     """Asked before each read of a rank's CPU Flight Recorder ring, which torch 2.13's worker
-    server serialises whole, every entry, however little of it is new (5.6 ms of the rank's CPU
-    for a full 256-entry ring: BENCHMARKS.md): do the rank's Python calls alone surely account
+    server serialises whole, every entry, however little of it is new (milliseconds of the rank's
+    CPU for a full ring: BENCHMARKS.md): do the rank's Python calls alone surely account
     for all the ring gained since it was last asked, so that reading it would find nothing?
     Yes only where:
 

@@ -93,8 +93,8 @@ class _Watched:
 
 
 #: The share of a core reading a rank's Flight Recorder rings may take from the rank: the rank's
-#: worker server serialises every entry of its rings for each read (5.6 ms a read of a full
-#: 256-entry CPU ring, 43-59 ms of a full 2,000-entry NCCL ring: BENCHMARKS.md), so a rank whose
+#: worker server serialises every entry of its rings for each read (milliseconds for a full
+#: ring: BENCHMARKS.md, "Flight Recorder read from outside the rank"), so a rank whose
 #: reads cost more than this share at the usual interval is read less often, and ``status`` says
 #: so. The read's time as the agent sees it (the round trip, parsing included) stands for the
 #: rank's cost: it is the larger.

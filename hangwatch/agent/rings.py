@@ -182,8 +182,7 @@ class RingServer:
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
         #: written by ``stop``: the selector waits on it, and on nothing else, between links'
-        #: events (a timeout to look at ``_stop`` was 5 wake-ups a second, ~0.5 ms of CPU a
-        #: second on the 2-core VM with no rank at all)
+        #: events (a timeout to look at ``_stop`` would wake an idle agent for nothing)
         self._wake: tuple[socket.socket, socket.socket] | None = None
 
     def start(self) -> None:

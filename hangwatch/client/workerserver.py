@@ -3,7 +3,7 @@
 torch ships a per-process control-plane server (``torch._C._distributed_c10d._WorkerServer``) that
 answers ``POST /handler/<name>`` on a Unix socket from a C++ thread: ``fr_trace_json`` (the CPU
 ring), and in CUDA builds ``dump_nccl_trace_json`` (the NCCL ring). It needs neither the rank's
-GIL nor a Python thread of ours: on an H100 it answered in under 1 ms while the main thread held
+GIL nor a Python thread of ours: on an H100 it answered at once while the main thread held
 the GIL in a native call and while it waited in ``.item()`` behind a stuck collective
 (``tests/fixtures/nccl/README.md``). So the node agent reads a frozen rank's rings too.
 
@@ -87,8 +87,8 @@ def last_dump() -> int | None:
 
     Made on the ending rank's own thread: an agent starved of CPU may ask the worker server only
     after the process is gone, and then the rank's last collectives issued from C++ (DDP's last
-    buckets) were never read. Cost, once, at the end, measured here on a full CPU ring: 4 ms and
-    117 KiB at 256 entries (hangwatch's default), 53 ms and 915 KiB at 2,000."""
+    buckets) were never read. It costs the rank once, at its end, a few milliseconds for a full
+    ring (BENCHMARKS.md)."""
     fd = -1
     try:
         import torch

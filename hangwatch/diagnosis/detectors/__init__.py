@@ -87,7 +87,7 @@ Detector = Callable[[JobState, Context], list[Finding]]
 
 def all_detectors() -> list[Detector]:
     """The detectors, with the model they ask loaded now: not on a job's first tick, where its
-    import (6 ms) is paid inside the job's time."""
+    import is paid inside the job's time."""
     from hangwatch.diagnosis import explain  # noqa: F401
     from hangwatch.diagnosis.detectors import ends, frozen, joins, mismatch, p2p, straggler, stuck
 

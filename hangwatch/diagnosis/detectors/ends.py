@@ -74,10 +74,10 @@ def _raced(state: RankState, first_time: float) -> bool:
     """The rank raised on a peer's closed connection, and its process then vanished within
     ``TOGETHER_S`` of the first, by a stop signal or with nothing known of how (reaped before
     the agent could look): in a job stopped as a whole, a rank signalled a moment after a peer
-    fails on that peer's connection first (seen under CI load: every close stamped within 0.2 ms,
-    no signal seen, one rank's exception 31 ms before them; and, another time, two ranks that
-    raised so and then died of their SIGTERM); where the others vanished without a word too, it
-    tells nothing of a death of its own."""
+    fails on that peer's connection first (seen under CI load: every close stamped together, no
+    signal seen, one rank's exception a moment before them; and two ranks that raised so and then
+    died of their SIGTERM); where the others vanished without a word too, it tells nothing of a
+    death of its own."""
     proc = state.proc
     return (
         _peer_gone(state)
