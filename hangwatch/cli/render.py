@@ -60,6 +60,8 @@ def _rank_line(rank: dict[str, Any], now: float) -> str:
     return state
 
 
+#: The coordinator's lateness ``status`` mentions (``diagnosis.lag.BEHIND_S``).
+BEHIND_SHOWN_S = 1.0
 #: Waits shown by ``status``; the rest are counted (``status --json`` has them all).
 WAITS_SHOWN = 12
 
@@ -88,6 +90,12 @@ def render_status(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
         f"job {job.get('id') or '?'}: {job.get('registered', 0)}/{job.get('world_size', 0)} ranks registered, "
         f"stuck threshold {job.get('stuck_after', '?')} s\n"
     )
+    behind = float(job.get("behind_s") or 0.0)
+    if behind >= BEHIND_SHOWN_S:
+        out.write(
+            f"coordinator: {behind:.1f} s behind its batches (saturated): silences that long are its own, "
+            "and judgements allow for them\n"
+        )
     joining: dict[str, list[int]] = {}
     for rank, j in (job.get("joining") or {}).items():
         word = {"init": "in init_process_group", "starting": "not in init_process_group yet", "gone": "ended unjoined"}

@@ -77,6 +77,7 @@ def render(c: Coordinator, rate: _Rate) -> str:
         ]
         refused: list[tuple[str, float]] = [(f'{{scope="{k}"}}', n) for k, n in sorted(ledger.refused_by.items())]
         trimmed = ledger.trimmed
+        behind = c.jobs.lag.behind(time.time())
     metric(
         "hangwatch_ranks",
         "gauge",
@@ -96,6 +97,12 @@ def render(c: Coordinator, rate: _Rate) -> str:
         [(f'{{kind="{_escape(k)}"}}', n) for k, n in sorted(by_kind.items())],
     )
     metric("hangwatch_incidents_open", "gauge", "Incidents not yet resolved.", [("", open_count)])
+    metric(
+        "hangwatch_coordinator_behind_seconds",
+        "gauge",
+        "How long batches wait past their ranks' best, at the median: the coordinator's own lateness.",
+        [("", behind)],
+    )
     metric("hangwatch_records_received_total", "counter", "Call records received from ranks.", [("", received)])
     metric(
         "hangwatch_records_dropped_total",

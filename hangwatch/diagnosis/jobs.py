@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 from hangwatch import records as r
 from hangwatch.diagnosis.budget import Ledger
+from hangwatch.diagnosis.lag import Lag
 from hangwatch.diagnosis.state import SILENT_GONE_S, ClaimRefused, JobState, RankState
 from hangwatch.serving import is_loopback
 
@@ -70,6 +71,7 @@ class Jobs:
     def __init__(self, ledger: Ledger | None = None) -> None:
         #: what every job holds against the coordinator's memory budgets (``budget``)
         self.ledger = ledger or Ledger()
+        self.lag = Lag()  # how far behind the coordinator runs, over all its jobs
         self.by_key: collections.OrderedDict[str, JobState] = collections.OrderedDict()
         self.keys: dict[int, str] = {}  # id(JobState) -> its key
         self.sessions: dict[str, JobState] = {}  # session id -> its job
@@ -116,7 +118,7 @@ class Jobs:
             if len(self.by_key) >= MAX_JOBS:
                 self.refused += 1
                 raise JobsFull(f"this coordinator already follows {MAX_JOBS} live jobs")
-            job = JobState(self.ledger)
+            job = JobState(self.ledger, self.lag)
             self._add(key, job)
         run = job.incarnation
         previous = job.ranks.get(identity.rank)
@@ -148,7 +150,7 @@ class Jobs:
             if len(self.by_key) >= MAX_JOBS:
                 self.refused += 1
                 raise JobsFull(f"this coordinator already follows {MAX_JOBS} live jobs")
-            job = JobState(self.ledger)
+            job = JobState(self.ledger, self.lag)
             self._add(key, job)
         job.join(identity, now)
         return job

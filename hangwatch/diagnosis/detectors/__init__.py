@@ -71,6 +71,8 @@ class Context:
     changes: Changes = field(default_factory=Changes)  # what changed since the last tick
     #: seconds ranks may wait in ``init_process_group`` for the others (``config.DEFAULT_INIT_AFTER``)
     init_after: float = config.DEFAULT_INIT_AFTER
+    #: seconds the coordinator itself runs behind (``diagnosis.lag``): silences this long are its own
+    behind: float = 0.0
     cache: DetectorCache = field(default_factory=new_cache)  # the engine's; fresh: recompute all
 
     @property

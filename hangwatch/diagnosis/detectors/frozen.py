@@ -23,7 +23,8 @@ _EVIDENCE = (r.ProcState.STOPPED, r.ProcState.DISK_SLEEP)
 def detect(job: JobState, ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
     live = [st for st in job.ranks.values() if st.end is None and st.alive]
-    silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after]
+    # a coordinator behind its batches hears every rank late: that lateness is its own
+    silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after + ctx.behind]
     if len(silent) > max(1, len(live) // 2) or (
         len(silent) > MASS_SILENCE and len({st.identity.host for st in silent}) > 2
     ):

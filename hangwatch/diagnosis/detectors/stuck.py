@@ -43,7 +43,7 @@ FLIGHT_STALE_S = 60.0
 
 
 def _silent(state: RankState, ctx: Context) -> bool:
-    return ctx.now - state.last_seen > min(ctx.silence_after, SUSPECT_SILENCE_S)
+    return ctx.now - state.last_seen > min(ctx.silence_after, SUSPECT_SILENCE_S) + ctx.behind
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:

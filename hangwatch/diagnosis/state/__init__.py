@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from hangwatch import records as r
 from hangwatch import wire
 from hangwatch.diagnosis import budget as b
+from hangwatch.diagnosis.lag import Lag
 from hangwatch.diagnosis.state.arena import Arena
 from hangwatch.diagnosis.state.base import (
     ARRIVALS_KEPT,
@@ -96,9 +97,10 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
     batch applied (``ingest``, ``apply``), what changed handed to the engine (``take_changes``),
     and what the detectors ask of the job (``members``, its rhythm)."""
 
-    def __init__(self, ledger: b.Ledger | None = None) -> None:
+    def __init__(self, ledger: b.Ledger | None = None, lag: Lag | None = None) -> None:
         #: the coordinator's account of memory held, against its budgets (``budget``)
         self.ledger = ledger or b.Ledger()
+        self.lag = lag or Lag()  # how far behind the coordinator runs (shared by its jobs)
         self.held = 0  # bytes this incarnation's tables hold (its ranks' included)
         self.refused = 0  # calls and groups refused for a memory budget
         #: this incarnation of the job: a fresh id each time it runs (a rerun, a restart by the launcher, the
@@ -216,6 +218,7 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
         settled_offset = None
         if sent_time:
             batch_offset = state.observe_clock(now, sent_time, held_s, mono_time)
+            self.lag.observe(now, now - sent_time - max(0.0, held_s) - state.clock_offset)
             # what the batch proves the rank had not done yet holds up to when the rank itself was
             # last seen alive: a node agent reads a frozen rank's ring as well as a live one's
             # (stamped as it left: on the rank's clock as it is now, whatever it was before)

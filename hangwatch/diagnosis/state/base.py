@@ -24,6 +24,7 @@ from hangwatch.diagnosis.state.ranks import (
 from hangwatch.flight_entries import ENTRY_CALL_IDS
 
 if TYPE_CHECKING:
+    from hangwatch.diagnosis.lag import Lag
     from hangwatch.diagnosis.state.joining import Joiner
 
 HISTORY_PER_GROUP = 64
@@ -164,6 +165,7 @@ class _Base:
     """A job's state as every concern sees it (``JobState.__init__`` sets each of these)."""
 
     ledger: b.Ledger
+    lag: Lag
     held: int
     refused: int
     incarnation: str

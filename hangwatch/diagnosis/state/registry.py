@@ -56,7 +56,7 @@ class Registry(_Base):
         if set_aside or self._new_run(identity, now, via):
             incarnations, ledger = self.incarnations + 1, self.ledger
             ledger.held -= self.held
-            self.__init__(ledger)  # type: ignore[misc]  # a clean slate: nothing of the last run is kept
+            self.__init__(ledger, self.lag)  # type: ignore[misc]  # a clean slate: nothing of the last run is kept
             self.incarnations = incarnations
         if set_aside:
             self._conflict(
