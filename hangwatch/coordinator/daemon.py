@@ -135,6 +135,7 @@ class Coordinator:
             credentials=credentials,
             blocking=BLOCKING,
             blocking_workers=self.options.max_workers,
+            on_late=lambda late: self.jobs.lag.observe(time.time(), late, "loop"),
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -369,7 +370,10 @@ class Coordinator:
         """Apply a decoded batch (``events``; ``batch`` for its header) to the job state: the
         number of events applied, or None when the rank must register again."""
         now = time.time()
+        asked = time.monotonic()
         with self.lock:
+            # how long the batch waited for the state: the coordinator's own queue
+            self.jobs.lag.observe(now, time.monotonic() - asked)
             job = self.jobs.for_session(batch.session)
             if job is None:
                 return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +23,8 @@ from hangwatch.serving import add_service
 
 SERVICE_NAME = "hangwatch.v1.Coordinator"
 START_TIMEOUT_S = 30.0
+#: How often the loop's lateness is probed.
+PROBE_S = 0.25
 
 
 class BindError(RuntimeError):
@@ -38,12 +41,15 @@ class RpcServer:
         blocking: frozenset[str] = frozenset(),
         blocking_workers: int = 64,
         options: list[tuple[str, Any]] | None = None,
+        on_late: Callable[[float], None] | None = None,
     ) -> None:
         self.servicer = servicer
         self.bind = bind
         self.credentials = credentials
         self.blocking = blocking
         self.options = options or []
+        self.on_late = on_late  # how late the loop came to each probe (``diagnosis.lag``)
+        self._probe: asyncio.Future[None] | None = None
         self.executor = ThreadPoolExecutor(max_workers=blocking_workers, thread_name_prefix="hangwatch-rpc")
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -93,6 +99,16 @@ class RpcServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self.port = port
+        if self.on_late is not None:
+            self._probe = asyncio.ensure_future(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        """How late the loop comes to a timer: the ingest handlers queued ahead of it."""
+        assert self.on_late is not None
+        while True:
+            asked = self._loop.time()
+            await asyncio.sleep(PROBE_S)
+            self.on_late(self._loop.time() - asked - PROBE_S)
 
     def stop(self, grace: float) -> None:
         """Refuse new calls, let calls under way finish for up to ``grace`` seconds, then stop."""
@@ -102,6 +118,8 @@ class RpcServer:
 
         async def shutdown() -> None:
             assert self._server is not None and self._health is not None
+            if self._probe is not None:
+                self._probe.cancel()
             await self._health.enter_graceful_shutdown()
             await self._server.stop(grace)
 

@@ -218,7 +218,6 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
         settled_offset = None
         if sent_time:
             batch_offset = state.observe_clock(now, sent_time, held_s, mono_time)
-            self.lag.observe(now, now - sent_time - max(0.0, held_s) - state.clock_offset)
             # what the batch proves the rank had not done yet holds up to when the rank itself was
             # last seen alive: a node agent reads a frozen rank's ring as well as a live one's
             # (stamped as it left: on the rank's clock as it is now, whatever it was before)
