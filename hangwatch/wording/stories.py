@@ -450,6 +450,12 @@ def waits_for_own(where_user: str, children: Sequence[tuple[int, str, str]]) -> 
     return f"waits{at} for its {told}"
 
 
+COMMUNICATOR_CLAUSE = (
+    " (the group's first collective: NCCL creates its communicator in it, so the ranks inside may "
+    "wait on one that never forms)"
+)
+
+
 def joined() -> str:
     return "the ranks left init_process_group (the job's ranks joined, or those waiting gave up)"
 

@@ -285,6 +285,11 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     if inside:
         details["unseen"] = inside
         clause = stories.inside_unread(inside, slot.group)
+    if slot.seq == 1 and any(st.identity.backend == "nccl" for rk in waiting if (st := job.ranks.get(rk))):
+        # NCCL creates a group's communicator in its first collective (unless init_process_group
+        # made it eagerly, with device_id): the ranks there may wait on one that never forms
+        details["communicator"] = "created in this collective"
+        clause += stories.COMMUNICATOR_CLAUSE
 
     def finding(
         kind: IncidentKind,

@@ -6,6 +6,8 @@ from the former test_detectors.py, one file per detector module.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hangwatch import config
 from hangwatch import records as r
 from hangwatch.diagnosis import traces
@@ -472,3 +474,16 @@ def test_a_busy_rank_whose_cpp_calls_are_not_read_yet_is_not_told_busy() -> None
     late = T0 + 6 + 10.0 + traces.TRACE_WAIT_S + 0.1
     sim.beat(late, where_user="train.py:129 in <module>")
     assert only(stuck.detect(sim.job, sim.ctx(late)), "stuck_collective").culprit_ranks == [0]
+
+
+def test_a_hang_in_a_nccl_groups_first_collective_says_its_communicator_is_made_there() -> None:
+    """On NCCL a group's communicator is created lazily, in its first collective: ranks waiting
+    there may wait on a communicator that never forms; the story says so. Gloo's does not."""
+    for backend, told in (("nccl", True), ("gloo", False)):
+        sim = SimJob(2)
+        for st in sim.job.ranks.values():
+            st.identity = dataclasses.replace(st.identity, backend=backend)
+        sim.call(0, T0 + 1, seq=1)
+        sim.beat(T0 + 12, where_user="train.py:88 in load_batch")
+        f = only(stuck.detect(sim.job, sim.ctx(T0 + 12)), "stuck_collective")
+        assert ("NCCL creates its communicator in it" in f.summary) is told, f.summary
