@@ -379,11 +379,16 @@ class RingServer:
                 return None
             link = JoiningLink(peer, hello, self._clock(), sock=conn)
             self._joining.append(link)
+        self._prove(peer, hello)
+        return link
+
+    def _prove(self, peer: Peer, hello: dict[str, Any]) -> None:
+        """Record what the kernel proved of a linked process: its stacks may be dumped, and, a
+        rank's, it may be signalled (``agent.identity.Proofs``)."""
         started = proven_start_time(peer.pid)
         session = hello.get("session")
         if self.proofs is not None and started is not None and isinstance(session, str) and session:
             self.proofs.add(peer.pid, peer.uid, started, link_tag(session))
-        return link
 
     def _joining_said(self, sel: selectors.BaseSelector, link: JoiningLink) -> None:
         sock = link.sock
@@ -423,10 +428,7 @@ class RingServer:
                 return None
             link = RankLink(peer, hello, reader, fds[0], self._clock(), sock=conn)
             self._links.append(link)
-        started = proven_start_time(peer.pid)
-        session = hello.get("session")
-        if self.proofs is not None and started is not None and isinstance(session, str) and session:
-            self.proofs.add(peer.pid, peer.uid, started, link_tag(session))
+        self._prove(peer, hello)
         link.memory_events = memory_events_path(peer.pid)
         link.oom_kills = oom_kills(link.memory_events)
         try:

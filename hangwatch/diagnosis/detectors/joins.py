@@ -53,40 +53,29 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     missing = [rk for rk in range(world) if rk not in inside]
     key = incident_key(KeyFamily.STUCK if missing else KeyFamily.STALL, group=INIT, seq=attempt)
     details: dict[str, object] = {"joining": {str(rk): j.identity.phase for rk, j in sorted(current.items())}}
-    if not missing:
-        return [
-            Finding(
-                kind=IncidentKind.TRANSPORT_STALL,
-                key=key,
-                culprit_ranks=waiting,
-                waiting_ranks=[],
-                summary=stories.rendezvous_stalled(waiting, waited, job.launch),
-                hint=stories.RENDEZVOUS_HINT,
-                onset_time=min(j.since for j in inside.values()),
-                op=INIT,
-                group="",
-                seq=0,
-                step=0,
-                details=details,
-                stack_ranks=waiting[:1],
-            )
-        ]
-    absent = [stories.never_seen(rk) if rk not in current else joiner_story(current[rk]) for rk in missing]
-    starting = [rk for rk in missing if rk in current and current[rk].identity.phase == r.STARTING]
-    return [
-        Finding(
-            kind=IncidentKind.STUCK_COLLECTIVE,
+    onset = min(j.since for j in inside.values())
+
+    def finding(kind: IncidentKind, culprits: list[int], summary: str, hint: str, stacks: list[int]) -> Finding:
+        return Finding(
+            kind=kind,
             key=key,
-            culprit_ranks=missing,
-            waiting_ranks=waiting,
-            summary=stories.never_joined(waiting, waited, absent),
-            hint=stories.JOIN_HINT,
-            onset_time=min(j.since for j in inside.values()),
+            culprit_ranks=culprits,
+            waiting_ranks=waiting if missing else [],
+            summary=summary,
+            hint=hint,
+            onset_time=onset,
             op=INIT,
             group="",
             seq=0,
             step=0,
             details=details,
-            stack_ranks=starting + waiting[:1],
+            stack_ranks=stacks,
         )
-    ]
+
+    if not missing:
+        summary = stories.rendezvous_stalled(waiting, waited, job.launch)
+        return [finding(IncidentKind.TRANSPORT_STALL, waiting, summary, stories.RENDEZVOUS_HINT, waiting[:1])]
+    absent = [stories.never_seen(rk) if rk not in current else joiner_story(current[rk]) for rk in missing]
+    starting = [rk for rk in missing if rk in current and current[rk].identity.phase == r.STARTING]
+    summary = stories.never_joined(waiting, waited, absent)
+    return [finding(IncidentKind.STUCK_COLLECTIVE, missing, summary, stories.JOIN_HINT, starting + waiting[:1])]
