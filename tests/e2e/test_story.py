@@ -54,6 +54,9 @@ class Story:
     #: what its aftermath must say (a death the root cause brought): told after the story
     aftermath: str = ""
     functions: dict[str, str] = field(default_factory=dict)  # marker -> the function its line is in
+    #: the story is told from a stack the agent dumps once the incident opens (a rank's own
+    #: processes): it is awaited, a py-spy dump or two, before the story is read
+    from_stacks: bool = False
 
 
 def _site(script: str, program: str, marker: str, function: str) -> str:
@@ -376,6 +379,7 @@ DATALOADER = Story(
     summary="rank 0 waits in all_reduce (group 0, seq 11) at {S} for {n} s; rank 1 waits in {I} for its DataLoader "
     "worker (pid {n}), which is in read_shard at {lineR}",
     lookalike=INIT + LOADER.replace("{stall}", "False"),
+    from_stacks=True,
     today="stuck_collective, 'rank 1 is busy in selectors.py:415 in select': a frame of the standard library",
 )
 
@@ -521,6 +525,16 @@ def test_the_story_told(
     )
     inc = wait_for(lambda: next(iter(_incidents(coordinator, story.name)), None), 60, 0.2, f"{story.name}'s story")
     time.sleep(3)  # what more it would say, it says by now (revisions, aftermath)
+    if story.from_stacks:  # and what the culprits' stacks say, once dumped (loaded: seconds more)
+        wait_for(
+            lambda: all(
+                str(rk) in (coordinator.incident_json(inc["id"]) or {}).get("stacks", {}) for rk in story.culprits
+            ),
+            30,
+            0.2,
+            f"{story.name}'s stacks",
+        )
+        time.sleep(0.5)
     job.kill()
     incs = _incidents(coordinator, story.name)
     inc = incs[0]
