@@ -339,23 +339,17 @@ class RingServer:
         sel.unregister(p.conn)
         del pending[p.conn]
         fds, p.reader.fds = p.reader.fds, []
-        if hello.get("phase") == STARTING and not fds:
-            joining = self._establish_joining(p.conn, p.peer, hello)
-            if joining is None:
-                self.refused += 1
-                p.conn.close()
-                return
-            sel.register(p.conn, selectors.EVENT_READ, joining)
-            self.changed.set()
-            return
-        link = self._establish(p.conn, p.peer, hello, fds)
+        starting = hello.get("phase") == STARTING and not fds  # not a rank yet: no ring
+        link: RankLink | JoiningLink | None = (
+            self._establish_joining(p.conn, p.peer, hello) if starting else self._establish(p.conn, p.peer, hello, fds)
+        )
         if link is None:
             self.refused += 1
             p.conn.close()
             return
         sel.register(p.conn, selectors.EVENT_READ, link)
         self.changed.set()
-        if self._on_link is not None:
+        if self._on_link is not None and isinstance(link, RankLink):
             self._on_link(link)
 
     def _expire(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
