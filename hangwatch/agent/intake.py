@@ -2,17 +2,21 @@
 
 ``Intake`` is the coordinator's side: in the coordinator's embedded agent it is the coordinator
 itself (``DirectIntake``, typed records without the wire); a remote agent passes a gRPC client
-of it."""
+of it. ``tell_phases`` tells it where the processes linked before they join stand."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Protocol
 
 from hangwatch import records as r
 from hangwatch.agent.joining import JoiningLink
 from hangwatch.agent.procinfo import ProcessInspector
-from hangwatch.agent.rings import RankLink
+from hangwatch.agent.rings import RankLink, RingServer
 from hangwatch.protos import hangwatch_pb2 as pb
+
+log = logging.getLogger("hangwatch.agent")
 
 
 class Intake(Protocol):
@@ -65,3 +69,23 @@ def identity_of(link: RankLink | JoiningLink, host: str, inspector: ProcessInspe
         launch=text("launch")[:256],
         attempt=number("attempt", 0),
     )
+
+
+def tell_phases(server: RingServer, intake: Intake, host: str, inspector: ProcessInspector) -> None:
+    """Tell the coordinator where each process linked before it is a rank stands, once per
+    change (``JoiningLink.phase``); one that joined is told by its rank's registration."""
+    for link in server.joining():
+        phase = link.phase
+        if phase != link.told:
+            if phase:
+                identity = dataclasses.replace(identity_of(link, host, inspector), phase=phase)
+                try:
+                    intake.accept_registration(identity, via="agent")
+                except ValueError as e:  # not a rank of any job it could be: said once
+                    log.info("starting process pid %d refused by the coordinator: %s", link.peer.pid, e)
+                except Exception as e:  # the coordinator is unreachable: told next tick
+                    log.debug("cannot tell pid %d's phase: %s", link.peer.pid, e)
+                    continue
+            link.told = phase
+        if link.closed_at is not None:  # unregistered from the selector by its thread
+            server.forget_joining(link)

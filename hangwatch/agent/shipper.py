@@ -38,7 +38,7 @@ from collections.abc import Callable
 from hangwatch import config, wire
 from hangwatch import records as r
 from hangwatch.agent.flightrecorder import RingFetcher
-from hangwatch.agent.intake import DirectIntake, Intake, identity_of
+from hangwatch.agent.intake import DirectIntake, Intake, identity_of, tell_phases
 from hangwatch.agent.namespaces import path_of
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
@@ -146,26 +146,7 @@ class Shipper:
                 if not self._failing:
                     log.warning("cannot ship rank %d's records (%s); will retry", state.identity.rank, e)
                     self._failing = True
-        self._tell_joining()
-
-    def _tell_joining(self) -> None:
-        """Tell the coordinator where each process linked before it is a rank stands, once per
-        change (``JoiningLink.phase``); one that joined is told by its rank's registration."""
-        for link in self.server.joining():
-            phase = link.phase
-            if phase != link.told:
-                if phase:
-                    identity = dataclasses.replace(identity_of(link, self.host, self.inspector), phase=phase)
-                    try:
-                        self.intake.accept_registration(identity, via="agent")
-                    except ValueError as e:  # not a rank of any job it could be: said once
-                        log.info("starting process pid %d refused by the coordinator: %s", link.peer.pid, e)
-                    except Exception as e:  # the coordinator is unreachable: told next tick
-                        log.debug("cannot tell pid %d's phase: %s", link.peer.pid, e)
-                        continue
-                link.told = phase
-            if link.closed_at is not None:  # unregistered from the selector by its thread
-                self.server.forget_joining(link)
+        tell_phases(self.server, self.intake, self.host, self.inspector)
 
     def _due(self, state: ShippedRank) -> bool:
         """Whether a steady rank, read in this ``READ_S`` already, is to be read now: a look at

@@ -34,7 +34,7 @@ from hangwatch.diagnosis.incidents import (
 from hangwatch.diagnosis.jobs import Jobs
 from hangwatch.diagnosis.state import JobState
 from hangwatch.stackviews import child_where, summarize, user_frame, waited_children
-from hangwatch.wording import stories
+from hangwatch.wording import joining, stories
 
 log = logging.getLogger("hangwatch.coordinator")
 
@@ -364,7 +364,7 @@ class Engine:
         if incident.op == r.INIT_OP and not incident.group:
             inside = [j for j in job.joining.values() if j.identity.phase == r.IN_INIT]
             if not inside or any(st.identity.attempt >= incident.attempt for st in job.ranks.values()):
-                return stories.joined()
+                return joining.joined()
         if incident.kind == IncidentKind.RANK_FROZEN:
             for rank in incident.culprit_ranks:
                 st = job.ranks.get(rank)

@@ -20,7 +20,7 @@ from hangwatch import records as r
 from hangwatch.diagnosis.detectors import Context
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
 from hangwatch.diagnosis.state import JobState, Joiner
-from hangwatch.wording import stories
+from hangwatch.wording import joining
 
 INIT = r.INIT_OP
 
@@ -29,10 +29,10 @@ def joiner_story(j: Joiner) -> str:
     """Where a process started as a rank stands, having not joined."""
     i = j.identity
     if i.phase == r.GONE:
-        return stories.gone_unjoined(i.rank, i.pid, i.host)
+        return joining.gone_unjoined(i.rank, i.pid, i.host)
     if i.phase == r.IN_INIT:
-        return stories.inside_init(i.rank, i.pid, i.host)
-    return stories.never_entered(i.rank, i.pid, i.host, j.where)
+        return joining.inside_init(i.rank, i.pid, i.host)
+    return joining.never_entered(i.rank, i.pid, i.host, j.where)
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
@@ -73,9 +73,9 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
         )
 
     if not missing:
-        summary = stories.rendezvous_stalled(waiting, waited, job.launch)
-        return [finding(IncidentKind.TRANSPORT_STALL, waiting, summary, stories.RENDEZVOUS_HINT, waiting[:1])]
-    absent = [stories.never_seen(rk) if rk not in current else joiner_story(current[rk]) for rk in missing]
+        summary = joining.rendezvous_stalled(waiting, waited, job.launch)
+        return [finding(IncidentKind.TRANSPORT_STALL, waiting, summary, joining.RENDEZVOUS_HINT, waiting[:1])]
+    absent = [joining.never_seen(rk) if rk not in current else joiner_story(current[rk]) for rk in missing]
     starting = [rk for rk in missing if rk in current and current[rk].identity.phase == r.STARTING]
-    summary = stories.never_joined(waiting, waited, absent)
-    return [finding(IncidentKind.STUCK_COLLECTIVE, missing, summary, stories.JOIN_HINT, starting + waiting[:1])]
+    summary = joining.never_joined(waiting, waited, absent)
+    return [finding(IncidentKind.STUCK_COLLECTIVE, missing, summary, joining.JOIN_HINT, starting + waiting[:1])]

@@ -26,7 +26,7 @@ from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, inci
 from hangwatch.diagnosis.state import JobState, RankState, Slot
 from hangwatch.diagnosis.traces import TRACE_WAIT_S, unknown_at
 from hangwatch.model.waitfor import Graph, Stand
-from hangwatch.wording import describe_call, doing, gpu_load, stories
+from hangwatch.wording import describe_call, doing, gpu_load, joining, stories
 
 EARLY_EXIT_HINT = kinds.hint(IncidentKind.EARLY_EXIT)
 
@@ -371,7 +371,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             IncidentKind.STUCK_COLLECTIVE,
             unregistered,
             stories.waiting_in(waiting, where, waited) + "; " + told,
-            stories.JOIN_HINT,
+            joining.JOIN_HINT,
             [rk for rk in unregistered if job.joining[rk].identity.phase == r.STARTING] + waiting[:1],
         )
     if unregistered:
