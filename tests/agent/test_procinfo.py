@@ -149,7 +149,10 @@ def test_a_process_on_its_way_out_is_waited_for_until_it_is_a_zombie(tmp_path: P
     (tmp_path / "42").mkdir()
     stat = tmp_path / "42" / "stat"
     stat.write_text(_stat("R", 0, flags=PF_EXITING))
-    timer = threading.Timer(0.1, lambda: stat.write_text(_stat("Z", signal.SIGKILL)))
+    zombie = tmp_path / "42" / "stat.new"
+    zombie.write_text(_stat("Z", signal.SIGKILL))
+    # as the kernel does, the file is never seen half-written (a truncated one reads as gone)
+    timer = threading.Timer(0.1, lambda: os.replace(zombie, stat))
     timer.start()
     try:
         assert exit_when_gone(42, wait_s=0.01, proc_root=str(tmp_path)) == (None, signal.SIGKILL)
