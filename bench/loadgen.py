@@ -266,7 +266,7 @@ class Worker:
             self.sims.append(RankSim(rk, ident, transport, encoder=encoder))
         self.relays: dict[int, Any] = {}
         self.replay_calls = 0
-        if cfg.relay:
+        if cfg.relay and not cfg.replay:  # a replay builds what relays would send itself
             from hangwatch.agent.relay import Relay
 
             for sim in self.sims:
@@ -557,6 +557,26 @@ class Worker:
         same base as its events, so the coordinator's clock-offset mapping puts them in real time."""
         import grpc
 
+        from hangwatch.protos import hangwatch_pb2 as pb
+
+        self.sends = self.build_sends()
+        method, reply_type = (
+            ("/hangwatch.v1.Coordinator/ReportMany", pb.RelayReply)
+            if self.cfg.relay
+            else ("/hangwatch.v1.Coordinator/Report", pb.ReportReply)
+        )
+        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        self.channels = {
+            key: grpc.insecure_channel(self.cfg.addr, options=options) for key in {x[1] for x in self.sends}
+        }
+        self.methods = {
+            key: ch.unary_unary(method, request_serializer=None, response_deserializer=reply_type.FromString)
+            for key, ch in self.channels.items()
+        }
+
+    def build_sends(self) -> list[tuple[float, int, bytes, int, int, int]]:
+        """Every call of the run, ordered: (seconds after t0, the rank or node sending it, its
+        bytes (a ``ReportBatch``, or a ``RelayBatch`` in relay mode), reports, events, calls)."""
         from hangwatch.coordinator.daemon import report_interval_for
         from hangwatch.protos import hangwatch_pb2 as pb
 
@@ -579,11 +599,10 @@ class Worker:
                 ncalls = sum(1 for e in events if isinstance(e, self.r.CallRecord))
                 reports.append((due - base, sim.rank, batch, len(events), ncalls))
                 due = sim.next_due if due < sim.next_due else due + sim.interval
-        self.sends: list[tuple[float, Any, bytes, int, int, int]] = []  # offset, channel key, bytes, ...
+        sends: list[tuple[float, int, bytes, int, int, int]] = []
         if not cfg.relay:
             for offset, rank, batch, nev, ncalls in reports:
-                self.sends.append((offset, rank, batch.SerializeToString(), 1, nev, ncalls))
-            method, reply_type = "/hangwatch.v1.Coordinator/Report", pb.ReportReply
+                sends.append((offset, rank, batch.SerializeToString(), 1, nev, ncalls))
         else:  # what each node's relay sends: its ranks' batches of one relay interval together
             window = max(cfg.relay_interval, min(interval / 2, RELAY_MAX_INTERVAL_S))  # as Relay.register sets it
             calls: dict[tuple[int, int], list[tuple[Any, int, int]]] = {}
@@ -604,15 +623,9 @@ class Worker:
                 relayed.reports.extend(b for b, _, _ in items)
                 nev = sum(n for _, n, _ in items)
                 ncalls = sum(c for _, _, c in items)
-                self.sends.append((sent, node, relayed.SerializeToString(), len(items), nev, ncalls))
-            method, reply_type = "/hangwatch.v1.Coordinator/ReportMany", pb.RelayReply
-        self.sends.sort(key=lambda x: x[0])
-        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 64 * 1024 * 1024)]
-        self.channels = {key: grpc.insecure_channel(cfg.addr, options=options) for key in {x[1] for x in self.sends}}
-        self.methods = {
-            key: ch.unary_unary(method, request_serializer=None, response_deserializer=reply_type.FromString)
-            for key, ch in self.channels.items()
-        }
+                sends.append((sent, node, relayed.SerializeToString(), len(items), nev, ncalls))
+        sends.sort(key=lambda x: x[0])
+        return sends
 
     def replay(self, t0: float) -> None:
         stats, lock = self.stats, self.lock

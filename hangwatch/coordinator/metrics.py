@@ -77,7 +77,7 @@ def render(c: Coordinator, rate: _Rate) -> str:
         ]
         refused: list[tuple[str, float]] = [(f'{{scope="{k}"}}', n) for k, n in sorted(ledger.refused_by.items())]
         trimmed = ledger.trimmed
-        behind = c.jobs.lag.behind(time.time())
+        behind = max([c.jobs.lag.behind(now), *(job.behind(now) for job in c.jobs)])
     metric(
         "hangwatch_ranks",
         "gauge",
@@ -100,7 +100,7 @@ def render(c: Coordinator, rate: _Rate) -> str:
     metric(
         "hangwatch_coordinator_behind_seconds",
         "gauge",
-        "How long batches wait past their ranks' best, at the median: the coordinator's own lateness.",
+        "Seconds the coordinator hears its ranks late (its queue, its transport): silences this long blame no rank.",
         [("", behind)],
     )
     metric("hangwatch_records_received_total", "counter", "Call records received from ranks.", [("", received)])

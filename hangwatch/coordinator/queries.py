@@ -45,7 +45,7 @@ def status(c: Coordinator, job_selector: str = "") -> dict[str, Any] | None:
             "key": c.jobs.key_of(job),
             "stuck_after": round(c.engine.stuck_threshold(job), 1),
             # how far behind the coordinator runs: silences this long are its own, not the ranks'
-            "behind_s": round(c.jobs.lag.behind(now), 2),
+            "behind_s": round(job.behind(now), 2),
             "agents": c.hub.hosts(),
             "store": {
                 "path": str(c.store.path),

@@ -171,7 +171,7 @@ class Engine:
             now=now,
             stuck_after_s=lambda: self.stuck_threshold(job),
             init_after=config.DEFAULT_INIT_AFTER if self.stuck_after_override is None else self.stuck_after_override,
-            behind=job.lag.behind(now),
+            behind=job.behind(now),
             silence_after=self.silence_after,
             claimed=claimed,
             mismatched=mismatched,

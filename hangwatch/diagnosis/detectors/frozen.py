@@ -23,8 +23,9 @@ _EVIDENCE = (r.ProcState.STOPPED, r.ProcState.DISK_SLEEP)
 def detect(job: JobState, ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
     live = [st for st in job.ranks.values() if st.end is None and st.alive]
-    # a coordinator behind its batches hears every rank late: that lateness is its own
-    silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after + ctx.behind]
+    # a coordinator behind its batches hears every rank late: that lateness is its own, unless
+    # the rank's node agent says now that it is stopped (a whole job stopped stops the frontier)
+    silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after + _allowance(st, ctx)]
     if len(silent) > max(1, len(live) // 2) or (
         len(silent) > MASS_SILENCE and len({st.identity.host for st in silent}) > 2
     ):
@@ -66,6 +67,15 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             )
         )
     return findings
+
+
+def _allowance(st: RankState, ctx: Context) -> float:
+    """The silence of ``st`` that may be the coordinator's own (``Context.behind``): none where
+    its agent's word, heard lately, is that the process is stopped or in uninterruptible sleep."""
+    proc = st.proc
+    if proc is not None and proc.state in _EVIDENCE and ctx.now - proc.time < ctx.silence_after:
+        return 0.0
+    return ctx.behind
 
 
 def relay_lost(job: JobState, st: RankState, now: float, silence_after: float) -> bool:

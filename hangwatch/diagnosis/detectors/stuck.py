@@ -62,7 +62,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             found.append(finding)
     if not found:
         return []
-    graph = waits.graph(job, ctx.now, ctx.silence_after)
+    graph = waits.graph(job, ctx.now, ctx.silence_after + ctx.behind)  # its lateness: no rank frozen
 
     def blames_where_waits_end(finding: Finding) -> bool:
         ends = graph.reached(finding.culprit_ranks)

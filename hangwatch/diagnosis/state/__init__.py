@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from hangwatch import records as r
 from hangwatch import wire
 from hangwatch.diagnosis import budget as b
-from hangwatch.diagnosis.lag import Lag
+from hangwatch.diagnosis.lag import Heard, Lag
 from hangwatch.diagnosis.state.arena import Arena
 from hangwatch.diagnosis.state.base import (
     ARRIVALS_KEPT,
@@ -101,6 +101,7 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
         #: the coordinator's account of memory held, against its budgets (``budget``)
         self.ledger = ledger or b.Ledger()
         self.lag = lag or Lag()  # how far behind the coordinator runs (shared by its jobs)
+        self.heard = Heard()  # how late this job's ranks are heard, wherever the delay arises
         self.held = 0  # bytes this incarnation's tables hold (its ranks' included)
         self.refused = 0  # calls and groups refused for a memory budget
         #: this incarnation of the job: a fresh id each time it runs (a rerun, a restart by the launcher, the
@@ -250,6 +251,13 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
         if settled_offset is not None:
             state.clock_offset = settled_offset
         return result
+
+    def behind(self, now: float) -> float:
+        """Seconds of silence that are the coordinator's or its transport's, not any rank's: the
+        larger of its own queue (``Lag``) and how late this job's ranks are heard (``Heard``)."""
+        live = self.ranks.values
+        heard = self.heard.late(now, lambda: (st.last_sent for st in live() if st.end is None and st.alive))
+        return max(self.lag.behind(now), heard)
 
     def take_changes(self) -> Changes:
         """What changed since the last call (the engine calls it once per tick), and forget it."""

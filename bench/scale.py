@@ -1,0 +1,215 @@
+"""The coordinator alone at scale: replayed batches applied in process, on the real clock.
+
+    .venv/bin/python bench/scale.py [--ranks 4096,8192,16384] [--rates 10,50] [--patterns fsdp,tp]
+                                    [--faults none,stuck,shape] [--device both] [--seconds 12]
+
+On two cores the load generator cannot offer 8,192 ranks next to a coordinator (``ingest.py``
+says so). Here ``bench/loadgen.py`` builds every relay call of the run first (the real encoder,
+the real schedule, 8 ranks a node, each node's batches of one relay interval in one
+``RelayBatch``), and this process then hands each call's bytes to the coordinator's own
+``ReportMany`` handler at its time, one after another, as the server's handler thread would:
+parsing, decoding, the job state and the detectors are all the coordinator's. What is left out
+is gRPC's transport. CPU is the process's own over the replay (the replay loop only sleeps and
+calls the handler); ``keeps up`` says whether the last call went out within a second of its
+time; memory is the job state's charged bytes (``status``) and the RSS the replay added.
+
+A fault run says which incident came, on which ranks, and how long after the fault's onset; a
+healthy run must raise nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen
+
+from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
+from hangwatch.protos import hangwatch_pb2 as pb
+
+EXPECTED = {"stuck": "stuck_collective", "shape": "shape_mismatch", "op": "op_mismatch", "early_exit": "early_exit"}
+STUCK_AFTER = 5.0
+#: After the last call, how long the detectors get to tell what they saw.
+SETTLE_S = 4.0
+
+
+class _Context:
+    """The handler's context: every call here carries the right token, so it is never used."""
+
+    def abort(self, code: Any, details: str) -> None:
+        raise RuntimeError(f"{code}: {details}")
+
+
+def one(
+    ranks: int, rate: float, pattern: str, fault: str, device: bool, seconds: float, fault_at: float
+) -> dict[str, Any]:
+    cfg = loadgen.Config(
+        addr="127.0.0.1:9",  # never dialled
+        token="",
+        ranks=ranks,
+        rate=rate,
+        seconds=seconds,
+        pattern=pattern,
+        fault=fault,
+        fault_rank=min(ranks - 1, ranks // 2 + 1),
+        fault_at=fault_at,
+        job_id=f"scale-{uuid.uuid4().hex[:6]}",
+        threads=1,
+        timeout_s=5.0,
+        relay=True,
+        replay=True,
+        runs=True,
+        device=device,
+    )
+    built = time.perf_counter()
+    worker = loadgen.Worker(cfg, list(range(ranks)))
+    sends = worker.build_sends()
+    built = time.perf_counter() - built
+    payloads = [(offset, raw, nrep, ncalls) for offset, _, raw, nrep, _, ncalls in sends]
+    del sends
+    gc.collect()
+    proc = psutil.Process()
+    with _quiet_logs():
+        coord = Coordinator(
+            CoordinatorOptions(
+                host="127.0.0.1", port=0, data_dir=_tmpdir(), embedded_agent=False, stuck_after=STUCK_AFTER
+            )
+        )
+        coord.start()
+        try:
+            for sim in worker.sims:
+                reply = coord.accept_registration(sim.identity, "direct")
+                if abs(reply.report_interval_s - sim.interval) > 1e-9:
+                    raise SystemExit(f"coordinator asked for {reply.report_interval_s} s, built for {sim.interval}")
+            for sim in worker.sims:  # a first, empty batch each, as loadgen's heartbeats
+                coord.accept_report(pb.ReportBatch(rank=sim.rank, session=sim.identity.session, sent_time=0.0))
+            handler = coord.server.servicer.ReportMany if coord.server else None
+            assert handler is not None
+            ctx = _Context()
+            rss0 = proc.memory_info().rss
+            t0 = time.time() + 0.5
+            cpu0 = proc.cpu_times()
+            behind: list[float] = []
+            calls = 0
+            for offset, raw, _nrep, ncalls in payloads:
+                due = t0 + offset
+                delay = due - time.time()
+                if delay > 0:
+                    time.sleep(delay)
+                else:
+                    behind.append(-delay)
+                handler(pb.RelayBatch.FromString(raw), ctx)
+                calls += ncalls
+            late = max(0.0, time.time() - (t0 + payloads[-1][0]))
+            cpu1 = proc.cpu_times()
+            wall = time.time() - t0
+            time.sleep(SETTLE_S)
+            rss1 = proc.memory_info().rss
+            status = coord.status() or {}
+            incidents = coord.incidents_json()
+        finally:
+            coord.stop(0.2)
+    cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    onset = t0 + worker.fault_index / rate if fault != "none" else None
+    want = EXPECTED.get(fault)
+    hit = [i for i in incidents if i["kind"] == want and cfg.fault_rank in i["culprit_ranks"]] if want else []
+    return {
+        "ranks": ranks,
+        "rate": rate,
+        "pattern": pattern,
+        "device": device,
+        "fault": fault,
+        "fault_rank": cfg.fault_rank if want else None,
+        "built_s": built,
+        "calls_per_s": calls / seconds,
+        "relay_calls_per_s": len(payloads) / seconds,
+        "cores": cpu / wall,
+        "cpu_us_per_rank_s": 1e6 * cpu / wall / ranks,
+        "late_s": late,
+        "behind_p99_s": sorted(behind)[int(0.99 * len(behind))] if behind else 0.0,
+        "rss_mb": (rss1 - rss0) / 2**20,
+        "behind_s": status.get("behind_s"),
+        "hit": hit[0] if hit else None,
+        "onset": onset,
+        "incidents": incidents,
+    }
+
+
+def _tmpdir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="hw-scale-")
+
+
+class _quiet_logs:
+    def __enter__(self) -> None:
+        import logging
+
+        logging.disable(logging.WARNING)
+
+    def __exit__(self, *exc: object) -> None:
+        import logging
+
+        logging.disable(logging.NOTSET)
+
+
+def _short(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 3 else f"{ranks[:3]}… ({len(ranks)})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="4096,8192,16384")
+    ap.add_argument("--rates", default="10,50")
+    ap.add_argument("--patterns", default="fsdp,tp")
+    ap.add_argument("--faults", default="none,stuck,shape")
+    ap.add_argument("--device", choices=("off", "on", "both"), default="off")
+    ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--fault-at", type=float, default=4.0)
+    args = ap.parse_args(argv)
+    devices = {"off": [False], "on": [True], "both": [False, True]}[args.device]
+    print(
+        "| ranks | coll/s | pattern | device | fault | relay calls/s | cores | µs CPU per rank-s | late s "
+        "| state MB | incident | culprits | after onset s | other incidents |"
+    )
+    print("| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |", flush=True)
+    for ranks in map(int, args.ranks.split(",")):
+        for rate in map(float, args.rates.split(",")):
+            for pattern in args.patterns.split(","):
+                for device in devices:
+                    for fault in args.faults.split(","):
+                        res = one(ranks, rate, pattern, fault, device, args.seconds, args.fault_at)
+                        hit = res["hit"]
+                        others = sorted(
+                            {f"{i['kind']} {_short(i['culprit_ranks'])}" for i in res["incidents"] if i is not hit}
+                        )
+                        if fault == "none":
+                            told, culprits, after = "-", "-", "-"
+                        elif hit:
+                            told, culprits = hit["kind"], _short(hit["culprit_ranks"])
+                            after = f"{hit['detected_time'] - res['onset']:.2f}"
+                        else:
+                            told, culprits, after = f"MISSED ({EXPECTED[fault]})", "-", "-"
+                        print(
+                            f"| {ranks} | {rate:g} | {pattern} | {'on' if device else 'off'} | {fault} "
+                            f"| {res['relay_calls_per_s']:.0f} | {res['cores']:.2f} | {res['cpu_us_per_rank_s']:.1f} "
+                            f"| {res['late_s']:.2f} | {res['rss_mb']:.0f} | {told} | {culprits} | {after} "
+                            f"| {', '.join(others) or '-'} |",
+                            flush=True,
+                        )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HANGWATCH_NO_AGENT", "1")
+    sys.exit(main())
