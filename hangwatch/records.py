@@ -251,7 +251,11 @@ class CallRun:
     A run may also be a repeating cycle of signatures on one group (``cycle``: the templates of
     the calls after the first in each period, so the period is ``1 + len(cycle)``): a layer that
     calls two collectives from two lines, over and over, makes A B A B...; call ``i`` is then of
-    ``templates[i % period]``, everything else as above."""
+    ``templates[i % period]``, everything else as above.
+
+    A run the coordinator folded from calls sent one by one (``hangwatch.folds``) may cross
+    steps: every ``per_step`` calls, ``lead`` of the first step's made before the run's first
+    (a step of FSDP's layers, one period of its cycle, step after step)."""
 
     rank: int
     template: CallRecord
@@ -268,9 +272,21 @@ class CallRun:
     holder: object = None
     #: the templates of a cycle's calls after the first in each period (empty: one signature)
     cycle: tuple[CallRecord, ...] = ()
+    #: calls a step, where the run crosses steps (0: all of ``step``), and the calls of the
+    #: first step made before the run's first
+    per_step: int = 0
+    lead: int = 0
 
     def __len__(self) -> int:
         return len(self.enters)
+
+    def step_at(self, i: int) -> int:
+        """The step of the ``i``-th call."""
+        return self.step + (self.lead + i) // self.per_step if self.per_step else self.step
+
+    @property
+    def last_step(self) -> int:
+        return self.step_at(len(self.enters) - 1)
 
     @property
     def templates(self) -> tuple[CallRecord, ...]:
@@ -295,7 +311,7 @@ class CallRun:
         t = self.template_at(i) if self.cycle else self.template
         return CallRecord(
             self.rank, self.first_call_id + i, t.op, t.group, self.first_seq + i, t.inputs, t.outputs, t.reduce_op,
-            t.root, t.peer, t.async_op, self.step, t.call_site, self.enters[i] + offset, self.exits[i] + offset,
+            t.root, t.peer, t.async_op, self.step_at(i), t.call_site, self.enters[i] + offset, self.exits[i] + offset,
             t.source, None, 1, t.extra, None, t.cost,
         )  # fmt: skip
 

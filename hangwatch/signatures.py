@@ -16,8 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hangwatch import folds, wire
 from hangwatch import records as r
-from hangwatch import wire
 from hangwatch.protos import hangwatch_pb2 as pb
 
 #: Signatures one session may define. The sender evicts its least recently used one beyond this
@@ -286,6 +286,7 @@ class CallDecoder:
         *,
         cost: Callable[[r.CallRecord], int] | None = None,
         charge: Callable[[int], bool] | None = None,
+        fold: bool = False,
     ) -> None:
         """``cost`` sizes a signature in bytes and ``charge(n)`` asks for ``n`` more (negative:
         gives back) from the coordinator's memory budget; a signature it refuses is rejected."""
@@ -294,6 +295,10 @@ class CallDecoder:
         self.cost = cost
         self.charge = charge
         self.bytes = 0  # what the table holds, as charged
+        #: fold calls sent one by one that repeat a cycle into runs (``hangwatch.folds``)
+        self.fold = fold
+        self.cycle: folds.Cycle | None = None  # the cycle the last fold ended in
+        self.recent: folds.Recent | None = None  # the last batch's calls, where they did not fold
 
     def decode(self, rank: int, batch: pb.ReportBatch) -> tuple[list[r.RankEvent], int, int]:
         """Records in the order the coordinator applies them (see the proto), the number of
@@ -379,21 +384,31 @@ class CallDecoder:
         table = self.table
         calls: list[r.RankEvent] = []
         rejected = folded = 0
+        columns: tuple[Sequence[Any], ...] = (
+            cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, runs, cycles
+        )  # fmt: skip
+        if self.fold and not extra and max(counts) <= 1:
+            # calls sent one by one that repeat a cycle: one run (the last may be under way)
+            made = None
+            for m in (n, n - 1):
+                sids, cids, seqs, steps, enters, exits = (col[:m] for col in columns[:6])
+                made = folds.fold(rank, table, sids, cids, seqs, steps, enters, exits, self.cycle, self.recent)
+                if made is not None:
+                    run, self.cycle = made
+                    calls.append(run)
+                    folded += m
+                    columns = tuple(col[m:] for col in columns)
+                    self.cycle = folds.passed(self.cycle, columns[0], columns[1], columns[2], columns[3])
+                    break
+            if made is None:
+                self.cycle = None  # the next batch does not take up where a fold left off
+                self.recent = folds.recent(self.recent, columns[0], columns[1], columns[2])  # these may lead in
+            else:
+                self.recent = None
         record = r.CallRecord
         at = 0  # the next of a run's other calls' times
         cat = 0  # the next of a cycle's other signatures
-        for sid, cid, seq, step, enter, exit_time, count, k, c in zip(
-            cols.signature,
-            cols.call_id,
-            cols.seq,
-            cols.step,
-            cols.enter_time,
-            cols.exit_time,
-            counts,
-            runs,
-            cycles,
-            strict=True,
-        ):
+        for sid, cid, seq, step, enter, exit_time, count, k, c in zip(*columns, strict=True):
             t = table.get(sid)
             done = exit_time == exit_time  # not NaN: NaN marks a call still under way
             if k > 1:

@@ -274,7 +274,9 @@ class Coordinator:
                     gone.release()
             self.decoders = kept
             # the rank's table starts empty too; its signatures count against the memory budget
-            self.decoders[identity.session] = CallDecoder(cost=budget.call_bytes, charge=self._charge_table(state))
+            self.decoders[identity.session] = CallDecoder(
+                cost=budget.call_bytes, charge=self._charge_table(state), fold=self.takes_runs
+            )
             last_call_id = state.last_call_id
             interval = report_interval_for(job.world_size)
         log.info(

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
+#: Kinds of call whose faultiness in themselves is known at once (``Runs._faulty``).
+MAX_FAULTS_KNOWN = 4096
 #: Slots a new slot is put below to keep seq order (``_new_slot``); past this many (a rank
 #: thousands of seqs behind), it stays last, and the cap on slots bounds what that costs.
 MAX_REORDER = 256
@@ -205,7 +207,7 @@ class _Base:
     created_index: dict[str, dict[int, int]]
     anew: dict[str, dict[int, int]]
     pinned: list[Slot]
-    _faults: dict[int, tuple[r.CallRecord, int | None, bool]]
+    _faults: dict[tuple[object, ...], tuple[object, object, bool]]
     _in_run: bool
     runs_taken: int
     run_calls: int

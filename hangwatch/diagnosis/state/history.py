@@ -48,8 +48,10 @@ class RunSlice:
             templates = run.templates
             templates = templates[turn:] + templates[:turn]
             costs = costs[turn:] + costs[:turn]
-            kept = r.CallRun(run.rank, templates[0], run.first_call_id + lo, run.first_seq + lo, run.step,
-                             run.enters[lo:hi], run.exits[lo:hi], offset=run.offset, cycle=templates[1:])  # fmt: skip
+            per = run.per_step
+            kept = r.CallRun(run.rank, templates[0], run.first_call_id + lo, run.first_seq + lo, run.step_at(lo),
+                             run.enters[lo:hi], run.exits[lo:hi], offset=run.offset, cycle=templates[1:],
+                             per_step=per, lead=(run.lead + lo) % per if per else 0)  # fmt: skip
             run = kept
         return cls(run, 0, last, costs)
 

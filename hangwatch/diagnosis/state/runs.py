@@ -18,6 +18,7 @@ from hangwatch.diagnosis.state.base import (
     ARRIVALS_KEPT,
     DURATIONS_KEPT,
     HISTORY_PER_GROUP,
+    MAX_FAULTS_KNOWN,
     MAX_SLOTS_PER_GROUP,
     ON_DEVICE_RUNS,
     PRUNE_RUNS_EVERY,
@@ -132,8 +133,8 @@ class Runs(_Base):
                 if last.enter_time > state.last_sent:
                     state.last_sent = last.enter_time
             state.last_progress = now
-            if run.step > state.step:
-                state.step = run.step
+            if run.last_step > state.step:
+                state.step = run.last_step
         self.runs_taken += 1
         self.run_calls += n
         if run.cycle:
@@ -230,15 +231,20 @@ class Runs(_Base):
 
     def _faulty(self, template: r.CallRecord, group: str) -> bool:
         """Whether a call of ``template`` is wrong in itself (against its group's size): each
-        such call is a repeat the mismatch detector counts, so a run of them goes call by call."""
+        such call is a repeat the mismatch detector counts, so a run of them goes call by call.
+        Known by what the call is, not by its template: every rank has its own templates, and
+        their tensors are one object per value (``signatures._shared``)."""
         size = len(self.members(group)) or None
-        known = self._faults.get(id(template))
-        if known is not None and known[0] is template and known[1] == size:
+        t = template
+        extra = tuple(t.extra.items()) if t.extra else ()
+        key = (t.op, id(t.inputs), id(t.outputs), t.reduce_op, t.root, t.async_op, extra, t.rank == t.root, size)
+        known = self._faults.get(key)
+        if known is not None and known[0] is t.inputs and known[1] is t.outputs:
             return known[2]
-        faulty = compare_collective({template.rank: template}, size) is not None
-        if len(self._faults) >= MAX_SLOTS_PER_GROUP:
+        faulty = compare_collective({t.rank: t}, size) is not None
+        if len(self._faults) >= MAX_FAULTS_KNOWN:
             self._faults.clear()
-        self._faults[id(template)] = (template, size, faulty)
+        self._faults[key] = (t.inputs, t.outputs, faulty)  # held: their ids stay theirs
         return faulty
 
     def _keep_run(self, state: RankState, run: r.CallRun) -> None:

@@ -1,0 +1,160 @@
+"""Calls a rank sent one by one that repeat a cycle, folded into one run by the coordinator.
+
+A rank's steady state repeats one step's calls: FSDP's per-layer gathers and scatters, a
+pipeline's schedule. Senders gather runs and short cycles within a step (``ringruns``); a
+step of many signatures, or a batch holding less than two periods, still travels call by
+call, and the coordinator then paid for every call. Here its decoder folds such a batch's
+calls into a ``records.CallRun`` whose cycle is the step's signatures and whose steps advance
+every ``per_step`` calls: the job state takes it whole, and its cost grows with batches, not
+calls. Folding changes nothing a detector sees (``CallRun.call`` makes each call as it came).
+
+A stretch folds when its calls are alike to a cycle's in every field but their ids, seqs,
+steps and times: consecutive ids and seqs on one group, each completed once with finite
+times, none async, steps one apart at most, advancing at a fixed number of calls. The
+cycle is the shortest period of the stretch's signatures, seen twice over, or the one the
+rank's previous batch folded, where this batch takes up where it left off. Every test is a
+comparison of lists (C), not a loop over calls in Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hangwatch import records as r
+
+#: The fewest calls a cycle is first found in (a batch that takes one up may hold two).
+FOLD_MIN = 4
+#: The longest cycle of signatures folded: a step of up to this many calls.
+MAX_FOLD = 64
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """The cycle a rank's last fold ended in: its signatures, calls a step (0: not known), the
+    next call's id and seq, the last call's step, and the next call's place in the cycle."""
+
+    sids: tuple[int, ...]
+    per_step: int
+    call_id: int
+    seq: int
+    step: int
+    phase: int
+
+
+@dataclass(frozen=True)
+class Recent:
+    """The signatures of a rank's last calls sent one by one, and the id and seq after them."""
+
+    sids: tuple[int, ...]
+    call_id: int
+    seq: int
+
+
+def period(sids: Sequence[int], limit: int = MAX_FOLD) -> int:
+    """The shortest period of ``sids`` seen at least twice over (0: none)."""
+    n = len(sids)
+    for p in range(1, min(limit, n // 2) + 1):
+        if sids[p:] == sids[: n - p]:
+            return p
+    return 0
+
+
+def steps_of(steps: Sequence[int], per_hint: int) -> tuple[int, int] | None:
+    """(calls a step, calls of the first step before the first of ``steps``) where the steps
+    advance by one every so many calls ((0, 0): one step); ``per_hint``: calls a step where
+    ``steps`` show one change only (0: not known, and then None). None: they do not."""
+    n = len(steps)
+    s0 = steps[0]
+    last = steps[-1]
+    if last == s0:
+        return (0, 0) if steps.count(s0) == n else None
+    try:
+        b1 = steps.index(s0 + 1)
+        per = steps.index(s0 + 2, b1) - b1 if last > s0 + 1 else per_hint
+    except ValueError:
+        return None
+    if per <= 0 or b1 > per:
+        return None
+    lead = per - b1
+    if list(steps) != [s0 + (lead + i) // per for i in range(n)]:
+        return None
+    return per, lead
+
+
+def fold(
+    rank: int,
+    table: dict[int, r.CallRecord],
+    sids: Sequence[int],
+    cids: Sequence[int],
+    seqs: Sequence[int],
+    steps: Sequence[int],
+    enters: Sequence[float],
+    exits: Sequence[float],
+    before: Cycle | None,
+    recent: Recent | None = None,
+) -> tuple[r.CallRun, Cycle] | None:
+    """The calls of these columns (none a run, every one counted once) as one run, and the
+    cycle it ends in; None where they do not fold whole. ``before``: the cycle the rank's last
+    fold ended in; ``recent``: the calls of its last batch, where it did not fold."""
+    n = len(sids)
+    if n < 2:
+        return None
+    c0, q0 = cids[0], seqs[0]
+    if list(cids) != list(range(c0, c0 + n)) or list(seqs) != list(range(q0, q0 + n)):
+        return None
+    if not math.isfinite(math.fsum(enters) + math.fsum(exits)):  # NaN: one under way
+        return None
+    per_hint = p = 0
+    cycle: tuple[int, ...] = ()
+    if before is not None and before.call_id == c0 and before.seq == q0 and before.step <= steps[0]:
+        turned = before.sids[before.phase :] + before.sids[: before.phase]
+        if tuple(sids) == (turned * (n // len(turned) + 1))[:n]:
+            cycle, p, per_hint = turned, len(turned), before.per_step
+    if not cycle:
+        # the calls just before these (the rank's last batch, not folded), where they lead here
+        lead_in = list(recent.sids) if recent is not None and (recent.call_id, recent.seq) == (c0, q0) else []
+        k = len(lead_in)
+        p = period(lead_in + list(sids)) if k + n >= FOLD_MIN else 0
+        if not p:
+            return None
+        base = tuple(lead_in[:p]) if k >= p else tuple((lead_in + list(sids))[:p])
+        cycle = base[k % p :] + base[: k % p]
+    templates = [t for sid in cycle if (t := table.get(sid)) is not None]
+    if len(templates) != len(cycle):
+        return None
+    group = templates[0].group
+    if any(t.group != group or t.async_op or t.kind is not r.OpKind.COLLECTIVE for t in templates):
+        return None
+    shape = steps_of(steps, per_hint or (p if len(cycle) > 1 else 0))
+    if shape is None:
+        return None
+    per, lead = shape
+    first, *rest = templates
+    run = r.CallRun(
+        rank, first, c0, q0, steps[0], list(enters), list(exits), cycle=tuple(rest), per_step=per, lead=lead
+    )
+    return run, Cycle(cycle, per or per_hint, c0 + n, q0 + n, run.last_step, n % p)
+
+
+def passed(cycle: Cycle, sids: Sequence[int], cids: Sequence[int], seqs: Sequence[int], steps: Sequence[int]) -> Cycle:
+    """``cycle`` past the call left out of the fold (under way, the batch's last) where that
+    call is the cycle's next: the next batch takes up after it."""
+    if len(sids) != 1 or (sids[0], cids[0], seqs[0]) != (cycle.sids[cycle.phase], cycle.call_id, cycle.seq):
+        return cycle
+    return dataclasses.replace(
+        cycle, call_id=cycle.call_id + 1, seq=cycle.seq + 1, step=steps[0], phase=(cycle.phase + 1) % len(cycle.sids)
+    )
+
+
+def recent(before: Recent | None, sids: Sequence[int], cids: Sequence[int], seqs: Sequence[int]) -> Recent | None:
+    """A batch's calls that did not fold, after ``before`` where they follow it, as the lead-in
+    of the next batch's (consecutive ids and seqs; the last ``2 * MAX_FOLD``); None where
+    they are not."""
+    n = len(sids)
+    if not n or list(cids) != list(range(cids[0], cids[0] + n)) or list(seqs) != list(range(seqs[0], seqs[0] + n)):
+        return None
+    lead_in = before.sids if before is not None and (before.call_id, before.seq) == (cids[0], seqs[0]) else ()
+    return Recent((*lead_in, *sids)[-2 * MAX_FOLD :], cids[-1] + 1, seqs[-1] + 1)

@@ -1,0 +1,163 @@
+"""Calls sent one by one that repeat a cycle come out of the decoder as one run (``hangwatch.folds``)
+that makes every call exactly as it was sent; anything that breaks the cycle comes as it was."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hangwatch import folds
+from hangwatch import records as r
+from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.signatures import CallDecoder, CallEncoder
+
+RANK = 3
+LAYERS = 8
+
+
+def _call(
+    i: int, layer: int, step: int, width: int | None = None, op: str = "", async_op: bool = False
+) -> r.CallRecord:
+    """Call ``i`` (id and seq ``i + 1``): FSDP's gather in a layer's forward, its scatter in the backward."""
+    forward = (not op and layer < LAYERS) or op == "all_gather_into_tensor"
+    shard = width or 4096 + 512 * layer
+    return r.CallRecord(
+        RANK, i + 1, op or ("all_gather_into_tensor" if forward else "reduce_scatter_tensor"), "0", i + 1,
+        (r.TensorMeta((shard,), "bfloat16"),), (r.TensorMeta((shard * 4,), "bfloat16"),),
+        None if forward else "sum", None, None, async_op, step, f"fsdp.py:{120 + layer} in forward",
+        100.0 + i, 100.0 + i + 0.5,
+    )  # fmt: skip
+
+
+def _fsdp(n: int, start: int = 0, per: int = 2 * LAYERS) -> list[r.CallRecord]:
+    return [_call(i, i % (2 * LAYERS), i // per) for i in range(start, start + n)]
+
+
+def _batches(calls: list[r.CallRecord], cuts: list[int]) -> list[pb.ReportBatch]:
+    enc = CallEncoder()
+    out, lo = [], 0
+    for hi in [*cuts, len(calls)]:
+        batch = pb.ReportBatch(rank=RANK)
+        enc.encode(calls[lo:hi], batch)
+        out.append(batch)
+        lo = hi
+    return out
+
+
+def _decoded(batches: list[pb.ReportBatch], fold: bool) -> tuple[list[tuple[object, ...]], list[r.RankEvent]]:
+    dec = CallDecoder(fold=fold)
+    made: list[tuple[object, ...]] = []
+    events: list[r.RankEvent] = []
+    for batch in batches:
+        got, rejected, _ = dec.decode(RANK, batch)
+        assert rejected == 0
+        events += got
+        for ev in got:
+            calls = ev.calls() if isinstance(ev, r.CallRun) else [ev]
+            made += [_fields(c) for c in calls if isinstance(c, r.CallRecord)]
+    return made, events
+
+
+def _fields(c: r.CallRecord) -> tuple[object, ...]:
+    return (c.call_id, c.op, c.group, c.seq, c.inputs, c.outputs, c.reduce_op, c.root, c.async_op, c.step,
+            c.call_site, c.enter_time, c.exit_time, c.seq_count, c.extra)  # fmt: skip
+
+
+def test_a_batch_of_fsdp_steps_is_one_run_that_makes_every_call_as_sent() -> None:
+    calls = _fsdp(45, start=5)  # from the middle of a step, across three more
+    made, events = _decoded(_batches(calls, []), fold=True)
+    runs = [ev for ev in events if isinstance(ev, r.CallRun)]
+    assert len(events) == 1 and len(runs) == 1
+    run = runs[0]
+    assert (len(run.templates), run.per_step, run.lead, run.step, run.last_step) == (16, 16, 5, 0, 3)
+    assert made == [_fields(c) for c in calls]
+
+
+def test_batches_of_less_than_two_periods_fold_once_the_cycle_is_seen() -> None:
+    """Ten calls a batch (a rank's 2 s at 5 collectives a second): the first batches travel as
+    calls until two periods have come, every later one is a run taking up where the last ended."""
+    calls = _fsdp(200)
+    batches = _batches(calls, list(range(10, 200, 10)))
+    made, events = _decoded(batches, fold=True)
+    assert made == [_fields(c) for c in calls]
+    kinds = ["run" if isinstance(ev, r.CallRun) else "call" for ev in events]
+    assert kinds == ["call"] * 30 + ["run"] * 17
+
+
+def test_the_last_call_under_way_stays_a_call_and_the_next_batch_takes_up_after_it() -> None:
+    calls = _fsdp(60)
+    calls[39].exit_time = None
+    made, events = _decoded(_batches(calls, [40]), fold=True)
+    assert [type(ev).__name__ for ev in events] == ["CallRun", "CallRecord", "CallRun"]
+    assert made == [_fields(c) for c in calls]
+
+
+def test_what_breaks_the_cycle_comes_as_it_was_sent() -> None:
+    """The look-alikes: a shape that differs once, a skipped call, a step one call short, an
+    async call. None is inside a run; every call comes as sent."""
+    shape = _fsdp(48)
+    shape[37] = _call(37, 37 % 16, 2, width=999)
+    skipped = [c for c in _fsdp(49) if c.call_id != 38]  # the ids and seqs after it close up
+    for i, c in enumerate(skipped):
+        c.call_id = c.seq = i + 1
+    short = _fsdp(48)
+    for c in short[31:]:
+        c.step += 1  # the third step has fifteen calls
+    async_ = _fsdp(48)
+    async_[20] = _call(20, 4, 1, async_op=True)
+    for calls, odd in ((shape, 38), (skipped, 38), (short, 32), (async_, 21)):
+        made, events = _decoded(_batches(calls, []), fold=True)
+        assert made == [_fields(c) for c in calls]
+        assert not any(isinstance(ev, r.CallRun) and ev.first_call_id <= odd <= ev.first_call_id + len(ev) - 1
+                       for ev in events)  # fmt: skip
+
+
+def test_steps_of_names_how_steps_advance() -> None:
+    assert folds.steps_of([4, 4, 4], 0) == (0, 0)
+    assert folds.steps_of([4, 4, 5, 5, 5, 6], 0) == (3, 1)
+    assert folds.steps_of([4, 5, 5], 3) == (3, 2)
+    assert folds.steps_of([4, 5, 5], 0) is None  # one change, and how many a step not known
+    assert folds.steps_of([4, 4, 5, 5, 5, 5, 6], 0) == (4, 2)
+    assert folds.steps_of([4, 5, 5, 6, 6, 6, 7], 0) is None  # a step longer than the one before
+    assert folds.steps_of([4, 6, 6], 2) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    period=st.integers(1, 20),
+    per_periods=st.integers(1, 3),
+    n=st.integers(2, 160),
+    lead=st.integers(0, 40),
+    cuts=st.lists(st.integers(1, 159), max_size=8),
+    odd=st.lists(
+        st.tuples(st.integers(0, 159), st.sampled_from(["shape", "open", "async", "step", "skip"])), max_size=3
+    ),
+)
+def test_folding_changes_no_call(
+    period: int, per_periods: int, n: int, lead: int, cuts: list[int], odd: list[tuple[int, str]]
+) -> None:
+    """Whatever the cycle, the steps, the batches and what breaks them: the calls made of what
+    the decoder hands on are the calls sent, folded or not."""
+    per = period * per_periods
+    calls = [_call(i, i % period, (lead + i) // per, width=64 + (i % period)) for i in range(n)]
+    for at, what in odd:
+        if at >= len(calls):
+            continue
+        c = calls[at]
+        if what == "shape":
+            calls[at] = _call(at, 0, c.step, width=7)
+        elif what == "open":
+            c.exit_time = None
+        elif what == "async":
+            c.async_op = True
+        elif what == "step":
+            for later in calls[at:]:
+                later.step += 1
+        else:
+            del calls[at]
+            for i, later in enumerate(calls[at:], at):
+                later.call_id = later.seq = i + 1
+    batches = _batches(calls, sorted({c for c in cuts if c < len(calls)}))
+    folded, _ = _decoded(batches, fold=True)
+    plain, _ = _decoded(batches, fold=False)
+    assert folded == plain == [_fields(c) for c in calls]
