@@ -15,14 +15,17 @@ the steady state is what a long job pays); ``late`` is how long after its time t
 went in; memory is the RSS the replay added.
 
 A fault run says which incident came, on which ranks, and how long after the fault's onset; a
-healthy run must raise nothing.
+healthy run must raise nothing. Each run is a fresh process; ``--baseline DIR`` runs each
+again with another checkout's coordinator (the load is built by this tree's ``loadgen``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -178,6 +181,36 @@ def _short(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 3 else f"{ranks[:3]}… ({len(ranks)})"
 
 
+def _run(tree: str | None, config: dict[str, Any]) -> dict[str, Any]:
+    """One run in a fresh process, with ``tree``'s coordinator (None: this one's)."""
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps(config)], capture_output=True, text=True, env=env, check=False
+    )
+    if out.returncode:
+        raise SystemExit(f"scale: a run failed ({config}):\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _row(tree: str, config: dict[str, Any], res: dict[str, Any]) -> str:
+    fault = config["fault"]
+    hit = res["hit"]
+    others = sorted({f"{i['kind']} {_short(i['culprit_ranks'])}" for i in res["incidents"] if i != hit})
+    if fault == "none":
+        told, culprits, after = "-", "-", "-"
+    elif hit:
+        told, culprits, after = hit["kind"], _short(hit["culprit_ranks"]), f"{hit['detected_time'] - res['onset']:.2f}"
+    else:
+        told, culprits, after = f"MISSED ({EXPECTED[fault]})", "-", "-"
+    return (
+        f"| {tree} | {config['ranks']} | {config['rate']:g} | {config['pattern']} "
+        f"| {'on' if config['device'] else 'off'} | {fault} | {res['relay_calls_per_s']:.0f} | {res['cores']:.2f} "
+        f"| {res['cpu_us_per_rank_s']:.1f} | {res['late_s']:.2f} | {res['rss_mb']:.0f} | {told} | {culprits} "
+        f"| {after} | {', '.join(others) or '-'} |"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="4096,8192,16384")
@@ -188,37 +221,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=14.0)
     ap.add_argument("--fault-at", type=float, default=6.0)
     ap.add_argument("--warmup", type=float, default=4.0, help="seconds before CPU is counted")
+    ap.add_argument("--baseline", help="another checkout: each run again with its coordinator, next to this one's")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # (internal) one run, its config as JSON
     args = ap.parse_args(argv)
+    if args.one:
+        res = one(**json.loads(args.one))
+        print(json.dumps(res, default=str))
+        return 0
     devices = {"off": [False], "on": [True], "both": [False, True]}[args.device]
+    trees: list[tuple[str, str | None]] = [("this", None)]
+    if args.baseline:
+        trees.append((Path(args.baseline).name, str(Path(args.baseline).resolve())))
     print(
-        "| ranks | coll/s | pattern | device | fault | relay calls/s | cores | µs CPU per rank-s | late s "
+        "| tree | ranks | coll/s | pattern | device | fault | relay calls/s | cores | µs CPU per rank-s | late s "
         "| RSS added MB | incident | culprits | after onset s | other incidents |"
     )
-    print("| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |", flush=True)
+    print(
+        "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |",
+        flush=True,
+    )
     for ranks in map(int, args.ranks.split(",")):
         for rate in map(float, args.rates.split(",")):
             for pattern in args.patterns.split(","):
                 for device in devices:
                     for fault in args.faults.split(","):
-                        res = one(ranks, rate, pattern, fault, device, args.seconds, args.fault_at, args.warmup)
-                        hit = res["hit"]
-                        others = sorted(
-                            {f"{i['kind']} {_short(i['culprit_ranks'])}" for i in res["incidents"] if i is not hit}
-                        )
-                        if fault == "none":
-                            told, culprits, after = "-", "-", "-"
-                        elif hit:
-                            told, culprits = hit["kind"], _short(hit["culprit_ranks"])
-                            after = f"{hit['detected_time'] - res['onset']:.2f}"
-                        else:
-                            told, culprits, after = f"MISSED ({EXPECTED[fault]})", "-", "-"
-                        print(
-                            f"| {ranks} | {rate:g} | {pattern} | {'on' if device else 'off'} | {fault} "
-                            f"| {res['relay_calls_per_s']:.0f} | {res['cores']:.2f} | {res['cpu_us_per_rank_s']:.1f} "
-                            f"| {res['late_s']:.2f} | {res['rss_mb']:.0f} | {told} | {culprits} | {after} "
-                            f"| {', '.join(others) or '-'} |",
-                            flush=True,
-                        )
+                        config = {
+                            "ranks": ranks,
+                            "rate": rate,
+                            "pattern": pattern,
+                            "fault": fault,
+                            "device": device,
+                            "seconds": args.seconds,
+                            "fault_at": args.fault_at,
+                            "warmup": args.warmup,
+                        }
+                        for name, tree in trees:
+                            print(_row(name, config, _run(tree, config)), flush=True)
     return 0
 
 
