@@ -85,6 +85,9 @@ class CallRecord:
     cost: int = field(default=0, compare=False, repr=False)
     #: coordinator only: how many of the job state's tables hold it (charged once, while > 0)
     holds: int = field(default=0, compare=False, repr=False)
+    #: coordinator only, on a signature's template: whether its calls are wrong in themselves,
+    #: and against which group size (``Runs._faulty``)
+    judged: tuple[int | None, bool] | None = field(default=None, compare=False, repr=False)
 
     @property
     def kind(self) -> OpKind:

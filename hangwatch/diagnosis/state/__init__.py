@@ -167,7 +167,6 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
         #: (``signatures.CallDecoder.decode``), the last calls of the making before included
         self.anew: dict[str, dict[int, int]] = {}
         self.pinned: list[Slot] = []  # slots made from runs, kept until the engine's next tick
-        self._faults: dict[tuple[object, ...], tuple[object, object, bool]] = {}  # see ``_faulty``
         #: inside ``_run``'s loop: a call it applies whole does not move the rank's passed seq
         #: (the run does, once kept: its seqs before that call are not in ``passed`` yet)
         self._in_run = False

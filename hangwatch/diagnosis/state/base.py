@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
 HISTORY_PER_GROUP = 64
 MAX_SLOTS_PER_GROUP = 4096
-#: Kinds of call whose faultiness in themselves is known at once (``Runs._faulty``).
-MAX_FAULTS_KNOWN = 4096
 #: Slots a new slot is put below to keep seq order (``_new_slot``); past this many (a rank
 #: thousands of seqs behind), it stays last, and the cap on slots bounds what that costs.
 MAX_REORDER = 256
@@ -57,6 +55,14 @@ class ClaimRefused(ValueError):
 
 
 ARRIVALS_KEPT = 32
+#: In a group of more members than this, arrivals are a sample: one collective's at most every
+#: ``ARRIVALS_SPREAD_S`` (by its first arrival), and of the seqs runs completed, the newest
+#: ``ARRIVALS_PER_READ`` a read at most (``Runs.arrivals``, once a tick; each costs a sort of
+#: every member's arrival). A straggler is then last across seconds of batches, not across the
+#: calls of one batch that a coordinator late for a moment mapped late.
+ARRIVALS_SAMPLED_FROM = 256
+ARRIVALS_SPREAD_S = 0.5
+ARRIVALS_PER_READ = 8
 PRUNE_RUNS_EVERY = 16  # passed seqs between two walks of every member's runs (``_prune_runs``)
 #: A group made anew numbers from 1 again: its first call comes at one of these first seqs (after
 #: the few C++ issued first, DDP's broadcast of the module's state), below the rank's last
@@ -207,7 +213,6 @@ class _Base:
     created_index: dict[str, dict[int, int]]
     anew: dict[str, dict[int, int]]
     pinned: list[Slot]
-    _faults: dict[tuple[object, ...], tuple[object, object, bool]]
     _in_run: bool
     runs_taken: int
     run_calls: int

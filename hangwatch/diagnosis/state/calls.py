@@ -15,6 +15,8 @@ from hangwatch.diagnosis import budget as b
 from hangwatch.diagnosis.rules.collective import compare_collective
 from hangwatch.diagnosis.state.base import (
     ARRIVALS_KEPT,
+    ARRIVALS_SAMPLED_FROM,
+    ARRIVALS_SPREAD_S,
     HISTORY_PER_GROUP,
     MAX_GROUPS,
     MAX_OPEN_CALLS,
@@ -185,7 +187,12 @@ class Calls(_Base):
                 if lasts is None:
                     lasts = self._arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
                 latest = max(rk for rk, c in here.items() if c.enter_time == arrived)  # a tie: the highest
-                lasts.append((latest, arrived - median, seq, slot.first_enter))
+                if not (
+                    len(members) > ARRIVALS_SAMPLED_FROM
+                    and lasts
+                    and slot.first_enter - lasts[-1][3] < ARRIVALS_SPREAD_S
+                ):
+                    lasts.append((latest, arrived - median, seq, slot.first_enter))
             if done and call.error is None:  # reported already complete
                 waited = call.exit_time - enter  # type: ignore[operator]
                 self.wait_durations.append(waited if waited > 0.0 else 0.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import operator
 
 from hangwatch import records as r
@@ -16,9 +17,11 @@ from hangwatch.diagnosis import budget as b
 from hangwatch.diagnosis.rules.collective import compare_collective
 from hangwatch.diagnosis.state.base import (
     ARRIVALS_KEPT,
+    ARRIVALS_PER_READ,
+    ARRIVALS_SAMPLED_FROM,
+    ARRIVALS_SPREAD_S,
     DURATIONS_KEPT,
     HISTORY_PER_GROUP,
-    MAX_FAULTS_KNOWN,
     MAX_SLOTS_PER_GROUP,
     ON_DEVICE_RUNS,
     PRUNE_RUNS_EVERY,
@@ -35,6 +38,10 @@ from hangwatch.diagnosis.state.ranks import (
     Slot,
 )
 from hangwatch.flight_entries import ENTRY_CALL_IDS
+
+#: Calls judged in themselves, by what they are (``Runs._faulty``), for every job.
+_JUDGED: dict[tuple[object, ...], tuple[object, object, bool]] = {}
+MAX_JUDGED = 4096
 
 
 class Runs(_Base):
@@ -83,15 +90,14 @@ class Runs(_Base):
         group = run.template.group
         n = len(run.enters)
         t = run.template
+        size = len(self.members(group)) or None
         if run.cycle:  # each call's bytes, as ``_enter`` charges it
             templates = run.templates
             costs = tuple(c.cost or b.call_bytes(c) for c in templates)
-            odd = any(
-                c.kind is not r.OpKind.COLLECTIVE or c.group != group or self._faulty(c, group) for c in templates
-            )
+            odd = any(c.kind is not r.OpKind.COLLECTIVE or c.group != group or self._faulty(c, size) for c in templates)
         else:
             costs = (t.cost or b.call_bytes(t),)
-            odd = t.kind is not r.OpKind.COLLECTIVE or self._faulty(t, group)
+            odd = t.kind is not r.OpKind.COLLECTIVE or self._faulty(t, size)
         # from which call the device (NCCL) has not been seen to complete them: those are the
         # run's as the others are, and on the device until a progress read completes them
         device = self._device_from(state, run, now) if state.progress and n == len(run.exits) else n
@@ -229,22 +235,28 @@ class Runs(_Base):
             self._in_run = False
         return passed, last
 
-    def _faulty(self, template: r.CallRecord, group: str) -> bool:
-        """Whether a call of ``template`` is wrong in itself (against its group's size): each
-        such call is a repeat the mismatch detector counts, so a run of them goes call by call.
-        Known by what the call is, not by its template: every rank has its own templates, and
-        their tensors are one object per value (``signatures._shared``)."""
-        size = len(self.members(group)) or None
+    def _faulty(self, template: r.CallRecord, size: int | None) -> bool:
+        """Whether a call of ``template`` is wrong in itself (against its group's ``size``):
+        each such call is a repeat the mismatch detector counts, so a run of them goes call by
+        call. Judged once a template and size (``CallRecord.judged``): a rank's runs come from
+        its few templates, over and over."""
+        judged = template.judged
+        if judged is not None and judged[0] == size:
+            return judged[1]
+        # another rank's template of the same call was judged already: its tensors are the same
+        # objects (``signatures._shared``); the rank matters only where it is the root
         t = template
         extra = tuple(t.extra.items()) if t.extra else ()
         key = (t.op, id(t.inputs), id(t.outputs), t.reduce_op, t.root, t.async_op, extra, t.rank == t.root, size)
-        known = self._faults.get(key)
+        known = _JUDGED.get(key)
         if known is not None and known[0] is t.inputs and known[1] is t.outputs:
-            return known[2]
-        faulty = compare_collective({t.rank: t}, size) is not None
-        if len(self._faults) >= MAX_FAULTS_KNOWN:
-            self._faults.clear()
-        self._faults[key] = (t.inputs, t.outputs, faulty)  # held: their ids stay theirs
+            faulty = known[2]
+        else:
+            faulty = compare_collective({t.rank: t}, size) is not None
+            if len(_JUDGED) >= MAX_JUDGED:
+                _JUDGED.clear()
+            _JUDGED[key] = (t.inputs, t.outputs, faulty)  # held: their ids stay theirs
+        template.judged = (size, faulty)
         return faulty
 
     def _keep_run(self, state: RankState, run: r.CallRun) -> None:
@@ -422,6 +434,8 @@ class Runs(_Base):
             for seq in range(max(low + 1, new_low - ARRIVALS_KEPT + 1), new_low + 1)
             if seq not in slots and seq not in counted  # counted where its slot completed (it may be pruned since)
         ]
+        if len(members) > ARRIVALS_SAMPLED_FROM:
+            want = want[-ARRIVALS_PER_READ:]
         if not want:
             return
         lo = want[0]
@@ -463,6 +477,14 @@ class Runs(_Base):
             ordered = sorted(arrived)  # no None left
             last, rank = max(zip(arrived, members, strict=True))  # of a tie, the highest rank (as a slot's sort)
             counts.append((rank, last - ordered[(n - 1) // 2], seq, ordered[0]))
+        if n > ARRIVALS_SAMPLED_FROM:  # a sample, spread in time (as a slot's are)
+            spread: list[tuple[int, float, int, float]] = []
+            at = lasts[-1][3] if lasts else -math.inf
+            for count in counts:
+                if count[3] - at >= ARRIVALS_SPREAD_S:
+                    spread.append(count)
+                    at = count[3]
+            counts = spread
         if counts:
             kept = sorted([*(lasts or ()), *counts], key=operator.itemgetter(2))[-ARRIVALS_KEPT:]
             self._arrivals[group] = collections.deque(kept, maxlen=ARRIVALS_KEPT)

@@ -6,9 +6,13 @@ from the former test_detectors.py, one file per detector module.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable
 
+from hangwatch import records as r
 from hangwatch.diagnosis.detectors import Context, straggler
+from hangwatch.diagnosis.state.base import ARRIVALS_SPREAD_S
 from tests.factories import T0, SimJob, call, only
 
 
@@ -109,3 +113,28 @@ def test_a_rank_whose_batches_all_waited_is_no_straggler() -> None:
     assert f.culprit_ranks == [2]
     both = _delivered(2, 1.4, 0.7)  # late by 1.4 s, of which 0.7 s its batches' wait
     assert only(straggler.detect(both.job, both.ctx(T0 + 200)), "straggler").culprit_ranks == [2]
+
+
+def test_a_straggler_among_hundreds_in_runs_is_found_from_a_sample_spread_in_time() -> None:
+    """300 ranks whose calls come in runs, 40 collectives a second: a read counts a few of the
+    newest (each costs a sort of 300 arrivals), half a second apart at least, so that the rank
+    named is last across seconds of batches (here one a second, the newest of each batch);
+    that sample names the rank that is always last."""
+    n, late = 300, 17
+    sim = SimJob(n)
+    for rk in range(n):
+        sim.apply(call(rk, 1, call_id=1, enter_time=T0, exit_time=T0 + 0.1), T0)
+    template = dataclasses.replace(call(0, 0, call_id=0), exit_time=None)
+    seq = 2
+    for tick in range(1, 25):
+        now = T0 + tick
+        for rk in range(n):
+            times = [now - 1 + 0.025 * i + (0.9 if rk == late else 0.0) for i in range(40)]
+            run = r.CallRun(rk, dataclasses.replace(template, rank=rk), seq, seq, 0, times, [t + 0.001 for t in times])
+            sim.deliver(rk, [run], now + 1, sent_time=now + 1)
+        seq += 40
+        firsts = [first for _, _, _, first in sim.job.arrivals["0"]]
+        assert all(b - a >= ARRIVALS_SPREAD_S for a, b in itertools.pairwise(firsts[1:]))  # (the first: a slot)
+    assert sim.job.runs_taken == 24 * n
+    found = only(straggler.detect(sim.job, sim.ctx(T0 + 26)), "straggler")
+    assert found.culprit_ranks == [late]
