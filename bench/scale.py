@@ -129,7 +129,8 @@ def one(
             wall = time.time() - steady
             time.sleep(SETTLE_S)
             rss1 = proc.memory_info().rss
-            status = coord.status() or {}
+            status = coord.status()
+            assert status is not None
             incidents = coord.incidents_json()
         finally:
             coord.stop(0.2)
@@ -152,7 +153,10 @@ def one(
         "late_s": late,
         "behind_p99_s": sorted(behind)[int(0.99 * len(behind))] if behind else 0.0,
         "rss_mb": (rss1 - rss0) / 2**20,
-        "behind_s": status.get("behind_s"),
+        "behind_s": status["job"].get("behind_s"),
+        # what the memory budget charges the job, and what it refused
+        "held_mb": status["job"]["budget"]["job_held_bytes"] / 2**20,
+        "refused": status["job"]["budget"]["job_refused"],
         "hit": hit[0] if hit else None,
         "onset": onset,
         "incidents": incidents,
@@ -206,7 +210,8 @@ def _row(tree: str, config: dict[str, Any], res: dict[str, Any]) -> str:
     return (
         f"| {tree} | {config['ranks']} | {config['rate']:g} | {config['pattern']} "
         f"| {'on' if config['device'] else 'off'} | {fault} | {res['relay_calls_per_s']:.0f} | {res['cores']:.2f} "
-        f"| {res['cpu_us_per_rank_s']:.1f} | {res['late_s']:.2f} | {res['rss_mb']:.0f} | {told} | {culprits} "
+        f"| {res['cpu_us_per_rank_s']:.1f} | {res['late_s']:.2f} | {res['rss_mb']:.0f} "
+        f"| {res.get('held_mb', 0):.0f} / {res.get('refused', 0)} | {told} | {culprits} "
         f"| {after} | {', '.join(others) or '-'} |"
     )
 
@@ -234,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         trees.append((Path(args.baseline).name, str(Path(args.baseline).resolve())))
     print(
         "| tree | ranks | coll/s | pattern | device | fault | relay calls/s | cores | µs CPU per rank-s | late s "
-        "| RSS added MB | incident | culprits | after onset s | other incidents |"
+        "| RSS added MB | charged MB / refused | incident | culprits | after onset s | other incidents |"
     )
     print(
-        "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |",
+        "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |",
         flush=True,
     )
     for ranks in map(int, args.ranks.split(",")):

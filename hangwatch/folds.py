@@ -22,6 +22,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hangwatch import records as r
 
@@ -105,7 +106,7 @@ def fold(
     c0, q0 = cids[0], seqs[0]
     if list(cids) != list(range(c0, c0 + n)) or list(seqs) != list(range(q0, q0 + n)):
         return None
-    if not math.isfinite(math.fsum(enters) + math.fsum(exits)):  # NaN: one under way
+    if not math.isfinite(sum(enters) + sum(exits)):  # NaN: one under way (inf: a time no clock gives)
         return None
     per_hint = p = 0
     cycle: tuple[int, ...] = ()
@@ -158,3 +159,42 @@ def recent(before: Recent | None, sids: Sequence[int], cids: Sequence[int], seqs
         return None
     lead_in = before.sids if before is not None and (before.call_id, before.seq) == (cids[0], seqs[0]) else ()
     return Recent((*lead_in, *sids)[-2 * MAX_FOLD :], cids[-1] + 1, seqs[-1] + 1)
+
+
+def expand(
+    entries: int,
+    columns: Sequence[Sequence[Any]],
+    run_enter: Sequence[float],
+    run_exit: Sequence[float],
+    run_signature: Sequence[int],
+) -> tuple[list[int], list[int], list[int], list[int], list[float], list[float]] | None:
+    """The first ``entries`` column entries (``columns``: signature, call id, seq, step, enter,
+    exit, count, run, cycle) call by call, where a sender gathered some into runs (a step of
+    one signature each: tensor parallelism's): signatures, ids, seqs, steps, enters and exits
+    of every call. None where the entries do not follow each other (ids and seqs one apart)."""
+    sids: list[int] = []
+    steps: list[int] = []
+    enters: list[float] = []
+    exits: list[float] = []
+    at = cat = 0
+    cid0, seq0 = columns[1][0], columns[2][0]
+    total = 0
+    for sid, cid, seq, step, enter, exit_time, _, k, c in zip(*(col[:entries] for col in columns), strict=True):
+        if cid != cid0 + total or seq != seq0 + total:
+            return None
+        if k > 1:
+            pattern = [sid, *run_signature[cat : cat + c]]
+            cat += c
+            sids += (pattern * (k // len(pattern) + 1))[:k]
+            enters.append(enter)
+            enters += run_enter[at : at + k - 1]
+            exits.append(exit_time)
+            exits += run_exit[at : at + k - 1]
+            at += k - 1
+        else:
+            sids.append(sid)
+            enters.append(enter)
+            exits.append(exit_time)
+        steps += [step] * k
+        total += k
+    return sids, list(range(cid0, cid0 + total)), list(range(seq0, seq0 + total)), steps, enters, exits

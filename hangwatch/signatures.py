@@ -387,16 +387,24 @@ class CallDecoder:
         columns: tuple[Sequence[Any], ...] = (
             cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, runs, cycles
         )  # fmt: skip
-        if self.fold and not extra and max(counts) <= 1:
-            # calls sent one by one that repeat a cycle: one run (the last may be under way)
+        if self.fold and max(counts) <= 1 and (not extra or n > 1):
+            # calls that repeat a cycle, sent one by one or in runs a step's edge cut: one run
+            # (the last may be under way)
             made = None
-            for m in (n, n - 1):
-                sids, cids, seqs, steps, enters, exits = (col[:m] for col in columns[:6])
-                made = folds.fold(rank, table, sids, cids, seqs, steps, enters, exits, self.cycle, self.recent)
+            for m in (n, n - 1) if not extra or runs[-1] == 1 else (n,):
+                picked: Sequence[Sequence[Any]] | None = (
+                    folds.expand(m, columns, cols.run_enter, cols.run_exit, cols.run_signature)
+                    if extra
+                    else [col[:m] for col in columns[:6]]
+                )
+                if picked is None:
+                    continue
+                sids, cids, seqs, steps, times_in, times_out = picked
+                made = folds.fold(rank, table, sids, cids, seqs, steps, times_in, times_out, self.cycle, self.recent)
                 if made is not None:
                     run, self.cycle = made
                     calls.append(run)
-                    folded += m
+                    folded += len(sids)
                     columns = tuple(col[m:] for col in columns)
                     self.cycle = folds.passed(self.cycle, columns[0], columns[1], columns[2], columns[3])
                     break
@@ -423,7 +431,7 @@ class CallDecoder:
                         rejected += k  # a cycle is of signatures known, on one group, or not taken
                         continue
                     cycle = tuple(found)  # type: ignore[arg-type]  # (None ruled out above)
-                if t is None or not all(math.isfinite(x) for x in (*enters, *exits)) or count > 1:
+                if t is None or not math.isfinite(sum(enters) + sum(exits)) or count > 1:  # (NaN, inf: not)
                     rejected += k  # a run is whole (complete, finite, one seq each) or not taken
                     continue
                 folded += k

@@ -33,8 +33,9 @@ def _fsdp(n: int, start: int = 0, per: int = 2 * LAYERS) -> list[r.CallRecord]:
     return [_call(i, i % (2 * LAYERS), i // per) for i in range(start, start + n)]
 
 
-def _batches(calls: list[r.CallRecord], cuts: list[int]) -> list[pb.ReportBatch]:
+def _batches(calls: list[r.CallRecord], cuts: list[int], runs: bool = False) -> list[pb.ReportBatch]:
     enc = CallEncoder()
+    enc.send_runs = runs  # a sender that gathers runs (within a step)
     out, lo = [], 0
     for hi in [*cuts, len(calls)]:
         batch = pb.ReportBatch(rank=RANK)
@@ -129,12 +130,13 @@ def test_steps_of_names_how_steps_advance() -> None:
     n=st.integers(2, 160),
     lead=st.integers(0, 40),
     cuts=st.lists(st.integers(1, 159), max_size=8),
+    runs=st.booleans(),
     odd=st.lists(
         st.tuples(st.integers(0, 159), st.sampled_from(["shape", "open", "async", "step", "skip"])), max_size=3
     ),
 )
 def test_folding_changes_no_call(
-    period: int, per_periods: int, n: int, lead: int, cuts: list[int], odd: list[tuple[int, str]]
+    period: int, per_periods: int, n: int, lead: int, cuts: list[int], runs: bool, odd: list[tuple[int, str]]
 ) -> None:
     """Whatever the cycle, the steps, the batches and what breaks them: the calls made of what
     the decoder hands on are the calls sent, folded or not."""
@@ -157,7 +159,20 @@ def test_folding_changes_no_call(
             del calls[at]
             for i, later in enumerate(calls[at:], at):
                 later.call_id = later.seq = i + 1
-    batches = _batches(calls, sorted({c for c in cuts if c < len(calls)}))
+    batches = _batches(calls, sorted({c for c in cuts if c < len(calls)}), runs)
     folded, _ = _decoded(batches, fold=True)
     plain, _ = _decoded(batches, fold=False)
     assert folded == plain == [_fields(c) for c in calls]
+
+
+def test_a_steps_runs_that_a_sender_cut_at_each_step_fold_into_one() -> None:
+    """Tensor parallelism: one all_reduce signature, 64 a step. A sender gathers each step's
+    calls into a run; the decoder makes the batch's runs one, across steps."""
+    calls = [_call(i, 0, (10 + i) // 64, width=4096) for i in range(150)]
+    made, events = _decoded(_batches(calls, [], runs=True), fold=True)
+    assert made == [_fields(c) for c in calls]
+    runs = [ev for ev in events if isinstance(ev, r.CallRun)]
+    assert len(events) == 1 and len(runs) == 1
+    assert (runs[0].per_step, runs[0].lead, runs[0].last_step) == (64, 10, 2)
+    _, cut = _decoded(_batches(calls, [], runs=True), fold=False)
+    assert len(cut) == 3  # as the sender cut them

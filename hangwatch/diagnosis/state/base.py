@@ -57,12 +57,11 @@ class ClaimRefused(ValueError):
 ARRIVALS_KEPT = 32
 #: In a group of more members than this, arrivals are a sample: one collective's at most every
 #: ``ARRIVALS_SPREAD_S`` (by its first arrival), and of the seqs runs completed, the newest
-#: ``ARRIVALS_PER_READ`` a read at most (``Runs.arrivals``, once a tick; each costs a sort of
-#: every member's arrival). A straggler is then last across seconds of batches, not across the
-#: calls of one batch that a coordinator late for a moment mapped late.
+#: alone a read (``Runs.arrivals``, once a tick; a seq costs a look at every member's runs and
+#: a sort). A straggler is then last across seconds of batches, not across the calls of one
+#: batch that a coordinator late for a moment mapped late.
 ARRIVALS_SAMPLED_FROM = 256
 ARRIVALS_SPREAD_S = 0.5
-ARRIVALS_PER_READ = 8
 PRUNE_RUNS_EVERY = 16  # passed seqs between two walks of every member's runs (``_prune_runs``)
 #: A group made anew numbers from 1 again: its first call comes at one of these first seqs (after
 #: the few C++ issued first, DDP's broadcast of the module's state), below the rank's last

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import operator
 
 from hangwatch import records as r
@@ -17,7 +16,6 @@ from hangwatch.diagnosis import budget as b
 from hangwatch.diagnosis.rules.collective import compare_collective
 from hangwatch.diagnosis.state.base import (
     ARRIVALS_KEPT,
-    ARRIVALS_PER_READ,
     ARRIVALS_SAMPLED_FROM,
     ARRIVALS_SPREAD_S,
     DURATIONS_KEPT,
@@ -434,9 +432,11 @@ class Runs(_Base):
             for seq in range(max(low + 1, new_low - ARRIVALS_KEPT + 1), new_low + 1)
             if seq not in slots and seq not in counted  # counted where its slot completed (it may be pruned since)
         ]
-        if len(members) > ARRIVALS_SAMPLED_FROM:
-            want = want[-ARRIVALS_PER_READ:]
         if not want:
+            return
+        n = len(members)
+        if n > ARRIVALS_SAMPLED_FROM:  # a sample: the newest seq, half a second after the last counted
+            self._newest_complete(group, want[-1], members, byrank, lasts)
             return
         lo = want[0]
         # a row per member of its arrival times at lo..new_low (None where no run of its holds
@@ -468,7 +468,6 @@ class Runs(_Base):
             row = pieces[-1] if len(pieces) == 1 else list(itertools.chain.from_iterable(reversed(pieces)))
             rows.append(row)
         columns = list(zip(*rows, strict=True))  # every row spans lo..new_low
-        n = len(members)
         counts: list[tuple[int, float, int, float]] = []
         for seq in want:
             arrived = columns[seq - lo]
@@ -477,17 +476,33 @@ class Runs(_Base):
             ordered = sorted(arrived)  # no None left
             last, rank = max(zip(arrived, members, strict=True))  # of a tie, the highest rank (as a slot's sort)
             counts.append((rank, last - ordered[(n - 1) // 2], seq, ordered[0]))
-        if n > ARRIVALS_SAMPLED_FROM:  # a sample, spread in time (as a slot's are)
-            spread: list[tuple[int, float, int, float]] = []
-            at = lasts[-1][3] if lasts else -math.inf
-            for count in counts:
-                if count[3] - at >= ARRIVALS_SPREAD_S:
-                    spread.append(count)
-                    at = count[3]
-            counts = spread
         if counts:
             kept = sorted([*(lasts or ()), *counts], key=operator.itemgetter(2))[-ARRIVALS_KEPT:]
             self._arrivals[group] = collections.deque(kept, maxlen=ARRIVALS_KEPT)
+
+    def _newest_complete(
+        self,
+        group: str,
+        seq: int,
+        members: tuple[int, ...],
+        byrank: dict[int, collections.deque[r.CallRun]],
+        lasts: collections.deque[tuple[int, float, int, float]] | None,
+    ) -> None:
+        """In a large group, the arrivals at ``seq`` alone, each member's from its run that holds
+        it, counted where it came half a second after the last counted (``ARRIVALS_SPREAD_S``)."""
+        arrived: list[float] = []
+        for m in members:
+            run = _run_at(byrank.get(m) or (), seq)
+            if run is None:
+                return
+            arrived.append(run.offset + run.enters[seq - run.first_seq])
+        ordered = sorted(arrived)
+        if lasts and ordered[0] - lasts[-1][3] < ARRIVALS_SPREAD_S:
+            return
+        last, rank = max(zip(arrived, members, strict=True))  # of a tie, the highest rank (as a slot's sort)
+        if lasts is None:
+            lasts = self._arrivals[group] = collections.deque(maxlen=ARRIVALS_KEPT)
+        lasts.append((rank, last - ordered[(len(ordered) - 1) // 2], seq, ordered[0]))
 
     def _prune_runs(self, group: str, low: int) -> None:
         """Let go of runs every member has passed, but for the last ``ARRIVALS_KEPT`` seqs (whose
