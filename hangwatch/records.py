@@ -291,6 +291,17 @@ class CallRun:
     def last_step(self) -> int:
         return self.step_at(len(self.enters) - 1)
 
+    def tail(self, k: int) -> CallRun:
+        """The run without its first ``k`` calls (its cycle turned to start at the next)."""
+        templates = self.templates
+        turn = k % len(templates)
+        templates = templates[turn:] + templates[:turn]
+        per = self.per_step
+        return CallRun(
+            self.rank, templates[0], self.first_call_id + k, self.first_seq + k, self.step_at(k), self.enters[k:],
+            self.exits[k:], self.offset, cycle=templates[1:], per_step=per, lead=(self.lead + k) % per if per else 0,
+        )  # fmt: skip
+
     @property
     def templates(self) -> tuple[CallRecord, ...]:
         """One template per call of a period, the first call's first."""

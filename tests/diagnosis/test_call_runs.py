@@ -835,3 +835,18 @@ def test_a_rank_seen_only_through_flight_recorder_makes_its_group_anew_too() -> 
     told = [(str(i.kind), tuple(i.culprit_ranks), i.seq) for i in job.tick_engine.incidents.values()]
     assert job.job.numbering == {"0": {0: 1, 1: 1, 2: 1}}
     assert told == [("shape_mismatch", (2,), 31)], told
+
+
+def test_a_ranks_first_calls_on_a_group_in_one_run_go_alone_only_for_the_first() -> None:
+    """A rank's first batch folded whole by the coordinator (``hangwatch.folds``) is its first
+    call on the group: that call goes alone, as it would have come, and the rest as the run;
+    every call is in the history, and only the first seq has a slot."""
+    job = SimJob(2, registered=T0)
+    for rank in (0, 1):
+        template = dataclasses.replace(call(rank, 0, call_id=0), exit_time=None)
+        times = [T0 + 0.01 * i for i in range(40)]
+        job.apply(r.CallRun(rank, template, 1, 1, 0, times, [t + 0.001 for t in times]), T0 + 1)
+    assert job.job.runs_taken == 2
+    assert [c.seq for c in job.states[1].history["0"]] == list(range(1, 41))
+    assert set(job.job.slots.get("0", {})) <= {1}
+    assert job.tick(T0 + 2) == []

@@ -98,6 +98,16 @@ class Runs(_Base):
             odd = t.kind is not r.OpKind.COLLECTIVE or self._faulty(t, size)
         # from which call the device (NCCL) has not been seen to complete them: those are the
         # run's as the others are, and on the device until a progress read completes them
+        if n > 2 and len(run.exits) == n and group not in state.history and not odd:
+            # a rank's first call on the group (its first batch may be a whole cycle, folded):
+            # that call alone, as it would have come, then the rest as the run
+            self._enter(state, run.call(0), now)
+            if group in state.history:
+                self._run(state, run.tail(1), now)
+                return
+            for i in range(1, n):
+                self._enter(state, run.call(i), now)
+            return
         device = self._device_from(state, run, now) if state.progress and n == len(run.exits) else n
         if (
             not n
