@@ -198,3 +198,22 @@ def expand(
         steps += [step] * k
         total += k
     return sids, list(range(cid0, cid0 + total)), list(range(seq0, seq0 + total)), steps, enters, exits
+
+
+def first_break(cycle: Cycle, sids: Sequence[int]) -> int:
+    """Where ``sids`` (taking up where ``cycle`` left off) first part from it."""
+    turned = cycle.sids[cycle.phase :] + cycle.sids[: cycle.phase]
+    p = len(turned)
+    for i, sid in enumerate(sids):
+        if sid != turned[i % p]:
+            return i
+    return len(sids)
+
+
+def past(cycle: Cycle, skip: int, call_id: int, seq: int, step: int) -> Cycle:
+    """``cycle``, ``skip`` calls on, taken up by the call ``call_id`` at ``seq``: after a call
+    that parted from it, the cycle goes on with the call it replaced (``skip`` 1), after it
+    (an extra call: 0), or past the one it skipped (2)."""
+    return dataclasses.replace(
+        cycle, call_id=call_id, seq=seq, step=min(cycle.step, step), phase=(cycle.phase + skip) % len(cycle.sids)
+    )

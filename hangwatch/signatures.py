@@ -387,6 +387,7 @@ class CallDecoder:
         columns: tuple[Sequence[Any], ...] = (
             cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, runs, cycles
         )  # fmt: skip
+        after: r.CallRun | None = None  # a run after the calls that go one by one
         if self.fold and max(counts) <= 1 and (not extra or n > 1):
             # calls that repeat a cycle, sent one by one or in runs a step's edge cut: one run
             # (the last may be under way)
@@ -408,6 +409,12 @@ class CallDecoder:
                     columns = tuple(col[m:] for col in columns)
                     self.cycle = folds.passed(self.cycle, columns[0], columns[1], columns[2], columns[3])
                     break
+            if made is None and not extra and self.cycle is not None:
+                after, columns, made, count_folded = self._fold_around(rank, columns, self.cycle)
+                folded += count_folded
+                if made is not None:
+                    calls.append(made[0])
+                    self.cycle = made[1]
             if made is None:
                 self.cycle = None  # the next batch does not take up where a fold left off
                 self.recent = folds.recent(self.recent, columns[0], columns[1], columns[2])  # these may lead in
@@ -466,4 +473,35 @@ class CallDecoder:
                     t.cost,  # what its template's strings and tensors take (the budget's charge)
                 )
             )
+        if after is not None:
+            calls.append(after)
         return calls, rejected, folded
+
+    def _fold_around(
+        self, rank: int, columns: tuple[Sequence[Any], ...], cycle: folds.Cycle
+    ) -> tuple[r.CallRun | None, tuple[Sequence[Any], ...], tuple[r.CallRun, folds.Cycle] | None, int]:
+        """A batch of calls sent one by one that takes up ``cycle`` and parts from it at one
+        call (another shape, an extra call, a skipped one): the calls before it as a run, that
+        call alone, and the calls after it as a run where they go on with the cycle. One rank
+        parting from its cycle then costs a slot, not one at every seq of its batch (each of
+        which every other rank's run would fill). Returns the run after (or None), the columns
+        left to go one by one, the run before and the cycle it ends in (None: no fold), and the
+        calls folded."""
+        n = len(columns[0])
+        j = folds.first_break(cycle, columns[0])
+        if not 2 <= j < n or len(columns[0]) < folds.FOLD_MIN:
+            return None, columns, None, 0
+        table = self.table
+        sids, cids, seqs, steps, enters, exits = (col[:j] for col in columns[:6])
+        head = folds.fold(rank, table, sids, cids, seqs, steps, enters, exits, cycle, None)
+        if head is None:
+            return None, columns, None, 0
+        ended = head[1]
+        rest = [col[j + 1 :] for col in columns[:6]]
+        if len(rest[0]) >= 2:
+            for skip in (1, 0, 2):
+                guess = folds.past(ended, skip, rest[1][0], rest[2][0], rest[3][0])
+                tail = folds.fold(rank, table, rest[0], rest[1], rest[2], rest[3], rest[4], rest[5], guess, None)
+                if tail is not None:
+                    return tail[0], tuple(col[j : j + 1] for col in columns), (head[0], tail[1]), j + len(rest[0])
+        return None, tuple(col[j:] for col in columns), (head[0], ended), j

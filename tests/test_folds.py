@@ -176,3 +176,21 @@ def test_a_steps_runs_that_a_sender_cut_at_each_step_fold_into_one() -> None:
     assert (runs[0].per_step, runs[0].lead, runs[0].last_step) == (64, 10, 2)
     _, cut = _decoded(_batches(calls, [], runs=True), fold=False)
     assert len(cut) == 3  # as the sender cut them
+
+
+def test_a_batch_that_parts_from_its_cycle_at_one_call_is_a_run_that_call_and_a_run() -> None:
+    """The rank's cycle is known from its last batch; this one holds one call of another shape,
+    an extra call, or has one skipped: the calls before it and after it are runs, that call
+    alone (one slot for the other ranks' runs to fill, not one at every seq of the batch)."""
+    odd_shape = _fsdp(80)
+    odd_shape[50] = _call(50, 50 % 16, 50 // 16, width=999)
+    extra = _fsdp(80)
+    extra.insert(50, _call(50, 3, 50 // 16, op="all_gather_into_tensor", width=31))
+    skipped = [c for c in _fsdp(81) if c.call_id != 51]
+    for calls in (odd_shape, extra, skipped):
+        for i, c in enumerate(calls):
+            c.call_id = c.seq = i + 1
+        made, events = _decoded(_batches(calls, [40]), fold=True)
+        assert made == [_fields(c) for c in calls]
+        assert [type(ev).__name__ for ev in events][-3:] == ["CallRun", "CallRecord", "CallRun"]
+        assert [len(ev) if isinstance(ev, r.CallRun) else 1 for ev in events][-3:] == [10, 1, len(calls) - 51]
