@@ -388,7 +388,9 @@ class CallDecoder:
             cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, runs, cycles
         )  # fmt: skip
         after: r.CallRun | None = None  # a run after the calls that go one by one
-        if self.fold and max(counts) <= 1 and (not extra or n > 1):
+        first = table.get(cols.signature[0])
+        if self.fold and max(counts) <= 1 and (not extra or n > 1) and not (first is not None and first.async_op):
+            # (async calls never fold: a batch that begins with one is not tried)
             # calls that repeat a cycle, sent one by one or in runs a step's edge cut: one run
             # (the last may be under way)
             made = None
