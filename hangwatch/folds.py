@@ -217,3 +217,78 @@ def past(cycle: Cycle, skip: int, call_id: int, seq: int, step: int) -> Cycle:
     return dataclasses.replace(
         cycle, call_id=call_id, seq=seq, step=min(cycle.step, step), phase=(cycle.phase + skip) % len(cycle.sids)
     )
+
+
+class Folder:
+    """One rank session's folding (``signatures.CallDecoder``): the cycle its last fold ended
+    in, or its last calls that did not fold, for the next batch to take up."""
+
+    def __init__(self) -> None:
+        self.cycle: Cycle | None = None
+        self.recent: Recent | None = None
+
+    def take(
+        self,
+        rank: int,
+        table: dict[int, r.CallRecord],
+        columns: tuple[Sequence[Any], ...],
+        run_enter: Sequence[float],
+        run_exit: Sequence[float],
+        run_signature: Sequence[int],
+        extra: bool,
+    ) -> tuple[list[r.CallRun], tuple[Sequence[Any], ...], r.CallRun | None, int]:
+        """A batch's columns (signature, call id, seq, step, enter, exit, count, run, cycle;
+        every count one; ``extra``: some entries are runs) folded where they repeat a cycle: the
+        runs before the columns left to go one by one, those columns, the run after them, and
+        the calls folded. A batch that begins with an async call is not tried (they never fold)."""
+        first = table.get(columns[0][0])
+        if first is not None and first.async_op:
+            return [], columns, None, 0
+        n = len(columns[0])
+        for m in (n, n - 1) if not extra or columns[7][-1] == 1 else (n,):
+            picked: Sequence[Sequence[Any]] | None = (
+                expand(m, columns, run_enter, run_exit, run_signature) if extra else [col[:m] for col in columns[:6]]
+            )
+            if picked is None:
+                continue
+            sids, cids, seqs, steps, enters, exits = picked
+            made = fold(rank, table, sids, cids, seqs, steps, enters, exits, self.cycle, self.recent)
+            if made is not None:  # the last may be under way, left out
+                left = tuple(col[m:] for col in columns)
+                self.cycle, self.recent = passed(made[1], left[0], left[1], left[2], left[3]), None
+                return [made[0]], left, None, len(sids)
+        if not extra and self.cycle is not None:
+            found = self._around(rank, table, columns, self.cycle)
+            if found is not None:
+                return found
+        self.cycle = None  # the next batch does not take up where a fold left off
+        self.recent = recent(self.recent, columns[0], columns[1], columns[2])  # these may lead in
+        return [], columns, None, 0
+
+    def _around(
+        self, rank: int, table: dict[int, r.CallRecord], columns: tuple[Sequence[Any], ...], cycle: Cycle
+    ) -> tuple[list[r.CallRun], tuple[Sequence[Any], ...], r.CallRun | None, int] | None:
+        """Calls that take up ``cycle`` and part from it at one call (another shape, an extra
+        call, a skipped one): the calls before it as a run, that call alone, and the calls after
+        it as a run where they go on with the cycle. One rank parting from its cycle then costs
+        a slot, not one at every seq of its batch (each of which every other rank's run would
+        fill). None where the calls before it do not fold."""
+        n = len(columns[0])
+        j = first_break(cycle, columns[0])
+        if not 2 <= j < n or n < FOLD_MIN:
+            return None
+        sids, cids, seqs, steps, enters, exits = (col[:j] for col in columns[:6])
+        head = fold(rank, table, sids, cids, seqs, steps, enters, exits, cycle, None)
+        if head is None:
+            return None
+        self.recent = None
+        rest = [col[j + 1 :] for col in columns[:6]]
+        if len(rest[0]) >= 2:
+            for skip in (1, 0, 2):
+                guess = past(head[1], skip, rest[1][0], rest[2][0], rest[3][0])
+                tail = fold(rank, table, rest[0], rest[1], rest[2], rest[3], rest[4], rest[5], guess, None)
+                if tail is not None:
+                    self.cycle = tail[1]
+                    return [head[0]], tuple(col[j : j + 1] for col in columns), tail[0], j + len(rest[0])
+        self.cycle = head[1]  # (the calls after it go one by one: the next batch does not take it up)
+        return [head[0]], tuple(col[j:] for col in columns), None, j

@@ -295,10 +295,8 @@ class CallDecoder:
         self.cost = cost
         self.charge = charge
         self.bytes = 0  # what the table holds, as charged
-        #: fold calls sent one by one that repeat a cycle into runs (``hangwatch.folds``)
-        self.fold = fold
-        self.cycle: folds.Cycle | None = None  # the cycle the last fold ended in
-        self.recent: folds.Recent | None = None  # the last batch's calls, where they did not fold
+        #: folds calls that repeat a cycle into runs (``hangwatch.folds``); None: does not
+        self.folder = folds.Folder() if fold else None
 
     def decode(self, rank: int, batch: pb.ReportBatch) -> tuple[list[r.RankEvent], int, int]:
         """Records in the order the coordinator applies them (see the proto), the number of
@@ -388,40 +386,12 @@ class CallDecoder:
             cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, runs, cycles
         )  # fmt: skip
         after: r.CallRun | None = None  # a run after the calls that go one by one
-        first = table.get(cols.signature[0])
-        if self.fold and max(counts) <= 1 and (not extra or n > 1) and not (first is not None and first.async_op):
-            # (async calls never fold: a batch that begins with one is not tried)
-            # calls that repeat a cycle, sent one by one or in runs a step's edge cut: one run
-            # (the last may be under way)
-            made = None
-            for m in (n, n - 1) if not extra or runs[-1] == 1 else (n,):
-                picked: Sequence[Sequence[Any]] | None = (
-                    folds.expand(m, columns, cols.run_enter, cols.run_exit, cols.run_signature)
-                    if extra
-                    else [col[:m] for col in columns[:6]]
-                )
-                if picked is None:
-                    continue
-                sids, cids, seqs, steps, times_in, times_out = picked
-                made = folds.fold(rank, table, sids, cids, seqs, steps, times_in, times_out, self.cycle, self.recent)
-                if made is not None:
-                    run, self.cycle = made
-                    calls.append(run)
-                    folded += len(sids)
-                    columns = tuple(col[m:] for col in columns)
-                    self.cycle = folds.passed(self.cycle, columns[0], columns[1], columns[2], columns[3])
-                    break
-            if made is None and not extra and self.cycle is not None:
-                after, columns, made, count_folded = self._fold_around(rank, columns, self.cycle)
-                folded += count_folded
-                if made is not None:
-                    calls.append(made[0])
-                    self.cycle = made[1]
-            if made is None:
-                self.cycle = None  # the next batch does not take up where a fold left off
-                self.recent = folds.recent(self.recent, columns[0], columns[1], columns[2])  # these may lead in
-            else:
-                self.recent = None
+        if self.folder is not None and max(counts) <= 1 and (not extra or n > 1):
+            before, columns, after, taken = self.folder.take(
+                rank, table, columns, cols.run_enter, cols.run_exit, cols.run_signature, bool(extra)
+            )
+            calls += before
+            folded += taken
         record = r.CallRecord
         at = 0  # the next of a run's other calls' times
         cat = 0  # the next of a cycle's other signatures
@@ -478,32 +448,3 @@ class CallDecoder:
         if after is not None:
             calls.append(after)
         return calls, rejected, folded
-
-    def _fold_around(
-        self, rank: int, columns: tuple[Sequence[Any], ...], cycle: folds.Cycle
-    ) -> tuple[r.CallRun | None, tuple[Sequence[Any], ...], tuple[r.CallRun, folds.Cycle] | None, int]:
-        """A batch of calls sent one by one that takes up ``cycle`` and parts from it at one
-        call (another shape, an extra call, a skipped one): the calls before it as a run, that
-        call alone, and the calls after it as a run where they go on with the cycle. One rank
-        parting from its cycle then costs a slot, not one at every seq of its batch (each of
-        which every other rank's run would fill). Returns the run after (or None), the columns
-        left to go one by one, the run before and the cycle it ends in (None: no fold), and the
-        calls folded."""
-        n = len(columns[0])
-        j = folds.first_break(cycle, columns[0])
-        if not 2 <= j < n or len(columns[0]) < folds.FOLD_MIN:
-            return None, columns, None, 0
-        table = self.table
-        sids, cids, seqs, steps, enters, exits = (col[:j] for col in columns[:6])
-        head = folds.fold(rank, table, sids, cids, seqs, steps, enters, exits, cycle, None)
-        if head is None:
-            return None, columns, None, 0
-        ended = head[1]
-        rest = [col[j + 1 :] for col in columns[:6]]
-        if len(rest[0]) >= 2:
-            for skip in (1, 0, 2):
-                guess = folds.past(ended, skip, rest[1][0], rest[2][0], rest[3][0])
-                tail = folds.fold(rank, table, rest[0], rest[1], rest[2], rest[3], rest[4], rest[5], guess, None)
-                if tail is not None:
-                    return tail[0], tuple(col[j : j + 1] for col in columns), (head[0], tail[1]), j + len(rest[0])
-        return None, tuple(col[j:] for col in columns), (head[0], ended), j
