@@ -138,3 +138,27 @@ def test_a_straggler_among_hundreds_in_runs_is_found_from_a_sample_spread_in_tim
     assert sim.job.runs_taken == 24 * n
     found = only(straggler.detect(sim.job, sim.ctx(T0 + 26)), "straggler")
     assert found.culprit_ranks == [late]
+
+
+def test_batches_mapped_late_by_turns_among_hundreds_raise_no_straggler() -> None:
+    """The look-alike: 300 healthy ranks, and at each read one rank's batch, a different one
+    each time, mapped 0.9 s late (a coordinator late for a moment as it took it). Every
+    collective of that batch has it last; the sample, one collective a read, names no rank
+    persistently last."""
+    n = 300
+    sim = SimJob(n)
+    for rk in range(n):
+        sim.apply(call(rk, 1, call_id=1, enter_time=T0, exit_time=T0 + 0.1), T0)
+    template = dataclasses.replace(call(0, 0, call_id=0), exit_time=None)
+    seq = 2
+    for tick in range(1, 25):
+        now = T0 + tick
+        late = 7 * tick % n
+        for rk in range(n):
+            times = [now - 1 + 0.025 * i + (0.9 if rk == late else 0.0) for i in range(40)]
+            run = r.CallRun(rk, dataclasses.replace(template, rank=rk), seq, seq, 0, times, [t + 0.001 for t in times])
+            sim.deliver(rk, [run], now + 1, sent_time=now + 1)
+        seq += 40
+        assert sim.job.arrivals["0"]  # read every tick, as the detector does
+    assert len(sim.job.arrivals["0"]) >= 20
+    assert straggler.detect(sim.job, sim.ctx(T0 + 26)) == []
