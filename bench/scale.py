@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen
 
+from hangwatch import gctune
 from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 from hangwatch.protos import hangwatch_pb2 as pb
 
@@ -97,6 +98,7 @@ def one(
             )
         )
         coord.start()
+        gctune.tune()  # as ``hangwatch coordinator`` does once started
         try:
             for sim in worker.sims:
                 reply = coord.accept_registration(sim.identity, "direct")
@@ -109,19 +111,25 @@ def one(
             ctx = _Context()
             rss0 = proc.memory_info().rss
             t0 = time.time() + 0.5
-            cpu0 = None
+            cpu0, steady_at = None, 0.0
             behind: list[float] = []
             calls = 0
-            for offset, raw, _nrep, ncalls in payloads:
+            handled, reports = 0.0, 0  # the handler's own CPU, and the rank batches it took, once steady
+            for offset, raw, nrep, ncalls in payloads:
                 if cpu0 is None and offset >= warmup:  # a rank's first calls go one by one: past them
-                    cpu0, steady = proc.cpu_times(), time.time()
+                    cpu0, steady, steady_at = proc.cpu_times(), time.time(), offset
                 due = t0 + offset
                 delay = due - time.time()
                 if delay > 0:
                     time.sleep(delay)
                 else:
                     behind.append(-delay)
-                handler(pb.RelayBatch.FromString(raw), ctx)
+                request = pb.RelayBatch.FromString(raw)
+                took = time.thread_time()
+                handler(request, ctx)
+                if cpu0 is not None:
+                    handled += time.thread_time() - took
+                    reports += nrep
                 calls += ncalls
             late = max(0.0, time.time() - (t0 + payloads[-1][0]))
             cpu1 = proc.cpu_times()
@@ -149,7 +157,11 @@ def one(
         "calls_per_s": calls / seconds,
         "relay_calls_per_s": len(payloads) / seconds,
         "cores": cpu / wall,
+        # the cores it would take to keep up: its CPU over the load's own time (above 1: saturated)
+        "demand": cpu / (payloads[-1][0] - steady_at),
         "cpu_us_per_rank_s": 1e6 * cpu / wall / ranks,
+        # the handler thread's CPU for one rank's batch (decoded, applied), the detectors' left out
+        "us_per_batch": 1e6 * handled / max(1, reports),
         "late_s": late,
         "behind_p99_s": sorted(behind)[int(0.99 * len(behind))] if behind else 0.0,
         "rss_mb": (rss1 - rss0) / 2**20,
@@ -210,6 +222,7 @@ def _row(tree: str, config: dict[str, Any], res: dict[str, Any]) -> str:
     return (
         f"| {tree} | {config['ranks']} | {config['rate']:g} | {config['pattern']} "
         f"| {'on' if config['device'] else 'off'} | {fault} | {res['relay_calls_per_s']:.0f} | {res['cores']:.2f} "
+        f"| {res['demand']:.2f} | {res['us_per_batch']:.1f} "
         f"| {res['cpu_us_per_rank_s']:.1f} | {res['late_s']:.2f} | {res['rss_mb']:.0f} "
         f"| {res.get('held_mb', 0):.0f} / {res.get('refused', 0)} | {told} | {culprits} "
         f"| {after} | {', '.join(others) or '-'} |"
@@ -238,11 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         trees.append((Path(args.baseline).name, str(Path(args.baseline).resolve())))
     print(
-        "| tree | ranks | coll/s | pattern | device | fault | relay calls/s | cores | µs CPU per rank-s | late s "
+        "| tree | ranks | coll/s | pattern | device | fault | relay calls/s | cores | demand | µs a rank batch "
+        "| µs CPU per rank-s | late s "
         "| RSS added MB | charged MB / refused | incident | culprits | after onset s | other incidents |"
     )
     print(
-        "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |",
+        "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| --- | --- | ---: | --- |",
         flush=True,
     )
     for ranks in map(int, args.ranks.split(",")):

@@ -30,6 +30,8 @@ from hangwatch import records as r
 FOLD_MIN = 4
 #: The longest cycle of signatures folded: a step of up to this many calls.
 MAX_FOLD = 64
+#: Cycles whose templates a rank session keeps found.
+MAX_KNOWN = 256
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,12 @@ def fold(
     exits: Sequence[float],
     before: Cycle | None,
     recent: Recent | None = None,
+    known: dict[tuple[int, ...], r.Shape | None] | None = None,
 ) -> tuple[r.CallRun, Cycle] | None:
     """The calls of these columns (none a run, every one counted once) as one run, and the
     cycle it ends in; None where they do not fold whole. ``before``: the cycle the rank's last
-    fold ended in; ``recent``: the calls of its last batch, where it did not fold."""
+    fold ended in; ``recent``: the calls of its last batch, where it did not fold; ``known``:
+    the rank's cycles found before (``Folder.known``)."""
     n = len(sids)
     if n < 2:
         return None
@@ -108,13 +112,13 @@ def fold(
         return None
     if not math.isfinite(sum(enters) + sum(exits)):  # NaN: one under way (inf: a time no clock gives)
         return None
-    per_hint = p = 0
-    cycle: tuple[int, ...] = ()
+    per_hint = p = turn = 0
+    one: tuple[int, ...] = ()  # the cycle in its one turn (``Cycle.sids``), and ``turn``: where the run starts in it
     if before is not None and before.call_id == c0 and before.seq == q0 and before.step <= steps[0]:
         turned = before.sids[before.phase :] + before.sids[: before.phase]
         if tuple(sids) == (turned * (n // len(turned) + 1))[:n]:
-            cycle, p, per_hint = turned, len(turned), before.per_step
-    if not cycle:
+            one, turn, p, per_hint = before.sids, before.phase, len(turned), before.per_step
+    if not one:
         # the calls just before these (the rank's last batch, not folded), where they lead here
         lead_in = list(recent.sids) if recent is not None and (recent.call_id, recent.seq) == (c0, q0) else []
         k = len(lead_in)
@@ -123,21 +127,39 @@ def fold(
             return None
         base = tuple(lead_in[:p]) if k >= p else tuple((lead_in + list(sids))[:p])
         cycle = base[k % p :] + base[: k % p]
-    templates = [t for sid in cycle if (t := table.get(sid)) is not None]
-    if len(templates) != len(cycle):
+        start = min(range(p), key=lambda j: cycle[j:] + cycle[:j])  # the turn least as ids
+        one, turn = cycle[start:] + cycle[:start], (p - start) % p
+    if known is None:
+        found = templates_of(table, one)
+    elif one in known:
+        found = known[one]
+    else:
+        found = known[one] = templates_of(table, one)
+    if found is None:
+        return None
+    stepping = steps_of(steps, per_hint or (p if p > 1 else 0))
+    if stepping is None:
+        return None
+    per, lead = stepping
+    shape = found
+    ordered = shape.templates[turn:] + shape.templates[:turn] if turn else shape.templates
+    run = r.CallRun(
+        rank, ordered[0], c0, q0, steps[0], list(enters), list(exits), cycle=ordered[1:], per_step=per, lead=lead,
+        shape=shape, turn=turn,
+    )  # fmt: skip
+    return run, Cycle(one, per or per_hint, c0 + n, q0 + n, run.last_step, (turn + n) % p)
+
+
+def templates_of(table: dict[int, r.CallRecord], sids: tuple[int, ...]) -> r.Shape | None:
+    """The templates of a cycle's signatures, where a run may be of them (each known,
+    collective, not async, all on one group); else None."""
+    templates = [t for sid in sids if (t := table.get(sid)) is not None]
+    if len(templates) != len(sids):
         return None
     group = templates[0].group
     if any(t.group != group or t.async_op or t.kind is not r.OpKind.COLLECTIVE for t in templates):
         return None
-    shape = steps_of(steps, per_hint or (p if len(cycle) > 1 else 0))
-    if shape is None:
-        return None
-    per, lead = shape
-    first, *rest = templates
-    run = r.CallRun(
-        rank, first, c0, q0, steps[0], list(enters), list(exits), cycle=tuple(rest), per_step=per, lead=lead
-    )
-    return run, Cycle(cycle, per or per_hint, c0 + n, q0 + n, run.last_step, n % p)
+    return r.Shape(tuple(templates))
 
 
 def passed(cycle: Cycle, sids: Sequence[int], cids: Sequence[int], seqs: Sequence[int], steps: Sequence[int]) -> Cycle:
@@ -226,6 +248,15 @@ class Folder:
     def __init__(self) -> None:
         self.cycle: Cycle | None = None
         self.recent: Recent | None = None
+        #: each cycle's templates (by its ids in their least turn) as found once (None: it does
+        #: not fold), so that a rank's runs of one cycle, whatever call they start at, share one
+        #: ``records.Shape`` and what the job state derives from it (``Runs._facts``); emptied
+        #: when the signature table changes
+        self.known: dict[tuple[int, ...], r.Shape | None] = {}
+
+    def forget(self) -> None:
+        """The signature table changed: templates found before may be another's now."""
+        self.known.clear()
 
     def take(
         self,
@@ -252,7 +283,9 @@ class Folder:
             if picked is None:
                 continue
             sids, cids, seqs, steps, enters, exits = picked
-            made = fold(rank, table, sids, cids, seqs, steps, enters, exits, self.cycle, self.recent)
+            if len(self.known) >= MAX_KNOWN:
+                self.forget()
+            made = fold(rank, table, sids, cids, seqs, steps, enters, exits, self.cycle, self.recent, self.known)
             if made is not None:  # the last may be under way, left out
                 left = tuple(col[m:] for col in columns)
                 self.cycle, self.recent = passed(made[1], left[0], left[1], left[2], left[3]), None
@@ -278,7 +311,7 @@ class Folder:
         if not 2 <= j < n or n < FOLD_MIN:
             return None
         sids, cids, seqs, steps, enters, exits = (col[:j] for col in columns[:6])
-        head = fold(rank, table, sids, cids, seqs, steps, enters, exits, cycle, None)
+        head = fold(rank, table, sids, cids, seqs, steps, enters, exits, cycle, None, self.known)
         if head is None:
             return None
         self.recent = None
@@ -286,7 +319,7 @@ class Folder:
         if len(rest[0]) >= 2:
             for skip in (1, 0, 2):
                 guess = past(head[1], skip, rest[1][0], rest[2][0], rest[3][0])
-                tail = fold(rank, table, rest[0], rest[1], rest[2], rest[3], rest[4], rest[5], guess, None)
+                tail = fold(rank, table, rest[0], rest[1], rest[2], rest[3], rest[4], rest[5], guess, None, self.known)
                 if tail is not None:
                     self.cycle = tail[1]
                     return [head[0]], tuple(col[j : j + 1] for col in columns), tail[0], j + len(rest[0])

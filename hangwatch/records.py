@@ -88,6 +88,9 @@ class CallRecord:
     #: coordinator only, on a signature's template: whether its calls are wrong in themselves,
     #: and against which group size (``Runs._faulty``)
     judged: tuple[int | None, bool] | None = field(default=None, compare=False, repr=False)
+    #: coordinator only, on a signature's template: what the job state derived from a run of
+    #: it alone (``Runs._facts``)
+    facts: object = field(default=None, compare=False, repr=False)
 
     @property
     def kind(self) -> OpKind:
@@ -242,6 +245,15 @@ class GroupProgress:
 
 
 @dataclass(eq=False, slots=True)
+class Shape:
+    """A rank's cycle of templates on one group, in one turn (the runs of it start anywhere in
+    it: ``CallRun.turn``), and what the job state derived from it once (``Runs._facts``)."""
+
+    templates: tuple[CallRecord, ...]
+    facts: object = None
+
+
+@dataclass(eq=False, slots=True)
 class CallRun:
     """Consecutive calls of one rank that are alike but for their ids, seqs and times: the same
     collective signature (``template``: a call whose per-call fields are unset), call ids and
@@ -279,6 +291,10 @@ class CallRun:
     #: first step made before the run's first
     per_step: int = 0
     lead: int = 0
+    #: coordinator only: the rank's cycle this run is of, whatever call it starts at, and the
+    #: run's first call's place in it (``folds.Folder``); None: not known
+    shape: Shape | None = None
+    turn: int = 0
 
     def __len__(self) -> int:
         return len(self.enters)

@@ -303,6 +303,8 @@ class CallDecoder:
         entries rejected (malformed, or naming an undefined signature), and the number of exits
         folded into column entries (counted as accepted events)."""
         rejected = 0
+        if batch.signatures and self.folder is not None:
+            self.folder.forget()
         for sig in batch.signatures:
             if sig.id not in self.table and len(self.table) >= self.capacity:
                 rejected += 1
@@ -357,6 +359,8 @@ class CallDecoder:
             self.charge(-self.bytes)
         self.bytes = 0
         self.table.clear()
+        if self.folder is not None:
+            self.folder.forget()
 
     def _columns(self, rank: int, cols: pb.CallColumns) -> tuple[list[r.RankEvent], int, int]:
         n = len(cols.signature)

@@ -194,3 +194,24 @@ def test_a_batch_that_parts_from_its_cycle_at_one_call_is_a_run_that_call_and_a_
         assert made == [_fields(c) for c in calls]
         assert [type(ev).__name__ for ev in events][-3:] == ["CallRun", "CallRecord", "CallRun"]
         assert [len(ev) if isinstance(ev, r.CallRun) else 1 for ev in events][-3:] == [10, 1, len(calls) - 51]
+
+
+def test_a_signature_redefined_folds_with_its_new_call() -> None:
+    """A sender whose table is full redefines its signature ids for new calls, here in the same
+    order: a layer's shapes change, and the cycle's ids stay the same. The runs folded after
+    make the new calls, not the templates the cycle's ids named before (``Folder.known``)."""
+    calls = _fsdp(64)
+    calls += [_call(i, i % 16, i // 16, width=8192 + 512 * (i % 16)) for i in range(64, 128)]
+    for c in calls[64:]:  # each layer's new width, its own shapes
+        c.outputs = (r.TensorMeta((c.inputs[0].shape[0] * 4,), "bfloat16"),)
+    enc = CallEncoder(capacity=16)
+    batches, lo = [], 0
+    for hi in [*range(20, 128, 20), 128]:
+        batch = pb.ReportBatch(rank=RANK)
+        enc.encode(calls[lo:hi], batch)
+        batches.append(batch)
+        lo = hi
+    assert {s.id for s in batches[3].signatures} <= set(range(1, 17))  # the same ids, redefined
+    made, events = _decoded(batches, fold=True)
+    assert made == [_fields(c) for c in calls]
+    assert isinstance(events[-1], r.CallRun)  # folded after the redefinition too

@@ -149,6 +149,9 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
         self.passed: dict[str, dict[int, collections.deque[r.CallRun]]] = {}
         self.passed_to: dict[str, dict[int, int]] = {}
         self.passed_low: dict[str, tuple[int, int]] = {}
+        #: per group, how many members stand at each seq they passed (``Runs._advance``): for
+        #: the members it was counted over, and those as a set
+        self.passed_counts: dict[str, tuple[tuple[int, ...], frozenset[int], dict[int, int]]] = {}
         self.run_refs: dict[str, collections.deque[_RunRef]] = {}
         #: Numberings (``_renumbered``): per group, how many times each rank made it anew (its
         #: process group destroyed and created again in the same process, an in-process

@@ -100,36 +100,34 @@ class _RunRef:
     keys: tuple[tuple[object, ...], ...]
     anchor: int = 0
 
-    @classmethod
-    def of(cls, run: r.CallRun) -> _RunRef:
-        if not run.cycle:
-            return cls(run.first_seq, run.last_seq, (_run_key(run.template),))
-        keys = tuple(map(_run_key, run.templates))
-        p = len(keys)
-        for q in range(1, p):  # the shortest period that repeats the keys (a cycle of call sites may call alike)
-            if p % q == 0 and all(keys[j] == keys[j % q] for j in range(p)):
-                keys = keys[:q]
-                break
-        return cls(run.first_seq, run.last_seq, keys, run.first_seq)
-
     def key_at(self, seq: int) -> tuple[object, ...]:
         keys = self.keys
         return keys[0] if len(keys) == 1 else keys[(seq - self.anchor) % len(keys)]
 
     def alike(self, other: _RunRef) -> bool:
         """Whether the two call alike at every seq."""
-        p = len(self.keys)
+        keys = self.keys
+        p = len(keys)
         if p != len(other.keys):
             return False
-        if p == 1:
-            return self.keys[0] == other.keys[0]
-        shift = other.anchor - self.anchor
-        return all(self.keys[(j + shift) % p] == other.keys[j] for j in range(p))
+        shift = (other.anchor - self.anchor) % p
+        return (keys[shift:] + keys[:shift] if shift else keys) == other.keys
 
 
 def _run_key(t: r.CallRecord) -> tuple[object, ...]:
     """What two ranks' runs must agree on at a seq (a call site is no difference)."""
     return (t.op, t.inputs, t.outputs, t.reduce_op, t.root, t.async_op, t.extra)
+
+
+def run_keys(templates: tuple[r.CallRecord, ...]) -> tuple[tuple[object, ...], ...]:
+    """The keys (``_run_key``) of a run's templates a period, in their shortest period (a cycle
+    of call sites may call alike)."""
+    keys = tuple(map(_run_key, templates))
+    p = len(keys)
+    for q in range(1, p):
+        if p % q == 0 and keys[q:] + keys[:q] == keys:
+            return keys[:q]
+    return keys
 
 
 def _any_in(slots: collections.OrderedDict[int, Slot], lo: int, hi: int) -> bool:
@@ -206,6 +204,7 @@ class _Base:
     passed: dict[str, dict[int, collections.deque[r.CallRun]]]
     passed_to: dict[str, dict[int, int]]
     passed_low: dict[str, tuple[int, int]]
+    passed_counts: dict[str, tuple[tuple[int, ...], frozenset[int], dict[int, int]]]
     run_refs: dict[str, collections.deque[_RunRef]]
     numbering: dict[str, dict[int, int]]
     epoch: dict[str, int]

@@ -83,6 +83,7 @@ class Groups(_Base):
                 self._drop_run(run)
         self.passed_to.pop(name, None)
         self.passed_low.pop(name, None)
+        self.passed_counts.pop(name, None)
         self.run_refs.pop(name, None)
         self.numbering.pop(name, None)
         self.epoch.pop(name, None)
@@ -148,6 +149,7 @@ class Groups(_Base):
         for rk in [rk for rk in passed_to if behind(rk)]:
             del passed_to[rk]
         self.passed_low.pop(group, None)  # worked out again at the next rank's advance
+        self.passed_counts.pop(group, None)
         self._arrivals_due.pop(group, None)
         self._pruned_to.pop(group, None)
         state.entry_seqs.pop(group, None)  # Flight Recorder's numbering starts again with it

@@ -65,9 +65,12 @@ class RunSlice:
     def bytes(self, lo: int, hi: int) -> int:
         """The bytes of the run's calls ``lo`` to ``hi - 1``."""
         costs = self.costs
-        if len(costs) == 1:
+        p = len(costs)
+        if p == 1:
             return costs[0] * (hi - lo)
-        return sum(costs[i % len(costs)] for i in range(lo, hi))
+        periods, left = divmod(hi - lo, p)
+        start = lo % p
+        return periods * sum(costs) + sum(costs[start : start + left]) + sum(costs[: max(0, start + left - p)])
 
     def calls(self) -> Iterator[r.CallRecord]:
         """Its calls, made for a reader that keeps none (the slice stays as it is)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+from dataclasses import dataclass
 
 from hangwatch import records as r
 from hangwatch.diagnosis import budget as b
@@ -28,6 +29,7 @@ from hangwatch.diagnosis.state.base import (
     _run_at,
     _run_key,
     _RunRef,
+    run_keys,
 )
 from hangwatch.diagnosis.state.history import History, RunSlice
 from hangwatch.diagnosis.state.ranks import (
@@ -40,6 +42,17 @@ from hangwatch.flight_entries import ENTRY_CALL_IDS
 #: Calls judged in themselves, by what they are (``Runs._faulty``), for every job.
 _JUDGED: dict[tuple[object, ...], tuple[object, object, bool]] = {}
 MAX_JUDGED = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    """What the job state derives from a run's templates (``Runs._facts``), in one turn of
+    them, kept on their ``records.Shape`` (or on a run's only template)."""
+
+    size: int | None  # the group's, when derived
+    costs: tuple[int, ...]  # each template's bytes
+    odd: bool  # some call is taken call by call: not a collective of the group, or wrong in itself
+    keys: tuple[tuple[object, ...], ...]  # ``base.run_keys``
 
 
 class Runs(_Base):
@@ -87,15 +100,8 @@ class Runs(_Base):
         first call on the group, a call sent again) is applied call by call."""
         group = run.template.group
         n = len(run.enters)
-        t = run.template
         size = len(self.members(group)) or None
-        if run.cycle:  # each call's bytes, as ``_enter`` charges it
-            templates = run.templates
-            costs = tuple(c.cost or b.call_bytes(c) for c in templates)
-            odd = any(c.kind is not r.OpKind.COLLECTIVE or c.group != group or self._faulty(c, size) for c in templates)
-        else:
-            costs = (t.cost or b.call_bytes(t),)
-            odd = t.kind is not r.OpKind.COLLECTIVE or self._faulty(t, size)
+        costs, odd, mine = self._facts(run, size)
         # from which call the device (NCCL) has not been seen to complete them: those are the
         # run's as the others are, and on the device until a progress read completes them
         if n > 2 and len(run.exits) == n and group not in state.history and not odd:
@@ -162,7 +168,7 @@ class Runs(_Base):
         if not current:
             pass  # a numbering a restart left behind: not kept, compared, counted, or pruning
         elif passed:
-            self._keep_run(state, run)  # compared with the others', then the rank's passed seq moves
+            self._keep_run(state, run, mine)  # compared with the others', then the rank's passed seq moves
         elif group in self.passed_to:
             self._advance(group, state.rank, run.last_seq, self.members(group))
         if slots and current:
@@ -243,6 +249,34 @@ class Runs(_Base):
             self._in_run = False
         return passed, last
 
+    def _facts(self, run: r.CallRun, size: int | None) -> tuple[tuple[int, ...], bool, _RunRef]:
+        """What ``_run`` derives from ``run``'s templates, for a group of ``size``: each call's
+        bytes a period (as ``_enter`` charges it), whether some call goes call by call, and the
+        run's reference (``_compare_run``). Derived once a rank's cycle (``records.Shape``,
+        whatever call a run starts at) or signature, not at each run."""
+        shape = run.shape
+        turn = run.turn if shape is not None else 0
+        if shape is None and run.cycle:
+            facts = self._derive(run.templates, size)  # (a cycle of the wire's: not kept)
+        else:
+            holder: r.Shape | r.CallRecord = shape if shape is not None else run.template
+            facts = holder.facts  # type: ignore[assignment]
+            if not isinstance(facts, RunFacts) or facts.size != size:
+                facts = self._derive(shape.templates if shape is not None else (run.template,), size)
+                holder.facts = facts
+        costs = facts.costs[turn:] + facts.costs[:turn] if turn else facts.costs
+        ref = _RunRef(run.first_seq, run.last_seq, facts.keys, run.first_seq - turn)
+        return costs, facts.odd, ref
+
+    def _derive(self, templates: tuple[r.CallRecord, ...], size: int | None) -> RunFacts:
+        group = templates[0].group
+        return RunFacts(
+            size,
+            tuple(c.cost or b.call_bytes(c) for c in templates),
+            any(c.kind is not r.OpKind.COLLECTIVE or c.group != group or self._faulty(c, size) for c in templates),
+            run_keys(templates),
+        )
+
     def _faulty(self, template: r.CallRecord, size: int | None) -> bool:
         """Whether a call of ``template`` is wrong in itself (against its group's ``size``):
         each such call is a repeat the mismatch detector counts, so a run of them goes call by
@@ -267,7 +301,7 @@ class Runs(_Base):
         template.judged = (size, faulty)
         return faulty
 
-    def _keep_run(self, state: RankState, run: r.CallRun) -> None:
+    def _keep_run(self, state: RankState, run: r.CallRun, mine: _RunRef) -> None:
         group = run.template.group
         run.cost = b.run_bytes(len(run.enters))
         run.holder = state
@@ -289,7 +323,7 @@ class Runs(_Base):
         while len(runs) > 1 and runs[-1].last_seq - runs[0].first_seq >= MAX_SLOTS_PER_GROUP:
             self._drop_run(runs.popleft())  # a member that never comes: bounded as slots are
         members = self.members(group)
-        self._compare_run(group, run)
+        self._compare_run(group, mine)
         self._advance(group, state.rank, run.last_seq, members)
 
     def _drop_run(self, run: r.CallRun) -> None:
@@ -299,17 +333,16 @@ class Runs(_Base):
         run.cost = 0
         run.holder = None
 
-    def _compare_run(self, group: str, run: r.CallRun) -> None:
+    def _compare_run(self, group: str, mine: _RunRef) -> None:
         """Compare ``run`` with the first run through its seqs; where they differ, make the slots
         of the seqs they share, for the detectors to judge as they judge any slot (each one
         a mismatch's repeat, or a difference no rule minds: split sizes of ``all_to_all``).
         A call site is no difference: rules judge it only where a slot is made anyway. A
         cycle's calls are compared seq by seq, each with its own template's."""
-        mine = _RunRef.of(run)
         refs = self.run_refs.get(group)
         if refs is None:
             refs = self.run_refs[group] = collections.deque()
-        lo, hi = run.first_seq, run.last_seq
+        lo, hi = mine.lo, mine.hi
         covered = refs[-1].hi if refs else lo - 1
         for ref in reversed(refs):
             if ref.hi < lo:
@@ -390,8 +423,9 @@ class Runs(_Base):
         self.changed_slots.add((group, seq))
 
     def _advance(self, group: str, rank: int, seq: int, members: tuple[int, ...]) -> None:
-        """``rank`` passed every seq of ``group`` up to ``seq``. When the lowest rank moves up,
-        what every member has now passed is counted and the runs below let go."""
+        """``rank`` passed every seq of ``group`` up to ``seq``. When the lowest member moves up,
+        what every member has now passed is counted and the runs below let go. The members are
+        counted per seq they stand at (a few seqs): the lowest is found without walking them."""
         passed_to = self.passed_to.get(group)
         if passed_to is None:
             passed_to = self.passed_to[group] = {}
@@ -399,21 +433,34 @@ class Runs(_Base):
         if seq <= before:
             return
         passed_to[rank] = seq
-        low, at_low = self.passed_low.get(group, (0, 0))
-        if before != low:
+        if not members:
             return
-        at_low -= 1
-        if at_low <= 0 and members:
-            where = list(map(passed_to.get, members, itertools.repeat(0)))
-            new_low = min(where)
-            at_low = where.count(new_low)
-            if new_low > low:
-                due = self._arrivals_due.get(group)
-                self._arrivals_due[group] = (due[0] if due else low, new_low, members)
-                if new_low >= self._pruned_to.get(group, 0) + PRUNE_RUNS_EVERY:
-                    self._prune_runs(group, new_low)
-            low = new_low
-        self.passed_low[group] = (low, at_low)
+        held = self.passed_counts.get(group)
+        if held is None or held[0] is not members:  # first, or the members learned anew
+            counts: dict[int, int] = collections.Counter(map(passed_to.get, members, itertools.repeat(0)))
+            self.passed_counts[group] = (members, frozenset(members), counts)
+        elif rank in held[1]:
+            counts = held[2]
+            left = counts[before] - 1
+            if left:
+                counts[before] = left
+            else:
+                del counts[before]
+            counts[seq] = counts.get(seq, 0) + 1
+        else:
+            return  # not a member: where the members stand is unchanged
+        low = self.passed_low.get(group, (0, 0))[0]
+        if low in counts:  # (seqs passed only grow: the lowest is still where it was)
+            self.passed_low[group] = (low, counts[low])
+            return
+        new_low = min(counts)
+        if new_low > low:
+            due = self._arrivals_due.get(group)
+            self._arrivals_due[group] = (due[0] if due else low, new_low, members)
+            # a walk of every member's runs: at most one a member's worth of seqs / 256
+            if new_low >= self._pruned_to.get(group, 0) + max(PRUNE_RUNS_EVERY, len(members) >> 8):
+                self._prune_runs(group, new_low)
+        self.passed_low[group] = (new_low, counts[new_low])
 
     @property
     def arrivals(self) -> dict[str, collections.deque[tuple[int, float, int, float]]]:
@@ -517,7 +564,8 @@ class Runs(_Base):
     def _prune_runs(self, group: str, low: int) -> None:
         """Let go of runs every member has passed, but for the last ``ARRIVALS_KEPT`` seqs (whose
         arrivals may not be counted yet; slots are kept so too). Done every ``PRUNE_RUNS_EVERY``
-        seqs, not at each: it walks every member's runs."""
+        seqs or more (a group of ``256 * k`` members: every ``k``), not at each: it walks every
+        member's runs."""
         self._pruned_to[group] = low
         tail = low - ARRIVALS_KEPT
         for st in self.ranks.values():  # a slot made where a device stopped takes its calls from them
