@@ -30,7 +30,7 @@ from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, Coordinator
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.diagnosis import budget
 from hangwatch.diagnosis.engine import UNPROVEN, Engine
-from hangwatch.diagnosis.jobs import Jobs, JobsFull, SessionOver
+from hangwatch.diagnosis.jobs import Jobs, JobsFull, SessionOver, job_key
 from hangwatch.diagnosis.state import ClaimRefused, JobState, RankState
 from hangwatch.postmortem.dumps import Folder
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -253,6 +253,8 @@ class Coordinator:
         for its session (0 for a new one) and how often it should report."""
         with self.lock:
             known = len(self.jobs.ended_incarnations), len(self.jobs)
+            before = self.jobs.by_key.get(job_key(identity))
+            earlier = before.ranks.get(identity.rank) if before is not None else None
             try:
                 job, state = self.jobs.register(identity, time.time(), via)
             except JobsFull as e:
@@ -267,12 +269,20 @@ class Coordinator:
                 raise IntakeError(str(e)) from None
             if (len(self.jobs.ended_incarnations), len(self.jobs)) != known:  # a run ended or a job began
                 log.info("job %s: run %s (%s)", identity.job_id, job.incarnation, self.jobs.key_of(job))
-            # sessions of ended runs and of a rank's earlier process are over
-            kept = {s: d for s, d in self.decoders.items() if self.jobs.for_session(s) is not None}
-            for session, gone in self.decoders.items():
-                if session not in kept or session == identity.session:  # a session registering again starts afresh
+            # the rank's earlier process's session is over, and one registering again starts
+            # afresh; so are the sessions of ended runs: found by a walk of every session where
+            # the sessions followed are not those with a table and this one (not at each of a
+            # large job's registrations)
+            for session in {identity.session, earlier.identity.session if earlier is not None else ""}:
+                gone = self.decoders.pop(session, None)
+                if gone is not None:
                     gone.release()
-            self.decoders = kept
+            if len(self.decoders) + 1 != len(self.jobs.sessions):
+                kept = {s: d for s, d in self.decoders.items() if self.jobs.for_session(s) is not None}
+                for session, gone in self.decoders.items():
+                    if session not in kept:
+                        gone.release()
+                self.decoders = kept
             # the rank's table starts empty too; its signatures count against the memory budget
             self.decoders[identity.session] = CallDecoder(
                 cost=budget.call_bytes, charge=self._charge_table(state), fold=self.takes_runs

@@ -278,3 +278,28 @@ def test_report_interval_grows_with_the_job_and_stays_inside_the_freeze_window()
     # direct ranks make at most ~1,000 RPCs a second up to 2,048 ranks
     assert all(n / report_interval_for(n) <= 1024 for n in range(205, 2049))
     assert report_interval_for(1 << 20) < config.DEFAULT_SILENCE_AFTER_S / 2  # heartbeats well inside it
+
+
+def test_a_sessions_signature_table_lasts_as_long_as_its_session(coordinator: Coordinator) -> None:
+    """A table is let go of (its bytes given back) when its rank's process registers anew, and
+    when a new run of the job ends every session of the last: found without a walk of every
+    session at each registration."""
+    enc = CallEncoder()
+    for k in range(4):
+        coordinator.register_rank(factories.identity(k, 4))
+        batch = pb.ReportBatch(rank=k, session=f"session-{k}", sent_time=time.time())
+        enc.reset()
+        enc.encode([factories.call(k, 1, exit_time=factories.T0 + 0.1)], batch)
+        coordinator.accept_report(batch)
+    tables = {k: coordinator.decoder_for(f"session-{k}") for k in range(4)}
+    assert all(t is not None and t.bytes > 0 for t in tables.values())
+
+    coordinator.register_rank(factories.identity(1, 4, session="session-1b"))  # rank 1's process restarted
+    assert coordinator.decoder_for("session-1") is None and tables[1] is not None and tables[1].bytes == 0
+    assert coordinator.decoder_for("session-1b") is not None
+    assert all(coordinator.decoder_for(f"session-{k}") is tables[k] for k in (0, 2, 3))
+
+    coordinator.register_rank(factories.identity(0, 4, session="run2-0", attempt=1))  # the launcher restarted the job
+    assert [coordinator.decoder_for(s) for s in ("session-0", "session-1b", "session-2", "session-3")] == [None] * 4
+    assert all(t is not None and t.bytes == 0 for t in tables.values())
+    assert coordinator.decoder_for("run2-0") is not None

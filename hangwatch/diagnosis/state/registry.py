@@ -33,11 +33,13 @@ class Registry(_Base):
         if identity.attempt > self.attempt:
             proven = [st for st in self.ranks.values() if st.proven and st.end is None and st.alive]
             return via == "agent" or not proven  # an unproven claim never ends a run of proven ranks
-        live = [st for st in self.ranks.values() if st.end is None and st.alive and now - st.last_seen <= SILENT_GONE_S]
         previous = self.ranks.get(identity.rank)
         if previous is None or previous.identity.session == identity.session:
             return False  # a rank of this run registering at its own pace (the others may be done)
-        return not live  # a rank number of a run that is over, in a new process: the next run
+        # a rank number of a run that is over, in a new process: the next run
+        return not any(
+            st.end is None and st.alive and now - st.last_seen <= SILENT_GONE_S for st in self.ranks.values()
+        )
 
     def _shaped_by_claims(self, identity: r.RankIdentity) -> bool:
         """Whether only unproven claims made this job's shape (world size, attempt, launch) and
