@@ -8,32 +8,29 @@ coordinator.stop()
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hangwatch import config, tls, wire
+from hangwatch import config, tls
 from hangwatch import records as r
-from hangwatch.agent.identity import START_TIME_TOLERANCE_S
 from hangwatch.coordinator import abort, imports, queries
 from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
+from hangwatch.coordinator.intake import Intake
 from hangwatch.coordinator.metrics import MetricsServer
 from hangwatch.coordinator.options import ConfigError, CoordinatorOptions, report_interval_for
 from hangwatch.coordinator.server import BindError, RpcServer
-from hangwatch.coordinator.servicer import BLOCKING, MAX_WORLD_SIZE, CoordinatorServicer, IntakeError
+from hangwatch.coordinator.servicer import BLOCKING, CoordinatorServicer
 from hangwatch.coordinator.store import IncidentStore
 from hangwatch.diagnosis import budget
 from hangwatch.diagnosis.engine import UNPROVEN, Engine
-from hangwatch.diagnosis.jobs import Jobs, JobsFull, SessionOver, job_key
-from hangwatch.diagnosis.state import ClaimRefused, JobState, RankState
+from hangwatch.diagnosis.jobs import Jobs
+from hangwatch.diagnosis.state import JobState
 from hangwatch.postmortem.dumps import Folder
-from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.serving import host_port, is_loopback
 from hangwatch.signatures import CallDecoder
 from hangwatch.stackviews import dump_json
@@ -52,7 +49,7 @@ STORE_RETRY_S = 5.0  # how often incidents a failed write left in memory are wri
 __all__ = ["ConfigError", "Coordinator", "CoordinatorOptions", "report_interval_for"]
 
 
-class Coordinator:
+class Coordinator(Intake):
     def __init__(self, options: CoordinatorOptions) -> None:
         if not is_loopback(options.host) and not options.token and not options.allow_insecure_bind:
             raise ConfigError(
@@ -245,229 +242,6 @@ class Coordinator:
                     self.apply_process_statuses(host, statuses)
             except Exception:
                 log.exception("embedded agent poll failed")
-
-    # ---- ingest (called by the servicer) --------------------------------------------------
-
-    def register_rank(self, identity: r.RankIdentity, via: str = "direct") -> tuple[int, float]:
-        """Register (or re-register) a rank in its job; returns the highest call id already held
-        for its session (0 for a new one) and how often it should report."""
-        with self.lock:
-            known = len(self.jobs.ended_incarnations), len(self.jobs)
-            before = self.jobs.by_key.get(job_key(identity))
-            earlier = before.ranks.get(identity.rank) if before is not None else None
-            try:
-                job, state = self.jobs.register(identity, time.time(), via)
-            except JobsFull as e:
-                self.metrics_rejected("jobs")
-                raise IntakeError(str(e)) from None
-            except SessionOver as e:
-                log.info("registration refused: %s", e)  # a rank's process on its way out
-                raise IntakeError(str(e)) from None
-            except ClaimRefused as e:
-                self.metrics_rejected("claim")
-                log.warning("registration refused: %s", e)
-                raise IntakeError(str(e)) from None
-            if (len(self.jobs.ended_incarnations), len(self.jobs)) != known:  # a run ended or a job began
-                log.info("job %s: run %s (%s)", identity.job_id, job.incarnation, self.jobs.key_of(job))
-            # the rank's earlier process's session is over, and one registering again starts
-            # afresh; so are the sessions of ended runs: found by a walk of every session where
-            # the sessions followed are not those with a table and this one (not at each of a
-            # large job's registrations)
-            for session in {identity.session, earlier.identity.session if earlier is not None else ""}:
-                gone = self.decoders.pop(session, None)
-                if gone is not None:
-                    gone.release()
-            if len(self.decoders) + 1 != len(self.jobs.sessions):
-                kept = {s: d for s, d in self.decoders.items() if self.jobs.for_session(s) is not None}
-                for session, gone in self.decoders.items():
-                    if session not in kept:
-                        gone.release()
-                self.decoders = kept
-            # the rank's table starts empty too; its signatures count against the memory budget
-            self.decoders[identity.session] = CallDecoder(
-                cost=budget.call_bytes, charge=self._charge_table(state), fold=self.takes_runs
-            )
-            last_call_id = state.last_call_id
-            interval = report_interval_for(job.world_size)
-        log.info(
-            "rank %d registered (pid %d on %s, job %s, via %s)",
-            identity.rank,
-            identity.pid,
-            identity.host,
-            identity.job_id,
-            via,
-        )
-        return last_call_id, interval
-
-    def join(self, identity: r.RankIdentity, via: str) -> None:
-        """A process started as a rank, not joined yet: only its node agent, which proved it,
-        says so (``RankIdentity.phase``)."""
-        if via != "agent" or identity.phase not in r.JOIN_PHASES:
-            self.metrics_rejected("invalid")
-            raise IntakeError("a process that has not joined is told by the node agent that proved it")
-        with self.lock:
-            try:
-                self.jobs.join(identity, time.time())
-            except JobsFull as e:
-                self.metrics_rejected("jobs")
-                raise IntakeError(str(e)) from None
-
-    def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> pb.RegisterReply:
-        """Register a rank (from a ``Register`` RPC, or from the node agent that read its link).
-        Raises :class:`IntakeError` for an identity that cannot be a rank of a job."""
-        if not (0 < identity.world_size <= MAX_WORLD_SIZE) or not (0 <= identity.rank < identity.world_size):
-            self.metrics_rejected("invalid")
-            raise IntakeError(f"invalid rank {identity.rank} for world size {identity.world_size}")
-        if not identity.session:
-            raise IntakeError("registration without a session id")
-        if identity.phase:
-            self.join(identity, via)
-            return pb.RegisterReply(coordinator_id=self.coordinator_id, server_time=time.time())
-        last_call_id, interval = self.register_rank(identity, via)
-        return pb.RegisterReply(
-            coordinator_id=self.coordinator_id,
-            server_time=time.time(),
-            report_interval_s=interval,
-            last_call_id=last_call_id,
-            takes_runs=self.takes_runs,
-            takes_cycles=self.takes_runs,  # runs of a cycle of signatures, where runs are taken
-        )
-
-    def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
-        """Decode and apply one rank's batch (from a ``Report`` RPC, a relay, or the node agent
-        that read the rank's ring)."""
-        decoder = self.decoder_for(request.session)
-        if decoder is None:
-            return pb.ReportReply(reregister=True, server_time=time.time())
-        events, rejected, folded = decoder.decode(request.rank, request)
-        accepted = self.report(request, events, relay)
-        if accepted is None:
-            return pb.ReportReply(reregister=True, server_time=time.time())
-        if rejected:
-            self.metrics_rejected("malformed", rejected)
-        return pb.ReportReply(server_time=time.time(), accepted=accepted + folded)
-
-    def _charge_table(self, state: RankState) -> Callable[[int], bool]:
-        """How a rank's signature table asks for memory: within a quarter of the rank's budget
-        and the coordinator's total (not a job's: the table is the session's, not the run's)."""
-        ledger = self.jobs.ledger
-
-        def charge(n: int) -> bool:
-            with self.lock:
-                if n > 0 and (state.table_bytes + n > ledger.budget.rank // 4 or ledger.held + n > ledger.budget.total):
-                    ledger.refuse("rank" if state.table_bytes + n > ledger.budget.rank // 4 else "total")
-                    return False
-                state.table_bytes += n
-                ledger.held += n
-                return True
-
-        return charge
-
-    def accept_events(self, header: pb.ReportBatch, events: list[r.RankEvent]) -> int | None:
-        """The embedded agent's batches, typed already (``RingEncoder.decode``): applied as
-        ``accept_report`` applies a decoded one; None when the rank must register again."""
-        if self.decoder_for(header.session) is None:
-            return None
-        return self.report(header, events)
-
-    def record_cost(self, call: r.CallRecord) -> int:
-        """A signature's bytes, as the memory budget charges each call made from it."""
-        return budget.call_bytes(call)
-
-    def decoder_for(self, session: str) -> CallDecoder | None:
-        """The signature table of a registered session (None: the rank must register)."""
-        return self.decoders.get(session)
-
-    def report(self, batch: pb.ReportBatch, events: list[r.RankEvent], relay: str = "") -> int | None:
-        """Apply a decoded batch (``events``; ``batch`` for its header) to the job state: the
-        number of events applied, or None when the rank must register again."""
-        now = time.time()
-        asked = time.monotonic()
-        with self.lock:
-            # how long the batch waited for the state: the coordinator's own queue
-            self.jobs.lag.observe(now, time.monotonic() - asked)
-            job = self.jobs.for_session(batch.session)
-            if job is None:
-                return None
-            result = job.ingest(
-                batch.session,
-                batch.rank,
-                events,
-                now=now,
-                sent_time=batch.sent_time,
-                mono_time=batch.mono_time,
-                alive_time=batch.alive_time,
-                held_s=batch.relay_held_s,
-                relay=relay,
-                queued=batch.queued,
-                dropped=batch.dropped,
-                where=wire.clip(batch.where, wire.MAX_SITE),
-                where_user=wire.clip(batch.where_user, wire.MAX_SITE),
-                where_stack=tuple(wire.clip(s, budget.STACK_FRAME) for s in batch.where_stack[: budget.STACK_KEPT]),
-                budget_note=wire.clip(batch.budget_note, wire.MAX_SITE),
-                flight_time=batch.flight_read_time,
-                flight_unseen=tuple(
-                    wire.clip(g, budget.UNSEEN_NAME) for g in batch.flight_unseen[: budget.UNSEEN_KEPT]
-                ),
-            )
-            if result is None:
-                return None
-            if result.failed:
-                self.metrics_rejected("internal", result.failed)
-                if not self._apply_failed:
-                    self._apply_failed = True
-                    log.error(
-                        "could not apply an event from rank %d (reported once)", batch.rank, exc_info=result.error
-                    )
-        return result.applied
-
-    def apply_process_statuses(self, host: str, statuses: list[r.ProcessStatus]) -> None:
-        """What a node agent sees of its ranks' processes. A process's end keeps the earliest time
-        it was seen gone (a rank's link closing is that moment; a later poll only confirms it) and
-        whatever was learnt of how it ended."""
-        ended = (r.ProcState.DEAD, r.ProcState.ZOMBIE)
-        with self.lock:
-            # by pid and start time: two containers on one node may each run a pid 42
-            by_pid: dict[int, list[RankState]] = {}
-            for held in self.jobs.ranks():
-                if held.identity.host == host:
-                    by_pid.setdefault(held.identity.pid, []).append(held)
-            for status in statuses:
-                st = next(
-                    (
-                        held
-                        for held in by_pid.get(status.pid, ())
-                        if abs(held.identity.start_time - status.start_time) <= START_TIME_TOLERANCE_S
-                    ),
-                    None,
-                )
-                if st is None:
-                    continue
-                before = st.proc
-                if before is not None and before.state in ended and status.state in ended:
-                    status = dataclasses.replace(
-                        status,
-                        time=min(before.time, status.time),
-                        exit_code=status.exit_code if status.exit_code is not None else before.exit_code,
-                        signal=status.signal if status.signal is not None else before.signal,
-                        oom_killed=status.oom_killed or before.oom_killed,
-                    )
-                if before is not None and before.gpus and not status.gpus and status.state in ended:
-                    # a gone process runs on no GPU any more: what its GPUs last showed (an Xid
-                    # that killed it) stays with it
-                    status = dataclasses.replace(status, gpus=before.gpus)
-                st.proc = status
-
-    def targets_on(self, host: str, include_remote_hosts: bool = True) -> list[r.Target]:
-        with self.lock:
-            return [
-                st.target()
-                for st in self.jobs.ranks()
-                if st.identity.host == host and (include_remote_hosts or self.hub.agent_for(host) is None)
-            ]
-
-    def metrics_rejected(self, reason: str, count: int = 1) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + count
 
     # ---- stacks and abort -----------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from hangwatch import wire
 from hangwatch.diagnosis import budget as b
 from hangwatch.diagnosis.lag import Heard, Lag
 from hangwatch.diagnosis.state.arena import Arena
+from hangwatch.diagnosis.state.arrivals import Arrivals
 from hangwatch.diagnosis.state.base import (
     ARRIVALS_KEPT,
     CLAIM_SILENT_S,
@@ -92,7 +93,7 @@ __all__ = [
 _TRACED = frozenset((r.CallRecord, r.CallRun, r.MarkerEvent))
 
 
-class JobState(Registry, Joining, Arena, Calls, Device, Runs, Groups):
+class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
     """A job's state: each concern its own class (``state/<concern>.py``), this the facade: a
     batch applied (``ingest``, ``apply``), what changed handed to the engine (``take_changes``),
     and what the detectors ask of the job (``members``, its rhythm)."""
