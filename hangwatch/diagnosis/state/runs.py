@@ -455,16 +455,14 @@ class Runs(_Base):
         if new_low > low:
             due = self._arrivals_due.get(group)
             self._arrivals_due[group] = (due[0] if due else low, new_low, members)
-            # a walk of every member's runs: at most one a member's worth of seqs / 256
-            if new_low >= self._pruned_to.get(group, 0) + max(PRUNE_RUNS_EVERY, len(members) >> 8):
+            if new_low >= self._pruned_to.get(group, 0) + PRUNE_RUNS_EVERY:
                 self._prune_runs(group, new_low)
         self.passed_low[group] = (new_low, counts[new_low])
 
     def _prune_runs(self, group: str, low: int) -> None:
         """Let go of runs every member has passed, but for the last ``ARRIVALS_KEPT`` seqs (whose
         arrivals may not be counted yet; slots are kept so too). Done every ``PRUNE_RUNS_EVERY``
-        seqs or more (a group of ``256 * k`` members: every ``k``), not at each: it walks every
-        member's runs."""
+        seqs, not at each: it walks every member's runs."""
         self._pruned_to[group] = low
         tail = low - ARRIVALS_KEPT
         for st in self.ranks.values():  # a slot made where a device stopped takes its calls from them
