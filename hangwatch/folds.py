@@ -247,6 +247,9 @@ class Folder:
 
     def __init__(self) -> None:
         self.cycle: Cycle | None = None
+        #: right after a call that parted from the cycle at a batch's end: the ways it may go on
+        #: (the call replaced one, was an extra, or one was skipped), for the next batch to try
+        self.guesses: tuple[Cycle, ...] = ()
         self.recent: Recent | None = None
         #: each cycle's templates (by its ids in their least turn) as found once (None: it does
         #: not fold), so that a rank's runs of one cycle, whatever call they start at, share one
@@ -276,6 +279,7 @@ class Folder:
         if first is not None and first.async_op:
             return [], columns, None, 0
         n = len(columns[0])
+        befores = self.guesses or (self.cycle,)
         for m in (n, n - 1) if not extra or columns[7][-1] == 1 else (n,):
             picked: Sequence[Sequence[Any]] | None = (
                 expand(m, columns, run_enter, run_exit, run_signature) if extra else [col[:m] for col in columns[:6]]
@@ -285,15 +289,22 @@ class Folder:
             sids, cids, seqs, steps, enters, exits = picked
             if len(self.known) >= MAX_KNOWN:
                 self.forget()
-            made = fold(rank, table, sids, cids, seqs, steps, enters, exits, self.cycle, self.recent, self.known)
-            if made is not None:  # the last may be under way, left out
-                left = tuple(col[m:] for col in columns)
-                self.cycle, self.recent = passed(made[1], left[0], left[1], left[2], left[3]), None
-                return [made[0]], left, None, len(sids)
-        if not extra and self.cycle is not None:
-            found = self._around(rank, table, columns, self.cycle)
-            if found is not None:
-                return found
+            for before in befores:
+                made = fold(rank, table, sids, cids, seqs, steps, enters, exits, before, self.recent, self.known)
+                if made is not None:  # the last may be under way, left out
+                    left = tuple(col[m:] for col in columns)
+                    self.cycle, self.recent = passed(made[1], left[0], left[1], left[2], left[3]), None
+                    self.guesses = ()
+                    if m < n and self.cycle is made[1]:  # it parts from the cycle: the next batch tries each way on
+                        after = (left[1][0] + 1, left[2][0] + 1, left[3][0])
+                        self.cycle, self.guesses = None, tuple(past(made[1], skip, *after) for skip in (1, 0, 2))
+                    return [made[0]], left, None, len(sids)
+        self.guesses = ()
+        if not extra:
+            for before in befores:
+                found = self._around(rank, table, columns, before) if before is not None else None
+                if found is not None:
+                    return found
         self.cycle = None  # the next batch does not take up where a fold left off
         self.recent = recent(self.recent, columns[0], columns[1], columns[2])  # these may lead in
         return [], columns, None, 0
@@ -302,26 +313,46 @@ class Folder:
         self, rank: int, table: dict[int, r.CallRecord], columns: tuple[Sequence[Any], ...], cycle: Cycle
     ) -> tuple[list[r.CallRun], tuple[Sequence[Any], ...], r.CallRun | None, int] | None:
         """Calls that take up ``cycle`` and part from it at one call (another shape, an extra
-        call, a skipped one): the calls before it as a run, that call alone, and the calls after
-        it as a run where they go on with the cycle. One rank parting from its cycle then costs
-        a slot, not one at every seq of its batch (each of which every other rank's run would
-        fill). None where the calls before it do not fold."""
+        call, a skipped one): the calls before it as a run (two or more; else alone), that call
+        alone, and the calls after it as a run where they go on with the cycle. Where too few
+        come after it to tell how, the next batch tries each way (``guesses``). One rank parting
+        from its cycle then costs a slot, not one at every seq of its batches (each of which
+        every other rank's run would fill). None where the batch does not take up ``cycle`` or
+        the calls before the one that parts do not fold."""
         n = len(columns[0])
+        cids, seqs, steps = columns[1], columns[2], columns[3]
+        if n < FOLD_MIN or (cycle.call_id, cycle.seq) != (cids[0], seqs[0]) or cycle.step > steps[0]:
+            return None
         j = first_break(cycle, columns[0])
-        if not 2 <= j < n or n < FOLD_MIN:
+        if j >= n:
             return None
-        sids, cids, seqs, steps, enters, exits = (col[:j] for col in columns[:6])
-        head = fold(rank, table, sids, cids, seqs, steps, enters, exits, cycle, None, self.known)
-        if head is None:
-            return None
+        runs: list[r.CallRun] = []
+        at = dataclasses.replace(
+            cycle,
+            call_id=cycle.call_id + j,
+            seq=cycle.seq + j,
+            step=steps[j - 1] if j else cycle.step,
+            phase=(cycle.phase + j) % len(cycle.sids),
+        )
+        if j >= 2:
+            sids, head_cids, head_seqs, head_steps, enters, exits = (col[:j] for col in columns[:6])
+            head = fold(rank, table, sids, head_cids, head_seqs, head_steps, enters, exits, cycle, None, self.known)
+            if head is None:
+                return None
+            runs.append(head[0])
+            at = head[1]
+        lone = j if runs else 0  # the first call that goes alone
         self.recent = None
         rest = [col[j + 1 :] for col in columns[:6]]
         if len(rest[0]) >= 2:
             for skip in (1, 0, 2):
-                guess = past(head[1], skip, rest[1][0], rest[2][0], rest[3][0])
+                guess = past(at, skip, rest[1][0], rest[2][0], rest[3][0])
                 tail = fold(rank, table, rest[0], rest[1], rest[2], rest[3], rest[4], rest[5], guess, None, self.known)
                 if tail is not None:
-                    self.cycle = tail[1]
-                    return [head[0]], tuple(col[j : j + 1] for col in columns), tail[0], j + len(rest[0])
-        self.cycle = head[1]  # (the calls after it go one by one: the next batch does not take it up)
-        return [head[0]], tuple(col[j:] for col in columns), None, j
+                    self.cycle, self.guesses = tail[1], ()
+                    return runs, tuple(col[lone : j + 1] for col in columns), tail[0], n - j - 1 + lone
+        # too few calls after it (or they do not fold): the next batch tries each way on
+        after = (rest[1][0], rest[2][0], rest[3][0]) if rest[0] else (cids[-1] + 1, seqs[-1] + 1, steps[-1])
+        self.cycle = None
+        self.guesses = tuple(passed(past(at, skip, *after), rest[0], rest[1], rest[2], rest[3]) for skip in (1, 0, 2))
+        return runs, tuple(col[lone:] for col in columns), None, lone

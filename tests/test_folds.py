@@ -215,3 +215,25 @@ def test_a_signature_redefined_folds_with_its_new_call() -> None:
     made, events = _decoded(batches, fold=True)
     assert made == [_fields(c) for c in calls]
     assert isinstance(events[-1], r.CallRun)  # folded after the redefinition too
+
+
+def test_a_call_that_parts_at_a_batchs_edge_costs_that_call_alone() -> None:
+    """The odd call first, second, next to last or last of its batch (another shape, an extra
+    call, a skipped one): only the calls beside it that cannot be runs go alone, and the next
+    batch takes the cycle up again. Before, such a rank's next 128 calls went one by one, each a
+    slot that every other rank's run filled."""
+    for where in (40, 41, 58, 59):  # batches of 20: first, second, next to last, last
+        odd_shape = _fsdp(120)
+        odd_shape[where] = _call(where, where % 16, where // 16, width=999)
+        extra = _fsdp(120)
+        extra.insert(where, _call(where, 3, where // 16, op="all_gather_into_tensor", width=31))
+        skipped = [c for c in _fsdp(121) if c.call_id != where + 1]
+        for calls in (odd_shape, extra, skipped):
+            calls = calls[:120]
+            for i, c in enumerate(calls):
+                c.call_id = c.seq = i + 1
+            made, events = _decoded(_batches(calls, list(range(20, 120, 20))), fold=True)
+            assert made == [_fields(c) for c in calls]
+            alone = [ev.seq for ev in events if isinstance(ev, r.CallRecord) and ev.seq > 40]
+            assert where + 1 in alone and len(alone) <= 2, (where, alone)
+            assert isinstance(events[-1], r.CallRun)
