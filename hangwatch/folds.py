@@ -82,7 +82,10 @@ def steps_of(steps: Sequence[int], per_hint: int) -> tuple[int, int] | None:
     if per <= 0 or b1 > per:
         return None
     lead = per - b1
-    if list(steps) != [s0 + (lead + i) // per for i in range(n)]:
+    expected = [s0] * b1  # a step at a time, not a call
+    for s in range(s0 + 1, s0 + 1 + (n - b1 + per - 1) // per):
+        expected += [s] * per
+    if list(steps) != expected[:n]:
         return None
     return per, lead
 

@@ -15,8 +15,8 @@ from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, inci
 from hangwatch.diagnosis.state import JobState, RankState
 from hangwatch.wording import stories
 
-#: More silent ranks than this, on more than two hosts, is not a freeze without an agent's word.
-MASS_SILENCE = 16
+#: Ranks silent at once on more hosts than this are not frozen without an agent's word.
+FROZEN_HOSTS = 2
 _EVIDENCE = (r.ProcState.STOPPED, r.ProcState.DISK_SLEEP)
 
 
@@ -26,12 +26,11 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     # a coordinator behind its batches hears every rank late: that lateness is its own, unless
     # the rank's node agent says now that it is stopped (a whole job stopped stops the frontier)
     silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after + _allowance(st, ctx)]
-    if len(silent) > max(1, len(live) // 2) or (
-        len(silent) > MASS_SILENCE and len({st.identity.host for st in silent}) > 2
-    ):
-        # Many ranks on many hosts silent at once is the network or an overloaded coordinator,
-        # not frozen ranks (a freeze is one process's doing): only a node agent's word that a
-        # process is stopped or in uninterruptible sleep makes one of them frozen then. Their
+    if len(silent) > max(1, len(live) // 2) or len({st.identity.host for st in silent}) > FROZEN_HOSTS:
+        # Ranks on several hosts silent at once are the network or a coordinator late to its
+        # batches (a stall of its own hears whichever ranks were next, on any node), not frozen
+        # ranks: a freeze is one process's doing, or one node's. Only a node agent's word that
+        # a process is stopped or in uninterruptible sleep makes one of them frozen then. Their
         # collectives will tell if they hang.
         silent = [st for st in silent if st.proc is not None and st.proc.state in _EVIDENCE]
     silent = [st for st in silent if not relay_lost(job, st, ctx.now, ctx.silence_after)]

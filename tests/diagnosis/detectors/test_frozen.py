@@ -130,3 +130,20 @@ def test_ranks_whose_relay_went_silent_are_not_frozen() -> None:
         sim.job.ranks[rk].relay = f"node{rk // 8}"
     found = sorted(f.culprit_ranks[0] for f in frozen.detect(sim.job, sim.ctx(T0 + 20)))
     assert found == [12]  # its neighbours' heartbeats come through the relay: rank 12 froze
+
+
+def test_a_few_ranks_silent_at_once_on_three_hosts_are_the_coordinators_stall() -> None:
+    """16,384 ranks in a replay at full load: a stall of the coordinator left 8 ranks on 3 nodes
+    unheard past the threshold (their batches were next when it stalled). Not 8 frozen ranks;
+    an agent's word that one is stopped still makes it frozen, and a node's ranks silent
+    together (one host) still are."""
+    sim = SimJob(64)
+    sim.collective(1, T0 + 1)
+    sim.beat(T0 + 2)
+    silent = [8, 9, 10, 11, 24, 25, 40, 41]  # hosts 1, 3 and 5
+    sim.beat(T0 + 20, ranks=[rk for rk in range(64) if rk not in silent])
+    assert frozen.detect(sim.job, sim.ctx(T0 + 20)) == []
+    sim.proc(24, ProcState.STOPPED, T0 + 20)
+    assert only(frozen.detect(sim.job, sim.ctx(T0 + 20)), "rank_frozen").culprit_ranks == [24]
+    sim.beat(T0 + 20, ranks=[24, 25, 40, 41])  # only host 1's four silent now
+    assert sorted(f.culprit_ranks[0] for f in frozen.detect(sim.job, sim.ctx(T0 + 20))) == [8, 9, 10, 11]
