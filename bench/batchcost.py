@@ -1,0 +1,165 @@
+"""What one rank's batch costs the coordinator's handler, this tree against another, on one load.
+
+    .venv/bin/python bench/batchcost.py --baseline DIR [--ranks 8192] [--rates 10,50]
+                                        [--patterns fsdp,tp] [--faults none,shape] [--pairs 2]
+
+``bench/scale.py`` runs the coordinator on the real clock, where a figure near saturation moves
+with everything else the machine does. Here the load is built once (``bench/loadgen.py``, as
+``scale.py`` builds it) and written to a file; each run is a fresh process that registers the
+ranks and hands every relay call to the ``ReportMany`` handler at once, one after another, with
+the collector tuned as the daemon tunes it. It prints the handler thread's CPU per rank batch
+once past ``--warmup`` seconds of the load (a rank's first calls travel one by one), and the
+CPU the ranks' registrations took. The trees alternate, ``--pairs`` runs each; medians and the
+ratio (this tree over the baseline) are printed. The detectors run beside, as in the daemon,
+but the clock is not the load's: no incident is judged here (``scale.py`` does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def build(ranks: int, rate: float, pattern: str, fault: str, seconds: float, path: str) -> None:
+    """The load's relay calls, and the ranks' identities, into ``path``."""
+    import loadgen
+
+    cfg = loadgen.Config(
+        addr="127.0.0.1:9",  # never dialled
+        token="",
+        ranks=ranks,
+        rate=rate,
+        seconds=seconds,
+        pattern=pattern,
+        fault=fault,
+        fault_rank=min(ranks - 1, ranks // 2 + 1),
+        fault_at=seconds / 2,
+        job_id=f"cost-{uuid.uuid4().hex[:6]}",
+        threads=1,
+        timeout_s=5.0,
+        relay=True,
+        replay=True,
+        runs=True,
+    )
+    worker = loadgen.Worker(cfg, list(range(ranks)))
+    sends = [(offset, raw, nrep) for offset, _, raw, nrep, _, _ in worker.build_sends()]
+    with open(path, "wb") as f:
+        pickle.dump({"identities": [sim.identity for sim in worker.sims], "sends": sends}, f)
+
+
+def one(path: str, warmup: float) -> dict[str, float]:
+    """One run of this process's coordinator on the load in ``path``."""
+    import logging
+
+    from hangwatch import gctune
+    from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
+    from hangwatch.protos import hangwatch_pb2 as pb
+
+    with open(path, "rb") as f:
+        load = pickle.load(f)
+    logging.disable(logging.WARNING)
+    coord = Coordinator(
+        CoordinatorOptions(host="127.0.0.1", port=0, data_dir=tempfile.mkdtemp(prefix="hw-cost-"), embedded_agent=False)
+    )
+    coord.start()
+    gctune.tune()
+    try:
+        took = time.process_time()
+        for identity in load["identities"]:
+            coord.accept_registration(identity, "direct")
+        registered = time.process_time() - took
+        for identity in load["identities"]:
+            coord.accept_report(pb.ReportBatch(rank=identity.rank, session=identity.session, sent_time=0.0))
+        handler = coord.server.servicer.ReportMany if coord.server else None
+        assert handler is not None
+        handled, batches = 0.0, 0
+        for offset, raw, nrep in load["sends"]:
+            request = pb.RelayBatch.FromString(raw)
+            took = time.thread_time()
+            handler(request, _Context())
+            if offset >= warmup:
+                handled += time.thread_time() - took
+                batches += nrep
+    finally:
+        coord.stop(0.2)
+    return {"us_per_batch": 1e6 * handled / max(1, batches), "register_s": registered}
+
+
+class _Context:
+    def abort(self, code: Any, details: str) -> None:
+        raise RuntimeError(f"{code}: {details}")
+
+
+def _run(tree: str | None, path: str, warmup: float) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", path, "--warmup", str(warmup)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if out.returncode:
+        raise SystemExit(f"batchcost: a run failed:\n{out.stderr[-3000:]}")
+    values = out.stdout.strip().splitlines()[-1].split()
+    return {"us_per_batch": float(values[0]), "register_s": float(values[1])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="8192")
+    ap.add_argument("--rates", default="10,50")
+    ap.add_argument("--patterns", default="fsdp,tp")
+    ap.add_argument("--faults", default="none,shape")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=4.0)
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--baseline", help="another checkout, run on the same load, alternating")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # (internal) one run on the load in this file
+    args = ap.parse_args(argv)
+    if args.one:
+        res = one(args.one, args.warmup)
+        print(f"{res['us_per_batch']:.2f} {res['register_s']:.3f}")
+        return 0
+    trees: list[tuple[str, str | None]] = [("this", None)]
+    if args.baseline:
+        trees.append((Path(args.baseline).name, str(Path(args.baseline).resolve())))
+    names = " | ".join(f"{name} µs a rank batch | {name} registrations s" for name, _ in trees)
+    print(f"| ranks | coll/s | pattern | fault | {names} | ratio |")
+    print("| ---: | ---: | --- | --- |" + " ---: |" * (2 * len(trees) + 1), flush=True)
+    for ranks in map(int, args.ranks.split(",")):
+        for rate in map(float, args.rates.split(",")):
+            for pattern in args.patterns.split(","):
+                for fault in args.faults.split(","):
+                    with tempfile.TemporaryDirectory(prefix="hw-cost-") as tmp:
+                        path = os.path.join(tmp, "load.pkl")
+                        build(ranks, rate, pattern, fault, args.seconds, path)
+                        got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+                        for _ in range(args.pairs):
+                            for name, tree in trees:
+                                got[name].append(_run(tree, path, args.warmup))
+                    cells, medians = [], []
+                    for name, _ in trees:
+                        us = statistics.median(r["us_per_batch"] for r in got[name])
+                        reg = statistics.median(r["register_s"] for r in got[name])
+                        medians.append(us)
+                        cells.append(f"{us:.1f} | {reg:.2f}")
+                    ratio = f"{medians[0] / medians[1]:.2f}" if len(medians) > 1 else "-"
+                    print(f"| {ranks} | {rate:g} | {pattern} | {fault} | {' | '.join(cells)} | {ratio} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HANGWATCH_NO_AGENT", "1")
+    sys.exit(main())
