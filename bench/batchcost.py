@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def build(ranks: int, rate: float, pattern: str, fault: str, seconds: float, path: str) -> None:
+def build(ranks: int, rate: float, pattern: str, fault: str, seconds: float, fault_at: float, path: str) -> None:
     """The load's relay calls, and the ranks' identities, into ``path``."""
     import loadgen
 
@@ -44,7 +44,7 @@ def build(ranks: int, rate: float, pattern: str, fault: str, seconds: float, pat
         pattern=pattern,
         fault=fault,
         fault_rank=min(ranks - 1, ranks // 2 + 1),
-        fault_at=seconds / 2,
+        fault_at=fault_at,
         job_id=f"cost-{uuid.uuid4().hex[:6]}",
         threads=1,
         timeout_s=5.0,
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="none,shape")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=4.0)
+    ap.add_argument("--fault-at", type=float, default=6.0, help="seconds into the load (the culprit: ranks / 2 + 1)")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--baseline", help="another checkout, run on the same load, alternating")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # (internal) one run on the load in this file
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 for fault in args.faults.split(","):
                     with tempfile.TemporaryDirectory(prefix="hw-cost-") as tmp:
                         path = os.path.join(tmp, "load.pkl")
-                        build(ranks, rate, pattern, fault, args.seconds, path)
+                        build(ranks, rate, pattern, fault, args.seconds, args.fault_at, path)
                         got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
                         for _ in range(args.pairs):
                             for name, tree in trees:
