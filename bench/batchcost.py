@@ -24,9 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,24 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def build(ranks: int, rate: float, pattern: str, fault: str, seconds: float, fault_at: float, path: str) -> None:
     """The load's relay calls, and the ranks' identities, into ``path``."""
     import loadgen
+    import scale
 
-    cfg = loadgen.Config(
-        addr="127.0.0.1:9",  # never dialled
-        token="",
-        ranks=ranks,
-        rate=rate,
-        seconds=seconds,
-        pattern=pattern,
-        fault=fault,
-        fault_rank=min(ranks - 1, ranks // 2 + 1),
-        fault_at=fault_at,
-        job_id=f"cost-{uuid.uuid4().hex[:6]}",
-        threads=1,
-        timeout_s=5.0,
-        relay=True,
-        replay=True,
-        runs=True,
-    )
+    cfg = scale.replayed(ranks, rate, pattern, fault, False, seconds, fault_at)
     worker = loadgen.Worker(cfg, list(range(ranks)))
     sends = [(offset, raw, nrep) for offset, _, raw, nrep, _, _ in worker.build_sends()]
     with open(path, "wb") as f:
@@ -61,6 +44,8 @@ def build(ranks: int, rate: float, pattern: str, fault: str, seconds: float, fau
 def one(path: str, warmup: float) -> dict[str, float]:
     """One run of this process's coordinator on the load in ``path``."""
     import logging
+
+    import scale
 
     from hangwatch import gctune
     from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
@@ -84,21 +69,17 @@ def one(path: str, warmup: float) -> dict[str, float]:
         handler = coord.server.servicer.ReportMany if coord.server else None
         assert handler is not None
         handled, batches = 0.0, 0
+        context = scale._Context()
         for offset, raw, nrep in load["sends"]:
             request = pb.RelayBatch.FromString(raw)
             took = time.thread_time()
-            handler(request, _Context())
+            handler(request, context)
             if offset >= warmup:
                 handled += time.thread_time() - took
                 batches += nrep
     finally:
         coord.stop(0.2)
     return {"us_per_batch": 1e6 * handled / max(1, batches), "register_s": registered}
-
-
-class _Context:
-    def abort(self, code: Any, details: str) -> None:
-        raise RuntimeError(f"{code}: {details}")
 
 
 def _run(tree: str | None, path: str, warmup: float) -> dict[str, float]:

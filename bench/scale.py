@@ -55,18 +55,12 @@ class _Context:
         raise RuntimeError(f"{code}: {details}")
 
 
-def one(
-    ranks: int,
-    rate: float,
-    pattern: str,
-    fault: str,
-    device: bool,
-    seconds: float,
-    fault_at: float,
-    warmup: float = 4.0,
-) -> dict[str, Any]:
-    cfg = loadgen.Config(
-        addr="127.0.0.1:9",  # never dialled
+def replayed(
+    ranks: int, rate: float, pattern: str, fault: str, device: bool, seconds: float, fault_at: float
+) -> loadgen.Config:
+    """A load to replay: relays of 8 ranks, runs, the culprit ``ranks / 2 + 1``, never dialled."""
+    return loadgen.Config(
+        addr="127.0.0.1:9",
         token="",
         ranks=ranks,
         rate=rate,
@@ -83,6 +77,19 @@ def one(
         runs=True,
         device=device,
     )
+
+
+def one(
+    ranks: int,
+    rate: float,
+    pattern: str,
+    fault: str,
+    device: bool,
+    seconds: float,
+    fault_at: float,
+    warmup: float = 4.0,
+) -> dict[str, Any]:
+    cfg = replayed(ranks, rate, pattern, fault, device, seconds, fault_at)
     built = time.perf_counter()
     worker = loadgen.Worker(cfg, list(range(ranks)))
     sends = worker.build_sends()
