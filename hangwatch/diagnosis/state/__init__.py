@@ -145,11 +145,11 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         # Runs of alike calls (``records.CallRun``, see ``_run``): per group and rank, the runs
         # holding seqs no slot was made for (a slot made at one later takes the rank's call from
         # it); per group, the highest seq each rank passed in order, the lowest of those over the
-        # members and how many ranks stand there; and what the first run through each range of
+        # members (how many stand at each seq: ``passed_counts``); and what the first run through each range of
         # seqs was ([lo, hi, key], oldest first), which the others' runs are compared with
         self.passed: dict[str, dict[int, collections.deque[r.CallRun]]] = {}
         self.passed_to: dict[str, dict[int, int]] = {}
-        self.passed_low: dict[str, tuple[int, int]] = {}
+        self.passed_low: dict[str, int] = {}
         #: per group, how many members stand at each seq they passed (``Runs._advance``): for
         #: the members it was counted over, and those as a set
         self.passed_counts: dict[str, tuple[tuple[int, ...], frozenset[int], dict[int, int]]] = {}

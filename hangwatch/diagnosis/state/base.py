@@ -203,7 +203,7 @@ class _Base:
     conflicts: collections.deque[dict[str, object]]
     passed: dict[str, dict[int, collections.deque[r.CallRun]]]
     passed_to: dict[str, dict[int, int]]
-    passed_low: dict[str, tuple[int, int]]
+    passed_low: dict[str, int]
     passed_counts: dict[str, tuple[tuple[int, ...], frozenset[int], dict[int, int]]]
     run_refs: dict[str, collections.deque[_RunRef]]
     numbering: dict[str, dict[int, int]]

@@ -447,9 +447,9 @@ class Runs(_Base):
             counts[seq] = counts.get(seq, 0) + 1
         else:
             return  # not a member: where the members stand is unchanged
-        low = self.passed_low.get(group, (0, 0))[0]
+        low = self.passed_low.get(group, 0)
         if low in counts:  # (seqs passed only grow: the lowest is still where it was)
-            self.passed_low[group] = (low, counts[low])
+            self.passed_low[group] = low
             return
         new_low = min(counts)
         if new_low > low:
@@ -457,7 +457,7 @@ class Runs(_Base):
             self._arrivals_due[group] = (due[0] if due else low, new_low, members)
             if new_low >= self._pruned_to.get(group, 0) + PRUNE_RUNS_EVERY:
                 self._prune_runs(group, new_low)
-        self.passed_low[group] = (new_low, counts[new_low])
+        self.passed_low[group] = new_low
 
     def _prune_runs(self, group: str, low: int) -> None:
         """Let go of runs every member has passed, but for the last ``ARRIVALS_KEPT`` seqs (whose

@@ -115,12 +115,10 @@ def test_a_rank_whose_batches_all_waited_is_no_straggler() -> None:
     assert only(straggler.detect(both.job, both.ctx(T0 + 200)), "straggler").culprit_ranks == [2]
 
 
-def test_a_straggler_among_hundreds_in_runs_is_found_from_a_sample_spread_in_time() -> None:
-    """300 ranks whose calls come in runs, 40 collectives a second: a read counts a few of the
-    newest (each costs a sort of 300 arrivals), half a second apart at least, so that the rank
-    named is last across seconds of batches (here one a second, the newest of each batch);
-    that sample names the rank that is always last."""
-    n, late = 300, 17
+def _hundreds_in_runs(late_at: Callable[[int], int], read: Callable[[SimJob], None]) -> SimJob:
+    """300 ranks whose calls come in runs, 40 collectives a second for 24 s, each second's batch
+    of rank ``late_at(second)`` 0.9 s late; ``read`` after each second, as the detector reads."""
+    n = 300
     sim = SimJob(n)
     for rk in range(n):
         sim.apply(call(rk, 1, call_id=1, enter_time=T0, exit_time=T0 + 0.1), T0)
@@ -128,14 +126,29 @@ def test_a_straggler_among_hundreds_in_runs_is_found_from_a_sample_spread_in_tim
     seq = 2
     for tick in range(1, 25):
         now = T0 + tick
+        late = late_at(tick)
         for rk in range(n):
             times = [now - 1 + 0.025 * i + (0.9 if rk == late else 0.0) for i in range(40)]
             run = r.CallRun(rk, dataclasses.replace(template, rank=rk), seq, seq, 0, times, [t + 0.001 for t in times])
             sim.deliver(rk, [run], now + 1, sent_time=now + 1)
         seq += 40
+        read(sim)
+    return sim
+
+
+def test_a_straggler_among_hundreds_in_runs_is_found_from_a_sample_spread_in_time() -> None:
+    """300 ranks whose calls come in runs, 40 collectives a second: a read counts a few of the
+    newest (each costs a sort of 300 arrivals), half a second apart at least, so that the rank
+    named is last across seconds of batches (here one a second, the newest of each batch);
+    that sample names the rank that is always last."""
+    late = 17
+
+    def spread(sim: SimJob) -> None:
         firsts = [first for _, _, _, first in sim.job.arrivals["0"]]
         assert all(b - a >= ARRIVALS_SPREAD_S for a, b in itertools.pairwise(firsts[1:]))  # (the first: a slot)
-    assert sim.job.runs_taken == 24 * n
+
+    sim = _hundreds_in_runs(lambda tick: late, spread)
+    assert sim.job.runs_taken == 24 * 300
     found = only(straggler.detect(sim.job, sim.ctx(T0 + 26)), "straggler")
     assert found.culprit_ranks == [late]
 
@@ -145,20 +158,10 @@ def test_batches_mapped_late_by_turns_among_hundreds_raise_no_straggler() -> Non
     each time, mapped 0.9 s late (a coordinator late for a moment as it took it). Every
     collective of that batch has it last; the sample, one collective a read, names no rank
     persistently last."""
-    n = 300
-    sim = SimJob(n)
-    for rk in range(n):
-        sim.apply(call(rk, 1, call_id=1, enter_time=T0, exit_time=T0 + 0.1), T0)
-    template = dataclasses.replace(call(0, 0, call_id=0), exit_time=None)
-    seq = 2
-    for tick in range(1, 25):
-        now = T0 + tick
-        late = 7 * tick % n
-        for rk in range(n):
-            times = [now - 1 + 0.025 * i + (0.9 if rk == late else 0.0) for i in range(40)]
-            run = r.CallRun(rk, dataclasses.replace(template, rank=rk), seq, seq, 0, times, [t + 0.001 for t in times])
-            sim.deliver(rk, [run], now + 1, sent_time=now + 1)
-        seq += 40
+
+    def read(sim: SimJob) -> None:
         assert sim.job.arrivals["0"]  # read every tick, as the detector does
+
+    sim = _hundreds_in_runs(lambda tick: 7 * tick % 300, read)
     assert len(sim.job.arrivals["0"]) >= 20
     assert straggler.detect(sim.job, sim.ctx(T0 + 26)) == []
