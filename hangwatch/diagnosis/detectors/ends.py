@@ -252,7 +252,7 @@ def _mismatch_behind(job: JobState, state: RankState, ctx: Context, died_at: flo
     for group, seq in ctx.mismatched:
         hist = state.history.get(group)
         seqs = [c.seq for c in hist.view() if c.kind is r.OpKind.COLLECTIVE] if hist else []
-        took_part = seq in seqs and max(seqs) - seq <= AFTERMATH_CALLS
+        took_part = seq in seqs and state.reached.get(group, 0) - seq <= AFTERMATH_CALLS
         slots = job.slots.get(group)
         slot = slots.get(seq) if slots is not None else None
         aborted_in = (
@@ -450,11 +450,8 @@ def _early_exit(
                 if call.peer != first.rank:
                     continue  # a send or recv with another rank (or any source): not the leaver's to answer
                 reached = _answered(first, call)
-            else:
-                first_hist = first.history.get(call.group)
-                reached = first_hist is not None and any(
-                    c.seq >= call.seq for c in first_hist if c.kind is r.OpKind.COLLECTIVE
-                )
+            else:  # (not its history: a late Flight Recorder read may have pushed its last calls out)
+                reached = first.reached.get(call.group, 0) >= call.seq
             # A collective that a member never reached cannot have completed, whatever its record
             # says: Flight Recorder retires DDP's all-reduce when gloo fails it, with no error.
             unfinished = call.exit_time is None or call.error is not None or call.kind is r.OpKind.COLLECTIVE

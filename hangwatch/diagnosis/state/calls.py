@@ -157,6 +157,8 @@ class Calls(_Base):
                 return
             if kind is not r.OpKind.COLLECTIVE:
                 return
+            if seq > state.reached.get(group, 0):
+                state.reached[group] = seq
             if slots is None:
                 slots = self.slots[group] = collections.OrderedDict()
             slot = slots.get(seq)

@@ -94,6 +94,7 @@ class Groups(_Base):
         self._pruned_to.pop(name, None)
         self.changed_slots = {key for key in self.changed_slots if key[0] != name}
         for st in self.ranks.values():
+            st.reached.pop(name, None)
             hist = st.history.pop(name, None)
             if hist is not None:
                 self._evict(st, hist, len(hist))
@@ -153,6 +154,7 @@ class Groups(_Base):
         self._arrivals_due.pop(group, None)
         self._pruned_to.pop(group, None)
         state.entry_seqs.pop(group, None)  # Flight Recorder's numbering starts again with it
+        state.reached.pop(group, None)
         self._let_go_on_device(state, group)
         shifts = state.seq_shifts.pop(group, None)  # and gloo's uneven numbering of monitored barriers
         if shifts:

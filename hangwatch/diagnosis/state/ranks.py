@@ -110,6 +110,10 @@ class RankState:
     #: Recorder entries (made again by a new agent, they are the same records: dropped)
     last_call_id: int = 0
     entry_seqs: dict[str, int] = field(default_factory=dict)
+    #: per group: the highest seq of a collective the rank was seen to enter, by any source. Its
+    #: history may have let that call go: it keeps calls as they came, and a late Flight Recorder
+    #: read of older C++ collectives pushes out the newer Python calls before them.
+    reached: dict[str, int] = field(default_factory=dict)
     #: per group: (last raw seq of a monitored_barrier this rank numbered unevenly, the total to
     #: take off torch's seqs after it), oldest first (see ``JobState._shift_after``)
     seq_shifts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)

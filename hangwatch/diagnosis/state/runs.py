@@ -142,6 +142,8 @@ class Runs(_Base):
             passed, last = True, self._pass(state, run, hist, 0, n, costs, device)
         else:
             passed, last = self._run_by_slots(state, run, hist, costs, now, device)
+        if run.last_seq > state.reached.get(group, 0):
+            state.reached[group] = run.last_seq
         if last is not None:
             before = state.last_call
             if before is None or last.enter_time >= before.enter_time:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from hangwatch.diagnosis.detectors import ends, frozen, mismatch, stuck
+from hangwatch.flight_entries import ENTRY_CALL_IDS
 from hangwatch.records import EndKind, GpuStatus, ProcState
 from tests.factories import T0, SimJob, only, open_incidents
 
@@ -61,6 +62,27 @@ def test_a_leaver_whose_last_read_did_not_come_is_still_judged_on_python_calls()
     sim.end(1, EndKind.CLEAN_EXIT, T0 + 10)
     sim.states[1].flight_to = T0 + 9
     assert only(ends.detect(sim.job, sim.ctx(T0 + 12)), "early_exit").culprit_ranks == [1]
+
+
+def test_a_leaver_s_last_python_calls_pushed_out_of_its_history_by_a_late_read_still_count() -> None:
+    """Found in CI (FSDP2's look-alike on a loaded machine): a rank's history keeps its last calls
+    as they came, and a late Flight Recorder read of its older C++ collectives pushed its newer
+    Python all_reduce out. Judged on its history, it seemed never to have reached the all_reduce
+    its peer had just made, and a healthy job was told an early exit."""
+    sim = SimJob(2)
+    for rk in (0, 1):
+        sim.exit(sim.call(rk, T0 + 9.5, seq=70), T0 + 9.6)  # the Python all_reduce, read at once
+    for seq in range(1, 70):  # rank 1's C++ collectives before it, read late and all at once
+        cid = ENTRY_CALL_IDS + seq
+        sim.exit(sim.call(1, T0 + seq / 10, seq=seq, source="flight_recorder", call_id=cid), T0 + seq / 10 + 0.05)
+    assert all(c.seq < 70 for c in sim.states[1].history["0"])  # pushed out
+    sim.end(1, EndKind.CLEAN_EXIT, T0 + 10)
+    sim.states[1].flight_to = T0 + 10.1
+    sim.end(0, EndKind.CLEAN_EXIT, T0 + 10.05)
+    assert ends.detect(sim.job, sim.ctx(T0 + 12)) == []
+    # it did leave before a call its peer made after: still told
+    sim.call(0, T0 + 9.8, seq=71)
+    assert only(ends.detect(sim.job, sim.ctx(T0 + 12)), "early_exit").seq == 71
 
 
 def test_clean_exit_after_everything_completed_is_not_an_incident() -> None:
