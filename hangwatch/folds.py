@@ -11,8 +11,9 @@ calls. Folding changes nothing a detector sees (``CallRun.call`` makes each call
 A stretch folds when its calls are alike to a cycle's in every field but their ids, seqs,
 steps and times: consecutive ids and seqs on one group, each completed once with finite
 times, none async, steps one apart at most, advancing at a fixed number of calls. The
-cycle is the shortest period of the stretch's signatures, seen twice over, or the one the
-rank's previous batch folded, where this batch takes up where it left off. Every test is a
+cycle is the shortest period of the stretch's signatures (seen twice over, or, where no cycle
+was known, at least its first ``FOLD_MIN`` calls again), or the one the rank's previous batch
+folded, where this batch takes up where it left off. Every test is a
 comparison of lists (C), not a loop over calls in Python.
 """
 
@@ -56,10 +57,11 @@ class Recent:
     seq: int
 
 
-def period(sids: Sequence[int], limit: int = MAX_FOLD) -> int:
-    """The shortest period of ``sids`` seen at least twice over (0: none)."""
+def period(sids: Sequence[int], limit: int = MAX_FOLD, once: bool = False) -> int:
+    """The shortest period of ``sids`` seen twice over, or (``once``) whose first ``FOLD_MIN``
+    calls at least come again (0: none)."""
     n = len(sids)
-    for p in range(1, min(limit, n // 2) + 1):
+    for p in range(1, min(limit, max(n // 2, n - FOLD_MIN) if once else n // 2) + 1):
         if sids[p:] == sids[: n - p]:
             return p
     return 0
@@ -125,7 +127,10 @@ def fold(
         # the calls just before these (the rank's last batch, not folded), where they lead here
         lead_in = list(recent.sids) if recent is not None and (recent.call_id, recent.seq) == (c0, q0) else []
         k = len(lead_in)
-        p = period(lead_in + list(sids)) if k + n >= FOLD_MIN else 0
+        # where no cycle was taken up, a period seen once and in part again will do: a job's
+        # first batch may hold less than two of its steps (every rank's at once, each call a
+        # slot the others fill); one that gets it wrong costs the next batch a call alone
+        p = period(lead_in + list(sids), once=before is None) if k + n >= FOLD_MIN else 0
         if not p:
             return None
         base = tuple(lead_in[:p]) if k >= p else tuple((lead_in + list(sids))[:p])

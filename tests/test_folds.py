@@ -76,13 +76,31 @@ def test_a_batch_of_fsdp_steps_is_one_run_that_makes_every_call_as_sent() -> Non
 
 def test_batches_of_less_than_two_periods_fold_once_the_cycle_is_seen() -> None:
     """Ten calls a batch (a rank's 2 s at 5 collectives a second): the first batches travel as
-    calls until two periods have come, every later one is a run taking up where the last ended."""
+    calls until a period and ``FOLD_MIN`` calls more have come, every later one is a run taking up
+    where the last ended."""
     calls = _fsdp(200)
     batches = _batches(calls, list(range(10, 200, 10)))
     made, events = _decoded(batches, fold=True)
     assert made == [_fields(c) for c in calls]
     kinds = ["run" if isinstance(ev, r.CallRun) else "call" for ev in events]
-    assert kinds == ["call"] * 30 + ["run"] * 17
+    assert kinds == ["call"] * 10 + ["run"] * 19
+
+
+def test_a_rank_s_first_batch_of_a_step_and_a_part_is_a_run() -> None:
+    """Every rank's first batch comes at once: 20 calls of a 16-call step went one by one, a slot
+    each that every other rank's calls filled (327,680 calls at 16,384 ranks). Where no cycle is
+    known yet, a period whose first calls come again folds; the next batch takes it up. A first
+    batch that opens with calls of its own (a broadcast of the weights) does not fold."""
+    calls = _fsdp(60)
+    made, events = _decoded(_batches(calls, [20, 40]), fold=True)
+    assert made == [_fields(c) for c in calls]
+    assert [type(ev).__name__ for ev in events] == ["CallRun"] * 3
+    opening = [_call(1, 0, 0, op="broadcast", width=5), *_fsdp(19, start=1)]
+    for i, c in enumerate(opening):
+        c.call_id = c.seq = i + 1
+    made, events = _decoded(_batches(opening, []), fold=True)
+    assert made == [_fields(c) for c in opening]
+    assert not any(isinstance(ev, r.CallRun) for ev in events)
 
 
 def test_the_last_call_under_way_stays_a_call_and_the_next_batch_takes_up_after_it() -> None:
