@@ -12,6 +12,7 @@ past this module sees the difference. Both tables start empty at every ``Registe
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -270,6 +271,37 @@ def _shared(value: Any) -> Any:
     return value
 
 
+#: Signatures as decoded once, by their bytes, for every session: a job's ranks define the same
+#: calls, all in their first steps (16 each at 16,384 ranks: 262,144 at once). A rank's template
+#: is a copy with its rank; what the budget charges it is worked out once. Only short ones are
+#: kept, and the cache starts again when full: a session's signatures cost another none.
+_DECODED: dict[bytes, tuple[r.CallRecord, Callable[[r.CallRecord], int] | None, int]] = {}
+MAX_DECODED = 4096
+DECODED_BYTES = 512
+
+
+def _template(rank: int, msg: pb.Call, cost: Callable[[r.CallRecord], int] | None) -> r.CallRecord:
+    """The template of a signature's call for ``rank``, its ``cost`` set (raises as
+    ``wire.call_from_pb`` does)."""
+    key = msg.SerializeToString()
+    known = _DECODED.get(key)
+    if known is not None and known[1] is cost:
+        t = known[0]
+        template = r.CallRecord(
+            rank, t.call_id, t.op, t.group, t.seq, t.inputs, t.outputs, t.reduce_op, t.root, t.peer, t.async_op,
+            t.step, t.call_site, t.enter_time, t.exit_time, t.source, t.error, t.seq_count, t.extra,
+        )  # fmt: skip
+        template.cost = known[2]
+        return template
+    template = wire.call_from_pb(rank, msg)
+    template.cost = cost(template) if cost is not None else 0
+    if len(key) <= DECODED_BYTES:
+        if len(_DECODED) >= MAX_DECODED:
+            _DECODED.clear()
+        _DECODED[key] = (dataclasses.replace(template, rank=-1), cost, template.cost)
+    return template
+
+
 #: Calls a batch's runs may stand for beyond their entries (``CallColumns.run``): a batch of
 #: more is refused whole, as a batch whose columns do not line up is.
 MAX_RUN_CALLS = 1 << 20
@@ -303,21 +335,20 @@ class CallDecoder:
         entries rejected (malformed, or naming an undefined signature), and the number of exits
         folded into column entries (counted as accepted events)."""
         rejected = 0
-        if batch.signatures and self.folder is not None:
-            self.folder.forget()
+        if self.folder is not None and any(sig.id in self.table for sig in batch.signatures):
+            self.folder.forget()  # an id redefined: a cycle found of it may be another's now
         for sig in batch.signatures:
             if sig.id not in self.table and len(self.table) >= self.capacity:
                 rejected += 1
                 continue
             try:
-                template = wire.call_from_pb(rank, sig.call)
+                template = _template(rank, sig.call, self.cost)
             except (wire.WireError, ValueError, OverflowError):
                 self._drop(sig.id)
                 rejected += 1
                 continue
             self._drop(sig.id)
             if self.cost is not None and self.charge is not None:
-                template.cost = self.cost(template)
                 if not self.charge(template.cost):
                     rejected += 1
                     continue

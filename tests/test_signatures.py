@@ -3,10 +3,12 @@ rank recorded, in an order that keeps the job state right, and bad or stale inpu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from hangwatch import records as r
-from hangwatch import wire
+from hangwatch import signatures, wire
+from hangwatch.diagnosis import budget
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.signatures import CallDecoder, CallEncoder
 from tests import factories
@@ -170,3 +172,39 @@ def test_calls_alike_travel_as_runs_where_the_coordinator_takes_them() -> None:
     flat = [c for e in got for c in (e.calls() if isinstance(e, r.CallRun) else [e])]
     assert flat == plain
     assert size < plain_size
+
+
+def test_a_signature_many_ranks_define_is_decoded_once_and_each_template_is_its_rank_s() -> None:
+    """A job's ranks define the same calls in their first steps (262,144 definitions at 16,384
+    ranks): decoded once, each rank's template is its own, with its rank and its charge."""
+    signatures._DECODED.clear()
+    charged: list[int] = []
+    batch = pb.ReportBatch(rank=0)
+    sig = batch.signatures.add(id=1)
+    wire.call_to_pb(call(1, 1, site="train.py:77 in once"), sig.call)
+    calls = 0
+    real = signatures.wire.call_from_pb
+
+    def counted(rank: int, msg: pb.Call) -> r.CallRecord:
+        nonlocal calls
+        calls += 1
+        return real(rank, msg)
+
+    signatures.wire.call_from_pb = counted  # type: ignore[assignment]
+    try:
+        tables = []
+        for rank in range(8):
+            dec = CallDecoder(cost=budget.call_bytes, charge=lambda n: charged.append(n) is None)
+            dec.decode(rank, batch)
+            tables.append(dec.table[1])
+    finally:
+        signatures.wire.call_from_pb = real  # type: ignore[assignment]
+    assert calls == 1
+    assert [t.rank for t in tables] == list(range(8))
+    assert len({id(t) for t in tables}) == 8  # one each: what the job state keeps on it is the rank's
+    assert charged == [budget.call_bytes(tables[0])] * 8
+    assert tables[5] == dataclasses.replace(real(5, sig.call), cost=tables[5].cost)
+    bad = pb.ReportBatch(rank=0)
+    bad.signatures.add(id=2)  # no op: refused each time, never kept
+    for rank in range(2):
+        assert CallDecoder().decode(rank, bad)[1] == 1
