@@ -104,11 +104,13 @@ def fold(
     before: Cycle | None,
     recent: Recent | None = None,
     known: dict[tuple[int, ...], r.Shape | None] | None = None,
+    whole: bool = False,
 ) -> tuple[r.CallRun, Cycle] | None:
     """The calls of these columns (none a run, every one counted once) as one run, and the
     cycle it ends in; None where they do not fold whole. ``before``: the cycle the rank's last
     fold ended in; ``recent``: the calls of its last batch, where it did not fold; ``known``:
-    the rank's cycles found before (``Folder.known``)."""
+    the rank's cycles found before (``Folder.known``); ``whole``: calls that are each another
+    call and show no cycle are a run whose cycle is themselves (then ``Cycle.sids`` are them)."""
     n = len(sids)
     if n < 2:
         return None
@@ -131,12 +133,15 @@ def fold(
         # first batch may hold less than two of its steps (every rank's at once, each call a
         # slot the others fill); one that gets it wrong costs the next batch a call alone
         p = period(lead_in + list(sids), once=before is None) if k + n >= FOLD_MIN else 0
-        if not p:
+        if p:
+            base = tuple(lead_in[:p]) if k >= p else tuple((lead_in + list(sids))[:p])
+            cycle = base[k % p :] + base[: k % p]
+            start = min(range(p), key=lambda j: cycle[j:] + cycle[:j])  # the turn least as ids
+            one, turn = cycle[start:] + cycle[:start], (p - start) % p
+        elif whole and n <= MAX_FOLD and len(set(sids)) == n:
+            one, p = tuple(sids), n
+        else:
             return None
-        base = tuple(lead_in[:p]) if k >= p else tuple((lead_in + list(sids))[:p])
-        cycle = base[k % p :] + base[: k % p]
-        start = min(range(p), key=lambda j: cycle[j:] + cycle[:j])  # the turn least as ids
-        one, turn = cycle[start:] + cycle[:start], (p - start) % p
     if known is None:
         found = templates_of(table, one)
     elif one in known:
@@ -298,7 +303,16 @@ class Folder:
             if len(self.known) >= MAX_KNOWN:
                 self.forget()
             for before in befores:
-                made = fold(rank, table, sids, cids, seqs, steps, enters, exits, before, self.recent, self.known)
+                cold = before is None  # no cycle to take up: calls each another call are a run of their own
+                made = fold(
+                    rank, table, sids, cids, seqs, steps, enters, exits, before, self.recent, self.known, whole=cold
+                )
+                if made is not None and cold and len(made[1].sids) == len(sids):
+                    # (a job's first calls, every rank's at once: each a slot all others fill, where
+                    # they come one by one) the next batch finds the cycle with these leading in
+                    self.cycle, self.guesses = None, ()
+                    self.recent = recent(self.recent, columns[0], columns[1], columns[2])
+                    return [made[0]], tuple(col[m:] for col in columns), None, len(sids)
                 if made is not None:  # the last may be under way, left out
                     left = tuple(col[m:] for col in columns)
                     self.cycle, self.recent = passed(made[1], left[0], left[1], left[2], left[3]), None

@@ -75,15 +75,16 @@ def test_a_batch_of_fsdp_steps_is_one_run_that_makes_every_call_as_sent() -> Non
 
 
 def test_batches_of_less_than_two_periods_fold_once_the_cycle_is_seen() -> None:
-    """Ten calls a batch (a rank's 2 s at 5 collectives a second): the first batches travel as
-    calls until a period and ``FOLD_MIN`` calls more have come, every later one is a run taking up
-    where the last ended."""
+    """Ten calls a batch (a rank's 2 s at 5 collectives a second): the first, ten calls each
+    another, is a run of its own; the second finds the cycle with the first leading in (a period
+    and ``FOLD_MIN`` calls more), and every later one is a run taking up where the last ended."""
     calls = _fsdp(200)
     batches = _batches(calls, list(range(10, 200, 10)))
     made, events = _decoded(batches, fold=True)
     assert made == [_fields(c) for c in calls]
     kinds = ["run" if isinstance(ev, r.CallRun) else "call" for ev in events]
-    assert kinds == ["call"] * 10 + ["run"] * 19
+    assert kinds == ["run"] * 20
+    assert [len(ev.templates) for ev in events[:3]] == [10, 16, 16]  # type: ignore[union-attr]
 
 
 def test_a_rank_s_first_batch_of_a_step_and_a_part_is_a_run() -> None:

@@ -153,17 +153,18 @@ class Outcome:
     opened: int = 0  # of those, made open calls where the device stopped at them
 
 
-def _play(p: Program, runs: bool, wire: bool = False, hold: bool = False) -> Outcome:
+def _play(p: Program, runs: bool, wire: bool = False, hold: bool = False, fold: bool = False) -> Outcome:
     """Read every rank's ring in its batches, round after round, into a real job state, with a
     tick of the real engine after each round; then long enough after for a hang to be told.
     ``wire``: through the wire, as a remote agent or relay ships them (``RingEncoder.encode``,
     protobuf bytes, ``CallDecoder``), runs in column entries where ``runs``. ``hold``: as a node
     agent reads, a read that reached the ring's end holds its trailing call under way back for the
     next read, which sends it, empty or not (``Shipper._ship``): what that costs is one read of
-    delay, the same with runs or without, so runs are compared with calls held alike."""
+    delay, the same with runs or without, so runs are compared with calls held alike. ``fold``:
+    the coordinator folds what came call by call (``hangwatch.folds``)."""
     job = SimJob(p.world, registered=T0)
     readers = []
-    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True) for _ in range(p.world)]
+    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True, fold=fold) for _ in range(p.world)]
     end = T0
     for rank in range(p.world):
         ring, last = _ring(p, rank)
@@ -292,7 +293,11 @@ def _same_both_ways(p: Program) -> None:
     for hold in (False, True):
         alone = _play(p, runs=False, hold=hold)
         assert alone.runs == 0
-        for runs in (_play(p, runs=True, hold=hold), _play(p, runs=True, wire=True, hold=hold)):
+        for runs in (
+            _play(p, runs=True, hold=hold),
+            _play(p, runs=True, wire=True, hold=hold),
+            _play(p, runs=False, wire=True, hold=hold, fold=True),  # folded by the coordinator
+        ):
             assert runs.incidents == alone.incidents
             assert runs.ranks == alone.ranks
             assert runs.received == alone.received
@@ -341,7 +346,11 @@ def test_a_healthy_loop_made_anew_raises_nothing_however_it_is_read(p: Program) 
     for hold in (False, True):
         alone = _play(p, runs=False, hold=hold)
         assert alone.incidents == []
-        for runs in (_play(p, runs=True, hold=hold), _play(p, runs=True, wire=True, hold=hold)):
+        for runs in (
+            _play(p, runs=True, hold=hold),
+            _play(p, runs=True, wire=True, hold=hold),
+            _play(p, runs=False, wire=True, hold=hold, fold=True),  # folded by the coordinator
+        ):
             assert runs.incidents == []
             assert runs.ranks == alone.ranks
 
