@@ -40,6 +40,11 @@ SUSPECT_SILENCE_S = 2.5
 #: calls account for, but reads each rank at least every 20 s
 #: (``agent.flightrecorder.MAX_READ_EVERY_S``) and a spared CPU ring every 10 s.
 FLIGHT_STALE_S = 60.0
+#: A rank still inside a call says so in each batch (one at least every 2 s, held up to 1 s by
+#: a relay): a wait counts to the threshold only where a waiting rank's word came this close to
+#: it since. Before, its exit may be on its way to a coordinator running behind (at 16,384
+#: ranks, ranks whose first call's exit was queued were told waiting for ranks not heard yet).
+HEARD_WITHIN_S = 3.0
 
 
 def _silent(state: RankState, ctx: Context) -> bool:
@@ -154,10 +159,19 @@ def _candidates(job: JobState, ctx: Context) -> list[tuple[float, Slot, tuple[in
                 # (rank_died, or nothing at all where the whole job was stopped mid-call)
                 continue
             oldest = min(slot.calls[rk].enter_time for rk in waiting)
-            if ctx.now - oldest >= ctx.stuck_after and (group, seq) not in ctx.claimed:
+            if (
+                ctx.now - oldest >= ctx.stuck_after
+                and (group, seq) not in ctx.claimed
+                and _still_waiting(job, waiting) >= oldest + ctx.stuck_after - HEARD_WITHIN_S
+            ):
                 candidates.append((oldest, slot, job.members(group), waiting))
             break  # later slots of this group are younger: the oldest unresolved slot is the root
     return candidates
+
+
+def _still_waiting(job: JobState, waiting: list[int]) -> float:
+    """Up to when the waiting ranks are known to wait: the latest word of any of them."""
+    return max((st.last_sent for rk in waiting if (st := job.ranks.get(rk)) is not None), default=0.0)
 
 
 BARRIERS = catalogue.record_names([catalogue.Kind.BARRIER])

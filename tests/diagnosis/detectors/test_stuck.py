@@ -47,6 +47,28 @@ def test_absent_rank_is_not_blamed_on_news_older_than_the_slot() -> None:
     assert only(stuck.detect(sim.job, sim.ctx(T0 + 12.6)), "stuck_collective").culprit_ranks == [1]
 
 
+def test_a_wait_is_counted_to_the_threshold_only_as_far_as_the_waiting_ranks_said_so() -> None:
+    """Found at 16,384 ranks (``bench/scale.py``): ranks whose first call was under way as their
+    first batch left, their exit in a batch still queued at a coordinator running behind, were
+    told waiting 5 s for ranks not heard from since their first word. A wait counts to the
+    threshold only where a waiting rank said, close to it, that it still waits."""
+    sim = SimJob(3)
+    waits = [sim.call(rk, T0 + 0.1, seq=1) for rk in (0, 1)]
+    for rk in (0, 1):
+        sim.states[rk].last_sent = T0 + 0.9  # their first batch, with the call under way
+    sim.states[2].last_seen = sim.states[2].last_sent = T0 + 1.0  # heard, no call yet
+    for rk in range(3):
+        sim.states[rk].last_seen = T0 + 5.2
+    assert stuck.detect(sim.job, sim.ctx(T0 + 5.2, stuck_after=5.0)) == []
+    # the hang goes on: they say they still wait, and rank 2 that it has not come
+    sim.beat(T0 + 5.5)
+    f = only(stuck.detect(sim.job, sim.ctx(T0 + 5.5, stuck_after=5.0)), "stuck_collective")
+    assert (f.culprit_ranks, f.waiting_ranks, f.seq) == ([2], [0, 1], 1)
+    for call in waits:  # the look-alike: their exits were on their way, queued behind the rest
+        sim.exit(call, T0 + 1.0)
+    assert stuck.detect(sim.job, sim.ctx(T0 + 5.6, stuck_after=5.0)) == []
+
+
 def test_a_rank_inside_an_op_no_read_showed_is_not_absent() -> None:
     """A rank whose node agent found it inside an op of the group that no Flight Recorder read
     showed (its entry overwritten first: ``RankState.unseen``) is not blamed with the rank that
