@@ -115,7 +115,9 @@ def fold(
     if n < 2:
         return None
     c0, q0 = cids[0], seqs[0]
-    if list(cids) != list(range(c0, c0 + n)) or list(seqs) != list(range(q0, q0 + n)):
+    if list(range(c0, c0 + n)) != (cids if type(cids) is list else list(cids)) or list(range(q0, q0 + n)) != (
+        seqs if type(seqs) is list else list(seqs)
+    ):
         return None
     if not math.isfinite(sum(enters) + sum(exits)):  # NaN: one under way (inf: a time no clock gives)
         return None
@@ -157,10 +159,15 @@ def fold(
     shape = found
     ordered = shape.templates[turn:] + shape.templates[:turn] if turn else shape.templates
     run = r.CallRun(
-        rank, ordered[0], c0, q0, steps[0], list(enters), list(exits), cycle=ordered[1:], per_step=per, lead=lead,
+        rank, ordered[0], c0, q0, steps[0], _owned(enters), _owned(exits), cycle=ordered[1:], per_step=per, lead=lead,
         shape=shape, turn=turn,
     )  # fmt: skip
     return run, Cycle(one, per or per_hint, c0 + n, q0 + n, run.last_step, (turn + n) % p)
+
+
+def _owned(values: Sequence[float]) -> list[float]:
+    """``values`` as a list of the run's own: the columns' slices are, a tuple is copied."""
+    return values if type(values) is list else list(values)
 
 
 def templates_of(table: dict[int, r.CallRecord], sids: tuple[int, ...]) -> r.Shape | None:

@@ -148,6 +148,10 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         # members (how many stand at each seq: ``passed_counts``); and what the first run through each range of
         # seqs was ([lo, hi, key], oldest first), which the others' runs are compared with
         self.passed: dict[str, dict[int, collections.deque[r.CallRun]]] = {}
+        #: per group, where the runs of ``passed`` end and whose they are, in the order they
+        #: were kept: ``_prune_runs`` lets go of them oldest first, without a walk of every
+        #: member's runs
+        self.kept_order: dict[str, collections.deque[tuple[int, int]]] = {}
         self.passed_to: dict[str, dict[int, int]] = {}
         self.passed_low: dict[str, int] = {}
         #: per group, how many members stand at each seq they passed (``Runs._advance``): for

@@ -202,6 +202,7 @@ class _Base:
     _world: tuple[int, ...]
     conflicts: collections.deque[dict[str, object]]
     passed: dict[str, dict[int, collections.deque[r.CallRun]]]
+    kept_order: dict[str, collections.deque[tuple[int, int]]]
     passed_to: dict[str, dict[int, int]]
     passed_low: dict[str, int]
     passed_counts: dict[str, tuple[tuple[int, ...], frozenset[int], dict[int, int]]]

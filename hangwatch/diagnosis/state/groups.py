@@ -81,6 +81,7 @@ class Groups(_Base):
         for runs in (self.passed.pop(name, None) or {}).values():
             for run in runs:
                 self._drop_run(run)
+        self.kept_order.pop(name, None)
         self.passed_to.pop(name, None)
         self.passed_low.pop(name, None)
         self.passed_counts.pop(name, None)

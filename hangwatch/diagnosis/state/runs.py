@@ -53,6 +53,20 @@ class RunFacts:
     keys: tuple[tuple[object, ...], ...]  # ``base.run_keys``
 
 
+#: Runs' places kept in the order they were kept (``JobState.kept_order``), a few per member.
+KEPT_ORDER_PER_MEMBER = 4
+KEPT_ORDER_MIN = 1024
+
+
+def _count_in(slots: collections.OrderedDict[int, Slot], first: int, n: int) -> int:
+    """How many of ``slots`` are at the ``n`` seqs from ``first``."""
+    if not _any_in(slots, first, first + n - 1):
+        return 0
+    if len(slots) <= n:
+        return sum(1 for seq in slots if first <= seq < first + n)
+    return sum(1 for seq in range(first, first + n) if seq in slots)
+
+
 class Runs(_Base):
     """Runs of alike calls (``records.CallRun``), taken whole: a call made only where a table needs one."""
 
@@ -113,6 +127,9 @@ class Runs(_Base):
                 self._enter(state, run.call(i), now)
             return
         device = self._device_from(state, run, now) if state.progress and n == len(run.exits) else n
+        slots = self.slots.get(group)
+        # each call a slot waits for is entered whole: its tables, and its open call, are charged too
+        whole = _count_in(slots, run.first_seq, n) * (b.CALL_TABLES_BYTES + b.OPEN_BYTES) if slots else 0
         if (
             not n
             or len(run.exits) != n
@@ -121,7 +138,9 @@ class Runs(_Base):
             or (device < n and len(state.on_device.get(group) or ()) >= ON_DEVICE_RUNS)
             or state.seq_shifts.get(group)
             or run.first_call_id <= state.last_call_id
-            or not self._room(state, b.run_bytes(n) * (2 if device < n else 1) + min(n, HISTORY_PER_GROUP) * max(costs))
+            or not self._room(
+                state, b.run_bytes(n) * (2 if device < n else 1) + min(n, HISTORY_PER_GROUP) * max(costs) + whole
+            )
         ):
             for i in range(n):
                 self._enter(state, run.call(i), now)
@@ -131,7 +150,6 @@ class Runs(_Base):
         if self.anew:
             self._made_anew(state, group, hist, first, run.first_call_id)
         offset = run.offset = state.clock_offset
-        slots = self.slots.get(group)
         open_here = state.open_collectives.get(group)
         if open_here:  # collectives on one group complete in order (as ``_enter`` closes them)
             for other in [c for c in open_here.values() if c.seq < first and c.returned_time is None]:
@@ -320,9 +338,15 @@ class Runs(_Base):
             self.run_refs.pop(group, None)
             self._arrivals_due.pop(group, None)
         runs.append(run)
+        members = self.members(group)
+        order = self.kept_order.get(group)
+        if order is None:
+            order = self.kept_order[group] = collections.deque()
+        order.append((run.last_seq, state.rank))
+        if len(order) > KEPT_ORDER_PER_MEMBER * len(members) + KEPT_ORDER_MIN:
+            order.popleft()  # (a member that never comes: the bound below lets its runs go)
         while len(runs) > 1 and runs[-1].last_seq - runs[0].first_seq >= MAX_SLOTS_PER_GROUP:
             self._drop_run(runs.popleft())  # a member that never comes: bounded as slots are
-        members = self.members(group)
         self._compare_run(group, mine)
         self._advance(group, state.rank, run.last_seq, members)
 
@@ -464,14 +488,19 @@ class Runs(_Base):
     def _prune_runs(self, group: str, low: int) -> None:
         """Let go of runs every member has passed, but for the last ``ARRIVALS_KEPT`` seqs (whose
         arrivals may not be counted yet; slots are kept so too). Done every ``PRUNE_RUNS_EVERY``
-        seqs, not at each: it walks every member's runs."""
+        seqs, not at each. The runs go in the order they were kept, up to the first that stays:
+        a rank's runs are kept in their order, and one kept late waits for those before it."""
         self._pruned_to[group] = low
         tail = low - ARRIVALS_KEPT
-        for st in self.ranks.values():  # a slot made where a device stopped takes its calls from them
-            held = st.on_device.get(group) if st.on_device else None
-            if held and held[0].first_seq < tail:
-                tail = held[0].first_seq
-        for runs in self.passed.get(group, {}).values():
+        if self.device_calls:  # a slot made where a device stopped takes its calls from them
+            for st in self.ranks.values():
+                held = st.on_device.get(group) if st.on_device else None
+                if held and held[0].first_seq < tail:
+                    tail = held[0].first_seq
+        order = self.kept_order.get(group)
+        byrank = self.passed.get(group, {})
+        while order and order[0][0] < tail:
+            runs = byrank.get(order.popleft()[1])
             while runs and runs[0].last_seq < tail:
                 self._drop_run(runs.popleft())
         refs = self.run_refs.get(group)
