@@ -360,8 +360,8 @@ class CallDecoder:
         rest: list[r.RankEvent] = []
         in_columns: set[int] | None = None  # call ids in this batch's columns, built on the first exit
         for msg in batch.events:
-            try:
-                ev = wire.event_from_pb(rank, msg)
+            try:  # (a few steps in each batch: taken without the dispatch over every kind)
+                ev = wire.step_from_pb(rank, msg.step) if msg.HasField("step") else wire.event_from_pb(rank, msg)
             except (wire.WireError, ValueError, OverflowError):
                 rejected += 1
                 continue
@@ -401,7 +401,8 @@ class CallDecoder:
         counts = list(cols.seq_count) or [1] * n
         runs = list(cols.run) or [1] * n
         cycles = list(cols.run_cycle) or [0] * n
-        extra = sum(k - 1 for k in runs if k > 1)
+        # (no runs, no cycles: a batch of calls one by one, as most are; nothing to add up)
+        extra = sum(k - 1 for k in runs if k > 1) if cols.run else 0
         if (
             lengths != {n}
             or len(counts) != n
@@ -410,8 +411,8 @@ class CallDecoder:
             or extra > MAX_RUN_CALLS
             or len(cols.run_enter) != extra
             or len(cols.run_exit) != extra
-            or any(c and (k < 2 or c > MAX_CYCLE) for c, k in zip(cycles, runs, strict=True))
-            or len(cols.run_signature) != sum(cycles)
+            or (cols.run_cycle and any(c and (k < 2 or c > MAX_CYCLE) for c, k in zip(cycles, runs, strict=True)))
+            or len(cols.run_signature) != (sum(cycles) if cols.run_cycle else 0)
         ):
             return [], n, 0  # columns that do not line up cannot be trusted at all
         table = self.table

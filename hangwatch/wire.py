@@ -251,6 +251,11 @@ def group_from_pb(msg: pb.Group) -> r.GroupInfo:
     )
 
 
+def step_from_pb(rank: int, msg: pb.Step) -> r.StepEvent:
+    _finite(msg.time)
+    return r.StepEvent(rank, msg.step, msg.time)
+
+
 def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
     which = msg.WhichOneof("body")
     if which == "call":
@@ -268,8 +273,7 @@ def event_from_pb(rank: int, msg: pb.Event) -> r.RankEvent:
         _finite(g.time)
         return r.GroupEvent(rank, kind, group_from_pb(g.group), g.time, clip(g.call_site, MAX_SITE))
     if which == "step":
-        _finite(msg.step.time)
-        return r.StepEvent(rank, msg.step.step, msg.step.time)
+        return step_from_pb(rank, msg.step)
     if which == "marker":
         m = msg.marker
         _finite(m.time)

@@ -214,7 +214,10 @@ class Runs(_Base):
         d = max(lo, n - DURATIONS_KEPT)
         w = min(hi, device)
         if d < w:
-            self.wait_durations.extend(map(max, itertools.repeat(0.0), map(operator.sub, exits[d:w], enters[d:w])))
+            waits = list(map(operator.sub, exits[d:w], enters[d:w]))
+            if min(waits) < 0.0:  # (a clock stepped back inside a call: none waited less than nothing)
+                waits = [t if t > 0.0 else 0.0 for t in waits]
+            self.wait_durations.extend(waits)
         lo = max(lo, n - HISTORY_PER_GROUP)
         k = hi - lo
         if k <= 0:
