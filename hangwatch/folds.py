@@ -261,6 +261,15 @@ def past(cycle: Cycle, skip: int, call_id: int, seq: int, step: int) -> Cycle:
     )
 
 
+#: No columns left: nine, as ``Folder.take`` hands them on.
+NONE_LEFT: tuple[Sequence[Any], ...] = ((),) * 9
+
+
+def _rest(columns: tuple[Sequence[Any], ...], m: int, n: int) -> tuple[Sequence[Any], ...]:
+    """The columns from entry ``m`` of ``n`` on."""
+    return NONE_LEFT if m == n else tuple(col[m:] for col in columns)
+
+
 class Folder:
     """One rank session's folding (``signatures.CallDecoder``): the cycle its last fold ended
     in, or its last calls that did not fold, for the next batch to take up."""
@@ -319,9 +328,9 @@ class Folder:
                     # they come one by one) the next batch finds the cycle with these leading in
                     self.cycle, self.guesses = None, ()
                     self.recent = recent(self.recent, columns[0], columns[1], columns[2])
-                    return [made[0]], tuple(col[m:] for col in columns), None, len(sids)
+                    return [made[0]], _rest(columns, m, n), None, len(sids)
                 if made is not None:  # the last may be under way, left out
-                    left = tuple(col[m:] for col in columns)
+                    left = _rest(columns, m, n)
                     self.cycle, self.recent = passed(made[1], left[0], left[1], left[2], left[3]), None
                     self.guesses = ()
                     if m < n and self.cycle is made[1]:  # it parts from the cycle: the next batch tries each way on

@@ -431,7 +431,7 @@ class CallDecoder:
         record = r.CallRecord
         at = 0  # the next of a run's other calls' times
         cat = 0  # the next of a cycle's other signatures
-        for sid, cid, seq, step, enter, exit_time, count, k, c in zip(*columns, strict=True):
+        for sid, cid, seq, step, enter, exit_time, count, k, c in zip(*columns, strict=True) if columns[0] else ():
             t = table.get(sid)
             done = exit_time == exit_time  # not NaN: NaN marks a call still under way
             if k > 1:
