@@ -13,7 +13,8 @@ steps and times: consecutive ids and seqs on one group, each completed once with
 times, none async, steps one apart at most, advancing at a fixed number of calls. The
 cycle is the shortest period of the stretch's signatures (seen twice over, or, where no cycle
 was known, at least its first ``FOLD_MIN`` calls again), or the one the rank's previous batch
-folded, where this batch takes up where it left off. Every test is a
+folded, where this batch takes up where it left off. Where no cycle was known, calls that
+are each another call (a job's first step, seen once) are a run of their own. Every test is a
 comparison of lists (C), not a loop over calls in Python.
 """
 
