@@ -283,7 +283,7 @@ class Folder:
         self.recent: Recent | None = None
         #: each cycle's templates (by its ids in their least turn) as found once (None: it does
         #: not fold), so that a rank's runs of one cycle, whatever call they start at, share one
-        #: ``records.Shape`` and what the job state derives from it (``Runs._facts``); emptied
+        #: ``records.Shape`` and what the job state derives from it (``state.facts.facts_of``); emptied
         #: when the signature table changes
         self.known: dict[tuple[int, ...], r.Shape | None] = {}
 

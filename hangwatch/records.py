@@ -86,10 +86,10 @@ class CallRecord:
     #: coordinator only: how many of the job state's tables hold it (charged once, while > 0)
     holds: int = field(default=0, compare=False, repr=False)
     #: coordinator only, on a signature's template: whether its calls are wrong in themselves,
-    #: and against which group size (``Runs._faulty``)
+    #: and against which group size (``state.facts``)
     judged: tuple[int | None, bool] | None = field(default=None, compare=False, repr=False)
     #: coordinator only, on a signature's template: what the job state derived from a run of
-    #: it alone (``Runs._facts``)
+    #: it alone (``state.facts.facts_of``)
     facts: object = field(default=None, compare=False, repr=False)
 
     @property
@@ -247,7 +247,7 @@ class GroupProgress:
 @dataclass(eq=False, slots=True)
 class Shape:
     """A rank's cycle of templates on one group, in one turn (the runs of it start anywhere in
-    it: ``CallRun.turn``), and what the job state derived from it once (``Runs._facts``)."""
+    it: ``CallRun.turn``), and what the job state derived from it once (``state.facts.facts_of``)."""
 
     templates: tuple[CallRecord, ...]
     facts: object = None

@@ -10,11 +10,9 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
-from dataclasses import dataclass
 
 from hangwatch import records as r
 from hangwatch.diagnosis import budget as b
-from hangwatch.diagnosis.rules.collective import compare_collective
 from hangwatch.diagnosis.state.base import (
     ARRIVALS_KEPT,
     DURATIONS_KEPT,
@@ -27,8 +25,8 @@ from hangwatch.diagnosis.state.base import (
     _run_at,
     _run_key,
     _RunRef,
-    run_keys,
 )
+from hangwatch.diagnosis.state.facts import facts_of
 from hangwatch.diagnosis.state.history import History, RunSlice
 from hangwatch.diagnosis.state.ranks import (
     OnDevice,
@@ -37,34 +35,19 @@ from hangwatch.diagnosis.state.ranks import (
 )
 from hangwatch.flight_entries import ENTRY_CALL_IDS
 
-#: Calls judged in themselves, by what they are (``Runs._faulty``), for every job.
-_JUDGED: dict[tuple[object, ...], tuple[object, object, bool]] = {}
-MAX_JUDGED = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class RunFacts:
-    """What the job state derives from a run's templates (``Runs._facts``), in one turn of
-    them, kept on their ``records.Shape`` (or on a run's only template)."""
-
-    size: int | None  # the group's, when derived
-    costs: tuple[int, ...]  # each template's bytes
-    odd: bool  # some call is taken call by call: not a collective of the group, or wrong in itself
-    keys: tuple[tuple[object, ...], ...]  # ``base.run_keys``
-
-
 #: Runs' places kept in the order they were kept (``JobState.kept_order``), a few per member.
 KEPT_ORDER_PER_MEMBER = 4
 KEPT_ORDER_MIN = 1024
 
 
-def _count_in(slots: collections.OrderedDict[int, Slot], first: int, n: int) -> int:
-    """How many of ``slots`` are at the ``n`` seqs from ``first``."""
-    if not _any_in(slots, first, first + n - 1):
-        return 0
+def _waiting_in(slots: collections.OrderedDict[int, Slot] | None, first: int, n: int) -> list[int]:
+    """Where ``slots`` wait among the ``n`` seqs from ``first``, as offsets from it, in order;
+    found by whichever is fewer: the slots or the seqs."""
+    if not slots or not _any_in(slots, first, first + n - 1):
+        return []
     if len(slots) <= n:
-        return sum(1 for seq in slots if first <= seq < first + n)
-    return sum(1 for seq in range(first, first + n) if seq in slots)
+        return sorted(seq - first for seq in slots if first <= seq < first + n)
+    return [i for i in range(n) if first + i in slots]
 
 
 class Runs(_Base):
@@ -113,7 +96,7 @@ class Runs(_Base):
         group = run.template.group
         n = len(run.enters)
         size = len(self.members(group)) or None
-        costs, odd, mine = self._facts(run, size)
+        costs, odd, mine = facts_of(run, size)
         # from which call the device (NCCL) has not been seen to complete them: those are the
         # run's as the others are, and on the device until a progress read completes them
         if n > 2 and len(run.exits) == n and group not in state.history and not odd:
@@ -129,7 +112,7 @@ class Runs(_Base):
         device = self._device_from(state, run, now) if state.progress and n == len(run.exits) else n
         slots = self.slots.get(group)
         # each call a slot waits for is entered whole: its tables, and its open call, are charged too
-        whole = _count_in(slots, run.first_seq, n) * (b.CALL_TABLES_BYTES + b.OPEN_BYTES) if slots else 0
+        whole = len(_waiting_in(slots, run.first_seq, n)) * (b.CALL_TABLES_BYTES + b.OPEN_BYTES)
         if (
             not n
             or len(run.exits) != n
@@ -246,10 +229,7 @@ class Runs(_Base):
         group, first = run.template.group, run.first_seq
         n = len(run.enters)
         slots = self.slots[group]
-        if len(slots) <= n:
-            waiting = sorted(seq - first for seq in slots if first <= seq < first + n)
-        else:
-            waiting = [i for i in range(n) if first + i in slots]
+        waiting = _waiting_in(slots, first, n)
         passed = False
         last: r.CallRecord | None = None
         start = 0  # the first call of the stretch not yet taken
@@ -269,58 +249,6 @@ class Runs(_Base):
         finally:
             self._in_run = False
         return passed, last
-
-    def _facts(self, run: r.CallRun, size: int | None) -> tuple[tuple[int, ...], bool, _RunRef]:
-        """What ``_run`` derives from ``run``'s templates, for a group of ``size``: each call's
-        bytes a period (as ``_enter`` charges it), whether some call goes call by call, and the
-        run's reference (``_compare_run``). Derived once a rank's cycle (``records.Shape``,
-        whatever call a run starts at) or signature, not at each run."""
-        shape = run.shape
-        turn = run.turn if shape is not None else 0
-        if shape is None and run.cycle:
-            facts = self._derive(run.templates, size)  # (a cycle of the wire's: not kept)
-        else:
-            holder: r.Shape | r.CallRecord = shape if shape is not None else run.template
-            facts = holder.facts  # type: ignore[assignment]
-            if not isinstance(facts, RunFacts) or facts.size != size:
-                facts = self._derive(shape.templates if shape is not None else (run.template,), size)
-                holder.facts = facts
-        costs = facts.costs[turn:] + facts.costs[:turn] if turn else facts.costs
-        ref = _RunRef(run.first_seq, run.last_seq, facts.keys, run.first_seq - turn)
-        return costs, facts.odd, ref
-
-    def _derive(self, templates: tuple[r.CallRecord, ...], size: int | None) -> RunFacts:
-        group = templates[0].group
-        return RunFacts(
-            size,
-            tuple(c.cost or b.call_bytes(c) for c in templates),
-            any(c.kind is not r.OpKind.COLLECTIVE or c.group != group or self._faulty(c, size) for c in templates),
-            run_keys(templates),
-        )
-
-    def _faulty(self, template: r.CallRecord, size: int | None) -> bool:
-        """Whether a call of ``template`` is wrong in itself (against its group's ``size``):
-        each such call is a repeat the mismatch detector counts, so a run of them goes call by
-        call. Judged once a template and size (``CallRecord.judged``): a rank's runs come from
-        its few templates, over and over."""
-        judged = template.judged
-        if judged is not None and judged[0] == size:
-            return judged[1]
-        # another rank's template of the same call was judged already: its tensors are the same
-        # objects (``signatures._shared``); the rank matters only where it is the root
-        t = template
-        extra = tuple(t.extra.items()) if t.extra else ()
-        key = (t.op, id(t.inputs), id(t.outputs), t.reduce_op, t.root, t.async_op, extra, t.rank == t.root, size)
-        known = _JUDGED.get(key)
-        if known is not None and known[0] is t.inputs and known[1] is t.outputs:
-            faulty = known[2]
-        else:
-            faulty = compare_collective({t.rank: t}, size) is not None
-            if len(_JUDGED) >= MAX_JUDGED:
-                _JUDGED.clear()
-            _JUDGED[key] = (t.inputs, t.outputs, faulty)  # held: their ids stay theirs
-        template.judged = (size, faulty)
-        return faulty
 
     def _keep_run(self, state: RankState, run: r.CallRun, mine: _RunRef) -> None:
         group = run.template.group
