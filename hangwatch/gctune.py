@@ -1,10 +1,12 @@
 """Python's cyclic garbage collector, set for a long-running hangwatch daemon.
 
 A daemon that ingests batches allocates and frees containers by the million: a run of calls, its
-lists of times, a slice of a rank's history. With the default first threshold (700 allocations
-net of frees) the collector runs often, for garbage that reference counting frees anyway; a
-first threshold of 10,000 runs it rarely (BENCHMARKS.md has the figures). What start-up made
-(modules, the gRPC server, the store) is frozen out of the collector's walks.
+lists of times, a slice of a rank's history. A young pass walks every young object still alive,
+and a coordinator's are mostly each rank's newest run (at 16,384 ranks, 70,000 to 127,000 a pass,
+none of them garbage: reference counting frees the rest). With the default first threshold (700
+allocations net of frees) it runs often; with 100,000 it runs rarely (BENCHMARKS.md has the
+figures). What start-up made (modules, the gRPC server, the store) is frozen out of the
+collector's walks.
 
 Only daemons call :func:`tune` (the process is theirs); the hook in a rank never does: the
 training job's collector is the job's own.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import gc
 
-YOUNG_THRESHOLD = 10_000
+YOUNG_THRESHOLD = 100_000
 
 
 def tune() -> None:

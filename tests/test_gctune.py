@@ -28,9 +28,9 @@ def test_tune_raises_the_young_threshold_and_keeps_the_others() -> None:
 
 
 def test_tune_never_lowers_a_threshold_nor_turns_the_collector_on() -> None:
-    gc.set_threshold(50_000, 5, 5)
+    gc.set_threshold(500_000, 5, 5)
     gctune.tune()
-    assert gc.get_threshold() == (50_000, 5, 5)
+    assert gc.get_threshold() == (500_000, 5, 5)
     gc.set_threshold(0, 10, 10)  # off: set so by the process, and it stays so
     gctune.tune()
     assert gc.get_threshold()[0] == 0
