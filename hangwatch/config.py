@@ -123,6 +123,10 @@ DEFAULT_FR_BUFFER_SIZE = 256
 #: How often a rank reads its Flight Recorder ring (C++-issued collectives reach the coordinator
 #: up to this much later than the batches around them).
 FR_POLL_INTERVAL_S = 1.0
+#: However much a read costs the rank, a node agent reads its Flight Recorder rings at least this
+#: often (``agent.flightrecorder``); the coordinator waits this long, and a batch's way, for a read
+#: past a moment (``diagnosis.traces.TRACE_WAIT_S``).
+FR_MAX_READ_EVERY_S = 20.0
 #: A NCCL collective enqueued by every member whose start on the GPU is unknown (CUDA start
 #: events off: ``TORCH_NCCL_ENABLE_TIMING`` unset) may still be waiting for compute queued before
 #: it on the stream; it is called a transport stall only after this long (and 4x the stuck

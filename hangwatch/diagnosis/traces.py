@@ -16,9 +16,11 @@ from hangwatch.diagnosis.state import HISTORY_PER_GROUP, JobState, RankState
 from hangwatch.model.align import Edit, Mark, align, in_order, trace
 
 #: How long a finding waits for the Flight Recorder reads that make a rank's trace known through
-#: the moment it is about (read every second; spaced out to 20 s on a loaded node), before it
-#: is told on what is known.
-TRACE_WAIT_S = 10.0
+#: the moment it is about, before it is told on what is known: read every second, a rank is
+#: read at least every ``FR_MAX_READ_EVERY_S`` on a loaded node, and its batch takes up to 3 s
+#: more (sent every 2 s, held by a relay up to 1). Shorter, a loaded node's late read came after
+#: the story was told without it (a skipped backward told as leaving the loop).
+TRACE_WAIT_S = config.FR_MAX_READ_EVERY_S + 5.0
 
 
 def _calls(st: RankState) -> tuple[list[r.CallRecord], float, bool]:
