@@ -503,6 +503,36 @@ def test_arrivals_name_the_highest_rank_of_a_tie_as_slots_do() -> None:
     assert named == [[3], [3]]
 
 
+def test_a_large_group_s_arrivals_are_sampled_half_a_second_apart_and_name_its_last_rank() -> None:
+    """Past ``ARRIVALS_SAMPLED_FROM`` members, the arrivals at the newest seq runs completed are
+    counted alone, where its first arrival came ``ARRIVALS_SPREAD_S`` after the last counted
+    one's; read every round, most rounds count nothing. Rank 7 always arrives 0.3 s late."""
+    from hangwatch.diagnosis.state.base import ARRIVALS_SAMPLED_FROM, ARRIVALS_SPREAD_S
+
+    world, per_round, rounds = ARRIVALS_SAMPLED_FROM + 8, 4, 12
+    job = SimJob(world, registered=T0)
+    template = dataclasses.replace(call(0, 1), call_id=0, seq=0, enter_time=0.0, exit_time=None)
+
+    def at(rank: int, i: int) -> float:  # the i-th call's enter: 0.1 s apart
+        return T0 + 2 + 0.1 * i + (0.3 if rank == 7 else 0.0)
+
+    for rank in range(world):
+        job.apply(call(rank, 1, call_id=1, enter_time=at(rank, 0), exit_time=at(rank, 0) + 0.01), T0 + 1)
+    sampled: dict[int, tuple[int, float, float]] = {}
+    for k in range(rounds):
+        lo = 1 + k * per_round  # calls lo .. lo + per_round - 1, at seqs one above
+        for rank in range(world):
+            enters = [at(rank, i) for i in range(lo, lo + per_round)]
+            job.apply(r.CallRun(rank, template, lo + 1, lo + 1, 0, enters, [e + 0.01 for e in enters]), T0 + 50)
+        for last, lag, seq, first in job.job.arrivals.get("0", ()):
+            sampled[seq] = (last, round(lag, 6), first)
+    firsts = sorted(first for _, _, first in sampled.values())
+    assert {(last, lag) for last, lag, _ in sampled.values()} == {(7, 0.3)}
+    assert all(b - a >= ARRIVALS_SPREAD_S for a, b in itertools.pairwise(firsts)), firsts
+    # 4.4 s of calls: one sample every half second at least once the first is counted
+    assert len(sampled) >= (0.1 * per_round * rounds - 0.4) / (ARRIVALS_SPREAD_S + 0.1 * per_round), sampled
+
+
 def test_runs_are_let_go_once_every_member_passed_them() -> None:
     """Memory: the runs a job state holds stay near the members' slack, not the job's length."""
     p = _steady(world=3, n=3000, batch=100)

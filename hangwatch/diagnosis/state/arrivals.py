@@ -106,6 +106,10 @@ class Arrivals(_Base):
     ) -> None:
         """In a large group, the arrivals at ``seq`` alone, each member's from its run that holds
         it, counted where it came half a second after the last counted (``ARRIVALS_SPREAD_S``)."""
+        if lasts:  # the first arrival is at most the first member's: too soon by it, too soon by all
+            run = _run_at(byrank.get(members[0]) or (), seq)
+            if run is None or run.offset + run.enters[seq - run.first_seq] - lasts[-1][3] < ARRIVALS_SPREAD_S:
+                return  # (each tick, where runs completed a seq: 16,384 members looked up for nothing)
         arrived: list[float] = []
         for m in members:
             run = _run_at(byrank.get(m) or (), seq)
