@@ -525,6 +525,13 @@ def test_the_story_told(
     )
     inc = wait_for(lambda: next(iter(_incidents(coordinator, story.name)), None), 60, 0.2, f"{story.name}'s story")
     time.sleep(3)  # what more it would say, it says by now (revisions, aftermath)
+    if story.aftermath:  # a death the root cause brought: the agent's word of it may take longer loaded
+        wait_for(
+            lambda: (coordinator.incident_json(inc["id"]) or {}).get("details", {}).get("aftermath"),
+            30,
+            0.2,
+            f"{story.name}'s aftermath",
+        )
     if story.from_stacks:  # and what the culprits' stacks say, once dumped (loaded: seconds more)
         wait_for(
             lambda: all(
