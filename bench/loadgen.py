@@ -94,6 +94,8 @@ class Config:
     #: a node agent reads it from Flight Recorder (at most every ``DEVICE_READ_S``); the device
     #: completes a collective ``DEVICE_LAG_S`` after it was enqueued
     device: bool = False
+    #: each rank's batches this far apart (0: as the coordinator asks, ``report_interval_for``)
+    interval_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -443,7 +445,7 @@ class Worker:
             request = pb.RegisterRequest(token=self.cfg.token)
             wire.identity_to_pb(sim.identity, request.identity)
             reply = sim.transport._get_stub().Register(request, timeout=self.cfg.timeout_s)
-            if abs(reply.report_interval_s - sim.interval) > 1e-9:
+            if not self.cfg.interval_s and abs(reply.report_interval_s - sim.interval) > 1e-9:
                 raise RuntimeError(
                     f"coordinator asked for {reply.report_interval_s} s, batches built for {sim.interval}"
                 )
@@ -582,7 +584,7 @@ class Worker:
 
         cfg = self.cfg
         base = REPLAY_BASE
-        interval = report_interval_for(cfg.ranks)
+        interval = cfg.interval_s or report_interval_for(cfg.ranks)
         for sim in self.sims:
             sim.interval = interval
         self.set_start(base)

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen
 
 from hangwatch import gctune
+from hangwatch.agent.shipped import READ_S, TICK_S
 from hangwatch.coordinator.daemon import Coordinator, CoordinatorOptions
 from hangwatch.protos import hangwatch_pb2 as pb
 
@@ -55,10 +56,28 @@ class _Context:
         raise RuntimeError(f"{code}: {details}")
 
 
+#: How batches reach the coordinator. "relay": ranks send every ``report_interval_for`` (2 s
+#: from 2,048 ranks), a node's batches of one relay interval in one call (agentless ranks through
+#: a relaying agent; issue 40's tables before its fourth session). "agent": as a node agent's
+#: shipper sends a steady rank's records: as far apart as the coordinator asks, each batch in a
+#: call of its own. "agent-read-s": as it sent them before, every ``READ_S`` (0.4 s) whatever the
+#: coordinator asked.
+CADENCES = ("relay", "agent", "agent-read-s")
+
+
 def replayed(
-    ranks: int, rate: float, pattern: str, fault: str, device: bool, seconds: float, fault_at: float
+    ranks: int,
+    rate: float,
+    pattern: str,
+    fault: str,
+    device: bool,
+    seconds: float,
+    fault_at: float,
+    cadence: str = "relay",
 ) -> loadgen.Config:
-    """A load to replay: relays of 8 ranks, runs, the culprit ``ranks / 2 + 1``, never dialled."""
+    """A load to replay: relays of 8 ranks (or each rank's batches alone, ``cadence``), runs, the
+    culprit ``ranks / 2 + 1``, never dialled."""
+    agent = cadence.startswith("agent")
     return loadgen.Config(
         addr="127.0.0.1:9",
         token="",
@@ -76,6 +95,9 @@ def replayed(
         replay=True,
         runs=True,
         device=device,
+        ranks_per_node=1 if agent else 8,
+        relay_interval=TICK_S if agent else loadgen.RELAY_INTERVAL_S,
+        interval_s=READ_S if cadence == "agent-read-s" else 0.0,
     )
 
 
@@ -88,8 +110,9 @@ def one(
     seconds: float,
     fault_at: float,
     warmup: float = 4.0,
+    cadence: str = "relay",
 ) -> dict[str, Any]:
-    cfg = replayed(ranks, rate, pattern, fault, device, seconds, fault_at)
+    cfg = replayed(ranks, rate, pattern, fault, device, seconds, fault_at, cadence)
     built = time.perf_counter()
     worker = loadgen.Worker(cfg, list(range(ranks)))
     sends = worker.build_sends()
@@ -109,7 +132,7 @@ def one(
         try:
             for sim in worker.sims:
                 reply = coord.accept_registration(sim.identity, "direct")
-                if abs(reply.report_interval_s - sim.interval) > 1e-9:
+                if not cfg.interval_s and abs(reply.report_interval_s - sim.interval) > 1e-9:
                     raise SystemExit(f"coordinator asked for {reply.report_interval_s} s, built for {sim.interval}")
             for sim in worker.sims:  # a first, empty batch each, as loadgen's heartbeats
                 coord.accept_report(pb.ReportBatch(rank=sim.rank, session=sim.identity.session, sent_time=0.0))
@@ -246,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=14.0)
     ap.add_argument("--fault-at", type=float, default=6.0)
     ap.add_argument("--warmup", type=float, default=4.0, help="seconds before CPU is counted")
+    ap.add_argument("--cadence", choices=CADENCES, default="relay", help="how batches reach the coordinator")
     ap.add_argument("--baseline", help="another checkout: each run again with its coordinator, next to this one's")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # (internal) one run, its config as JSON
     args = ap.parse_args(argv)
@@ -281,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                             "seconds": args.seconds,
                             "fault_at": args.fault_at,
                             "warmup": args.warmup,
+                            "cadence": args.cadence,
                         }
                         for name, tree in trees:
                             print(_row(name, config, _run(tree, config)), flush=True)

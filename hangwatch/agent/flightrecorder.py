@@ -78,6 +78,7 @@ class _Watched:
     described: set[str] = field(default_factory=set)  # groups a whole read saw with collectives
     cost: float = 0.0  # seconds a read of its rings took lately (a moving average)
     every: float = 0.0  # seconds between its reads, as its cost allows (``READ_BUDGET``)
+    floor: float = 0.0  # the fewest seconds between its reads but where its ring turns over (``space``)
     due: float = 0.0  # when it may be read next
     cpu_at: float = 0.0  # when the CPU ring was last read whole
     record: int = -1  # the CPU ring's newest record id at that read (-1: none yet)
@@ -174,6 +175,14 @@ class RingFetcher:
     def forget(self, key: int) -> None:
         with self._lock:
             self._watched.pop(key, None)
+
+    def space(self, key: int, seconds: float) -> None:
+        """Read ``key`` this far apart at least (its ring is read by the shipper that far apart:
+        ``shipped.READ_S``), but where its CPU ring turns over sooner."""
+        with self._lock:
+            watched = self._watched.get(key)
+            if watched is not None:
+                watched.floor = seconds
 
     def take(self, key: int) -> Fetched | None:
         """The newest read of ``key`` not taken yet (None: none since the last take)."""
@@ -393,16 +402,16 @@ class RingFetcher:
         """What the budget slowed down for ``key`` (empty: nothing): said in ``status``."""
         with self._lock:
             w = self._watched.get(key)
-        if w is None or w.every <= self.interval_s:
-            return ""
+        if w is None or w.every <= max(self.interval_s, w.floor):
+            return ""  # (a floor is the job's pace, not the read's cost)
         within = (
             f"kept under {READ_BUDGET:.0%} of a core"
             if w.cost / w.every <= READ_BUDGET * 1.001
             else f"{w.cost / w.every:.1%} of a core: read at least every {MAX_READ_EVERY_S:g} s whatever it costs"
         )
         return (
-            f"Flight Recorder read every {w.every:.1f} s, not every {self.interval_s:g} s: a read costs the rank "
-            f"about {w.cost * 1e3:.0f} ms ({within})"
+            f"Flight Recorder read every {w.every:.1f} s, not every {max(self.interval_s, w.floor):g} s: "
+            f"a read costs the rank about {w.cost * 1e3:.0f} ms ({within})"
         )
 
     def poll_once(self, due_only: bool = False) -> None:
@@ -423,7 +432,8 @@ class RingFetcher:
         fetched = self._fetch(w, self.timeout_s)
         took = max(0.0, self._clock() - started)
         w.cost = took if not w.cost else 0.7 * w.cost + 0.3 * took
-        w.every = min(max(self.interval_s, w.cost / READ_BUDGET), max(self.interval_s, MAX_READ_EVERY_S))
+        base = max(self.interval_s, w.floor)
+        w.every = min(max(base, w.cost / READ_BUDGET), max(base, MAX_READ_EVERY_S))
         if w.turnover:  # read before the CPU ring turns over, where that costs little enough
             w.every = min(w.every, max(self.interval_s, w.turnover / 2, w.cost / TURNOVER_BUDGET))
         w.due = started + w.every - self.interval_s / 2  # read on the tick nearest its due time

@@ -29,10 +29,12 @@ LAST_READ_S = 0.5
 #: nothing written since the last look while some slots are unread, or a call entered and still
 #: under way a tick later. Fewer, larger batches cost the coordinator less per call.
 STEADY_S = 0.2
-#: How often a steady rank that keeps writing is read: every other look. At most half the Flight
-#: Recorder poll interval (``config.FR_POLL_INTERVAL_S``): a CPU ring is left unread only where
-#: Python calls decoded since its last poll account for what it gained (``PythonAccounts``), so
-#: every poll must follow a read of the rank's ring.
+#: How often a steady rank that keeps writing is read: every other look, or as far apart as the
+#: coordinator asks its batches to be where that is longer (a large job: a batch every READ_S from
+#: each of 16,384 ranks would be five times what the coordinator asked for). At most half the
+#: Flight Recorder poll interval (``config.FR_POLL_INTERVAL_S``, spaced as far with it): a CPU
+#: ring is left unread only where Python calls decoded since its last poll account for what it
+#: gained (``PythonAccounts``), so every poll must follow a read of the rank's ring.
 READ_S = 2 * STEADY_S
 #: The slots a call entered at a look may be followed by, before the look a tick later stops
 #: searching them for its exit and reads the rank (another thread's calls, written meanwhile).
@@ -75,6 +77,10 @@ class ShippedRank:
     #: since (what it holds under way has been so for a tick at least: sent, not held back)
     read_period: int | None = None
     peek_head: int = 0
+    #: how far apart the coordinator asked its batches to be (``RegisterReply.report_interval_s``,
+    #: 2 s from 2,048 ranks): a steady rank that keeps writing is read every ``READ_S`` or this,
+    #: the longer (0: not said)
+    pace: float = 0.0
     recheck: tuple[int, int] | None = None  # (position, call id) of a call entered at the last look
     quiet: bool = False
     #: when the latest Flight Recorder read whose records have all gone was asked (the

@@ -100,11 +100,11 @@ class Shipper:
     def tick(self) -> None:
         now = self.mono()
         period = int(now // STEADY_S)  # one clock for all ranks: steady ones are looked at together
-        reading = int(now // READ_S)  # and read together
         for link in self.server.links():
             state = self._ranks.get(id(link))
             if state is None:
                 state = self._ranks[id(link)] = self._new_rank(link)
+            reading = int(now // max(READ_S, state.pace))  # and read together
             waiting = link.ending_at is not None and not state.farewell  # an ending rank: its farewell
             if state.steady_period is not None and link.closed_at is None and not waiting:
                 if state.steady_period == period and state.recheck is None:
@@ -133,7 +133,7 @@ class Shipper:
                     and not state.unsent
                 )
                 state.steady_period = period if steady else None
-                state.read_period = reading if steady else None
+                state.read_period = int(now // max(READ_S, state.pace)) if steady else None
                 state.peek_head = link.reader.position
                 state.recheck, state.quiet = None, False
                 if self._failing:
@@ -276,6 +276,11 @@ class Shipper:
             state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
             state.encoder.send_runs = registration.takes_runs  # runs of alike calls in one column entry
             state.encoder.send_cycles = registration.takes_cycles  # and of cycles of signatures
+            # a large job's batches come further apart (``READ_S``); its Flight Recorder polls too,
+            # each after a read of the ring (a look still reads at once what a detector waits for)
+            state.pace = registration.report_interval_s
+            if state.flight is not None and state.pace > READ_S:
+                self.fetcher.space(id(link), 2 * state.pace)
         while True:
             # an empty batch kept back (nothing to send before the next heartbeat) is no reason
             # not to look again: the rank may have written since, or just died

@@ -19,6 +19,7 @@ import pytest
 from hangwatch import link
 from hangwatch import records as r
 from hangwatch.agent import shipper as shipper_module
+from hangwatch.agent.flightrecorder import RingFetcher
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import READ_S, STEADY_S, TICK_S, Shipper
@@ -135,6 +136,74 @@ def test_a_steady_rank_that_keeps_writing_is_read_every_read_s(read_less: bool, 
     _ticks(shipper, clock, ticks)  # nothing written: every call sent, none twice
     sent = _ids(intake.events[0])
     assert sent == list(range(1, sent[-1] + 1)) and len(sent) >= 5 * (3 + ticks) - 1
+
+
+class LargeJob(Counting):
+    """A coordinator of a job of 16,384 ranks: it asks for a batch every 2 s."""
+
+    def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> Any:
+        reply = super().accept_registration(identity, via)
+        reply.report_interval_s = 2.0
+        return reply
+
+
+def test_a_large_job_s_steady_rank_is_read_as_far_apart_as_its_coordinator_asks(rig: Any) -> None:
+    """A batch every ``READ_S`` from each of 16,384 ranks is five times what their coordinator
+    asked for (one every 2 s): a steady rank that keeps writing is read every 2 s, and its Flight
+    Recorder polled every 4 s; what a detector waits for is still read at once (it goes quiet)."""
+    shipper, intake, sink, clock = rig
+    intake.__class__ = LargeJob
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    (state,) = shipper._ranks.values()
+    assert state.pace == 2.0
+    clock.now = (clock.now // 2.0 + 1) * 2.0 + 0.01  # at the start of a 2 s period
+    shipper.tick()  # read there
+    before = intake.reports
+    ticks = round(4.0 / TICK_S)
+    for _ in range(ticks):
+        for _ in range(5):
+            sink.put(_call(next(ids)))
+        _ticks(shipper, clock, 1)
+    assert intake.reports - before == 2  # 4 s: two reads, not ten
+    last = 0
+    for _ in range(5):
+        last = next(ids)
+        sink.put(_call(last))
+    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: it wrote since the last one
+    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: nothing since, some unread: read at once
+    assert last in _ids(intake.events[0])
+    sent = _ids(intake.events[0])
+    assert sent == list(range(1, sent[-1] + 1))  # every call, none twice
+
+
+def test_a_large_job_s_flight_recorder_is_polled_as_far_apart_as_its_ring_is_read() -> None:
+    """``RingFetcher.space``: a rank read every 2 s is polled every 4 s at most often (every poll
+    follows a read of its ring); where its reads cost more than that spacing allows, less often,
+    and ``status`` says so against 4 s, not 1 s."""
+    clock = [1000.0]
+    reads = [0]
+    cost = [0.001]
+
+    def read(path: str, pid: int, **_: Any) -> Any:
+        clock[0] += cost[0]
+        reads[0] += 1
+        return {"cpu": {"pg_status": {}, "entries": []}}, {}
+
+    fetcher = RingFetcher(interval_s=1.0, read=read, clock=lambda: clock[0], background=False)
+    fetcher.watch(1, "/run/a.sock", 4242)
+    fetcher.space(1, 4.0)
+    for _ in range(40):  # 40 s of the fetcher's ticks
+        fetcher.poll_once(due_only=True)
+        clock[0] += 1.0
+    assert 9 <= reads[0] <= 11 and fetcher.note(1) == ""  # every 4 s: the job's pace, not a cost
+    cost[0] = 0.08  # 80 ms a read: 8 s apart to stay under 1 % of a core
+    for _ in range(80):
+        fetcher.poll_once(due_only=True)
+        clock[0] += 1.0
+    assert fetcher._watched[1].every > 6.0
+    assert "not every 4 s: a read costs the rank about" in fetcher.note(1), fetcher.note(1)
+    fetcher.stop()
 
 
 @pytest.mark.parametrize(
