@@ -101,18 +101,10 @@ def replayed(
     )
 
 
-def one(
-    ranks: int,
-    rate: float,
-    pattern: str,
-    fault: str,
-    device: bool,
-    seconds: float,
-    fault_at: float,
-    warmup: float = 4.0,
-    cadence: str = "relay",
-) -> dict[str, Any]:
-    cfg = replayed(ranks, rate, pattern, fault, device, seconds, fault_at, cadence)
+def one(warmup: float = 4.0, **load: Any) -> dict[str, Any]:
+    """One run: the load ``replayed`` builds of ``load``, CPU counted past ``warmup`` seconds."""
+    cfg = replayed(**load)
+    ranks = cfg.ranks
     built = time.perf_counter()
     worker = loadgen.Worker(cfg, list(range(ranks)))
     sends = worker.build_sends()
@@ -173,19 +165,19 @@ def one(
         finally:
             coord.stop(0.2)
     cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
-    onset = t0 + worker.fault_index / rate if fault != "none" else None
-    want = EXPECTED.get(fault)
+    onset = t0 + worker.fault_index / cfg.rate if cfg.fault != "none" else None
+    want = EXPECTED.get(cfg.fault)
     hit = [i for i in incidents if i["kind"] == want and cfg.fault_rank in i["culprit_ranks"]] if want else []
     return {
         "ranks": ranks,
-        "rate": rate,
-        "pattern": pattern,
-        "device": device,
-        "fault": fault,
+        "rate": cfg.rate,
+        "pattern": cfg.pattern,
+        "device": cfg.device,
+        "fault": cfg.fault,
         "fault_rank": cfg.fault_rank if want else None,
         "built_s": built,
-        "calls_per_s": calls / seconds,
-        "relay_calls_per_s": len(payloads) / seconds,
+        "calls_per_s": calls / cfg.seconds,
+        "relay_calls_per_s": len(payloads) / cfg.seconds,
         "cores": cpu / wall,
         # the cores it would take to keep up: its CPU over the load's own time (above 1: saturated)
         "demand": cpu / (payloads[-1][0] - steady_at),
