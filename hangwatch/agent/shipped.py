@@ -36,6 +36,9 @@ STEADY_S = 0.2
 #: ring is left unread only where Python calls decoded since its last poll account for what it
 #: gained (``PythonAccounts``), so every poll must follow a read of the rank's ring.
 READ_S = 2 * STEADY_S
+#: The furthest apart a coordinator may ask a steady rank's reads to be (the hook's own sender
+#: bounds what it is asked so too: ``client.sender.MAX_INTERVAL_S``).
+MAX_PACE_S = 5.0
 #: The slots a call entered at a look may be followed by, before the look a tick later stops
 #: searching them for its exit and reads the rank (another thread's calls, written meanwhile).
 RECHECK_SLOTS = 256

@@ -45,6 +45,7 @@ from hangwatch.agent.rings import RankLink, RingServer
 from hangwatch.agent.shipped import (
     IDLE_S,
     LAST_READ_S,
+    MAX_PACE_S,
     MAX_SLOTS,
     READ_S,
     STACK_KEPT,
@@ -278,7 +279,8 @@ class Shipper:
             state.encoder.send_cycles = registration.takes_cycles  # and of cycles of signatures
             # a large job's batches come further apart (``READ_S``); its Flight Recorder polls too,
             # each after a read of the ring (a look still reads at once what a detector waits for)
-            state.pace = registration.report_interval_s
+            pace = registration.report_interval_s
+            state.pace = min(pace, MAX_PACE_S) if pace > 0 else 0.0  # (NaN: not said)
             if state.flight is not None and state.pace > READ_S:
                 self.fetcher.space(id(link), 2 * state.pace)
         while True:

@@ -22,6 +22,7 @@ from hangwatch.agent import shipper as shipper_module
 from hangwatch.agent.flightrecorder import RingFetcher
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
+from hangwatch.agent.shipped import MAX_PACE_S
 from hangwatch.agent.shipper import READ_S, STEADY_S, TICK_S, Shipper
 from hangwatch.client.ringsink import RingSink
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -175,6 +176,24 @@ def test_a_large_job_s_steady_rank_is_read_as_far_apart_as_its_coordinator_asks(
     assert last in _ids(intake.events[0])
     sent = _ids(intake.events[0])
     assert sent == list(range(1, sent[-1] + 1))  # every call, none twice
+
+
+@pytest.mark.parametrize(("asked", "pace"), [(3600.0, MAX_PACE_S), (float("nan"), 0.0), (-1.0, 0.0)])
+def test_what_a_coordinator_asks_spaces_a_steady_rank_s_reads_within_bounds(
+    rig: Any, asked: float, pace: float
+) -> None:
+    """An hour, NaN or less than nothing: a steady rank is read every ``MAX_PACE_S`` at most."""
+    shipper, intake, sink, clock = rig
+
+    class Asking(Counting):
+        def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> Any:
+            reply = super().accept_registration(identity, via)
+            reply.report_interval_s = asked
+            return reply
+
+    intake.__class__ = Asking
+    _steady(shipper, sink, clock, iter(range(1, 10_000)))
+    assert [s.pace for s in shipper._ranks.values()] == [pace]
 
 
 def test_a_large_job_s_flight_recorder_is_polled_as_far_apart_as_its_ring_is_read() -> None:
