@@ -177,8 +177,9 @@ class RingFetcher:
             self._watched.pop(key, None)
 
     def space(self, key: int, seconds: float) -> None:
-        """Read ``key`` this far apart at least (its ring is read by the shipper that far apart:
-        ``shipped.READ_S``), but where its CPU ring turns over sooner."""
+        """Read ``key`` this far apart at least (a large job's pace: the shipper reads its ring
+        twice as often, and each poll must follow such a read, ``shipped.READ_S``), but where its
+        CPU ring turns over sooner."""
         with self._lock:
             watched = self._watched.get(key)
             if watched is not None:

@@ -277,8 +277,9 @@ class Shipper:
             state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
             state.encoder.send_runs = registration.takes_runs  # runs of alike calls in one column entry
             state.encoder.send_cycles = registration.takes_cycles  # and of cycles of signatures
-            # a large job's batches come further apart (``READ_S``); its Flight Recorder polls too,
-            # each after a read of the ring (a look still reads at once what a detector waits for)
+            # a large job asks for its batches further apart (``READ_S``): a steady rank is read so,
+            # and its Flight Recorder polled twice as far apart, each poll after a read of its ring
+            # (a look still reads at once what a detector waits for)
             pace = registration.report_interval_s
             state.pace = min(pace, MAX_PACE_S) if pace > 0 else 0.0  # (NaN: not said)
             if state.flight is not None and state.pace > READ_S:
