@@ -96,6 +96,10 @@ class Config:
     device: bool = False
     #: each rank's batches this far apart (0: as the coordinator asks, ``report_interval_for``)
     interval_s: float = 0.0
+    #: a node's ranks send on one beat, and a beat's batches go in one call at once (a node
+    #: agent's shipper reads its steady ranks on one tick and sends them together, ``outbox``);
+    #: replay only, with ``relay``
+    together: bool = False
 
 
 @dataclass(frozen=True)
@@ -299,7 +303,12 @@ class Worker:
                         break
                     self.fault_target += 1
         for sim in self.sims:
-            sim.next_due = t0 + sim.interval * ((sim.rank * 0.618) % 1.0)
+            sim.next_due = t0 + sim.interval * self.beat(sim.rank)
+
+    def beat(self, rank: int) -> float:
+        """Where in its interval a rank sends (0 to 1): its own, or its node's (``together``)."""
+        key = rank // self.cfg.ranks_per_node if self.cfg.together else rank
+        return (key * 0.618) % 1.0
 
     def enter_time(self, i: int) -> float:
         return self.t0 + i * self.period
@@ -592,7 +601,7 @@ class Worker:
         for sim in self.sims:
             # a rank's first batch leaves at once (real ranks flush their first, new calls), then
             # one per interval on its own phase
-            due = base + 0.25 * ((sim.rank * 0.618) % 1.0)
+            due = base + 0.25 * self.beat(sim.rank)
             while due < base + cfg.seconds and not sim.ended:
                 events = self.events_until(sim, due)
                 sim.batch_seq += 1
@@ -615,10 +624,11 @@ class Worker:
             for offset, rank, batch, nev, ncalls in reports:
                 batch.token = ""
                 node = rank // cfg.ranks_per_node
-                w = int((offset - phase(node)) // window)
+                # an agent's beat goes at once; a relay's window when it closes
+                w = round(offset * 1e6) if cfg.together else int((offset - phase(node)) // window)
                 calls.setdefault((node, w), []).append((batch, nev, ncalls))
             for (node, w), items in calls.items():
-                sent = phase(node) + (w + 1) * window
+                sent = w / 1e6 if cfg.together else phase(node) + (w + 1) * window
                 for b, _, _ in items:  # what the relay would have measured holding it
                     b.relay_held_s = sent - (b.sent_time - base)
                 relayed = pb.RelayBatch(token=cfg.token, relay_host=f"sim-node-{node}")

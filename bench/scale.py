@@ -59,10 +59,11 @@ class _Context:
 #: How batches reach the coordinator. "relay": ranks send every ``report_interval_for`` (2 s
 #: from 2,048 ranks), a node's batches of one relay interval in one call (agentless ranks through
 #: a relaying agent; issue 40's tables before its fourth session). "agent": as a node agent's
-#: shipper sends a steady rank's records: as far apart as the coordinator asks, each batch in a
-#: call of its own. "agent-read-s": as it sent them before, every ``READ_S`` (0.4 s) whatever the
-#: coordinator asked.
-CADENCES = ("relay", "agent", "agent-read-s")
+#: shipper sends its steady ranks' records: as far apart as the coordinator asks, the 8 ranks of
+#: a node read on one tick and sent at once in one call. "agent-alone": so, but each batch in a
+#: call of its own (the agent before its fifth session); "agent-read-s": alone, every ``READ_S``
+#: (0.4 s) whatever the coordinator asked (before its fourth).
+CADENCES = ("relay", "agent", "agent-alone", "agent-read-s")
 
 
 def replayed(
@@ -95,9 +96,10 @@ def replayed(
         replay=True,
         runs=True,
         device=device,
-        ranks_per_node=1 if agent else 8,
+        ranks_per_node=8 if cadence in ("relay", "agent") else 1,
         relay_interval=TICK_S if agent else loadgen.RELAY_INTERVAL_S,
         interval_s=READ_S if cadence == "agent-read-s" else 0.0,
+        together=agent,
     )
 
 

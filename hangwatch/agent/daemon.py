@@ -73,10 +73,15 @@ class _RemoteIntake:
         return reply
 
     def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
-        """Sent as a relayed batch, so the coordinator knows which agent carries the rank."""
-        relayed = pb.RelayBatch(token=self.agent.token, relay_host=self.agent.core.host, reports=[request])
+        return self.accept_reports([request])[0]
+
+    def accept_reports(self, requests: list[pb.ReportBatch]) -> list[pb.ReportReply]:
+        """Sent as relayed batches, so the coordinator knows which agent carries the ranks; a
+        reply missing is "register again"."""
+        relayed = pb.RelayBatch(token=self.agent.token, relay_host=self.agent.core.host, reports=requests)
         reply: pb.RelayReply = self.stub.ReportMany(relayed, timeout=RPC_TIMEOUT_S)
-        return reply.replies[0] if reply.replies else pb.ReportReply(reregister=True)
+        replies = list(reply.replies)
+        return replies + [pb.ReportReply(reregister=True) for _ in range(len(requests) - len(replies))]
 
     def apply_process_statuses(self, host: str, statuses: list[ProcessStatus]) -> None:
         with self.agent._lock:

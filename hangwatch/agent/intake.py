@@ -2,7 +2,8 @@
 
 ``Intake`` is the coordinator's side: in the coordinator's embedded agent it is the coordinator
 itself (``DirectIntake``, typed records without the wire); a remote agent passes a gRPC client
-of it. ``tell_phases`` tells it where the processes linked before they join stand."""
+of it (``ManyIntake``, a tick's batches in one call). ``tell_phases`` tells it where the
+processes linked before they join stand."""
 
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ class DirectIntake(Intake, Protocol):
 
     #: whether its job state takes runs of alike calls (``records.CallRun``)
     takes_runs: bool
+
+
+class ManyIntake(Intake, Protocol):
+    """A coordinator reached over the network (a remote agent's): it takes a tick's batches of
+    all the node's ranks in one call, a reply for each, in order (``outbox``)."""
+
+    def accept_reports(self, requests: list[pb.ReportBatch]) -> list[pb.ReportReply]: ...
 
 
 def identity_of(link: RankLink | JoiningLink, host: str, inspector: ProcessInspector) -> r.RankIdentity:

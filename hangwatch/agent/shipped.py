@@ -57,6 +57,8 @@ class ShippedRank:
     registered: bool = False
     batch_seq: int = 0
     pending: Batch | None = None
+    #: ring reads sent in a call that failed or was refused (``outbox``): sent again first
+    resend: list[Batch] = field(default_factory=list)
     last_sent: float = -1e9  # monotonic time of the last batch (none yet: long ago)
     gone_reported: bool = False
     #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when

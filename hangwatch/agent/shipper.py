@@ -38,8 +38,9 @@ from collections.abc import Callable
 from hangwatch import config, wire
 from hangwatch import records as r
 from hangwatch.agent.flightrecorder import RingFetcher
-from hangwatch.agent.intake import DirectIntake, Intake, identity_of, tell_phases
+from hangwatch.agent.intake import DirectIntake, Intake, ManyIntake, identity_of, tell_phases
 from hangwatch.agent.namespaces import path_of
+from hangwatch.agent.outbox import Outbox, Queued
 from hangwatch.agent.procinfo import ProcessInspector
 from hangwatch.agent.rings import RankLink, RingServer
 from hangwatch.agent.shipped import (
@@ -91,6 +92,10 @@ class Shipper:
         #: the coordinator is in this process: records go to it typed, not through protobuf
         #: (``bench/ring_to_state.py`` measures both)
         self.direct: DirectIntake | None = intake if hasattr(intake, "accept_events") else None  # type: ignore[assignment]
+        #: a coordinator over the network: an open rank's batches of a tick go with all the
+        #: others' in one call (``outbox``)
+        many: ManyIntake | None = intake if hasattr(intake, "accept_reports") else None  # type: ignore[assignment]
+        self.outbox = Outbox(many.accept_reports) if many is not None and self.direct is None else None
         #: a steady rank's ring read every STEADY_S, a CPU Flight Recorder ring Python calls
         #: account for left unread (``HANGWATCH_READ_LESS=0``: every tick, every poll)
         self.read_less = config.env_flag(config.ENV_READ_LESS, True)
@@ -101,6 +106,7 @@ class Shipper:
     def tick(self) -> None:
         now = self.mono()
         period = int(now // STEADY_S)  # one clock for all ranks: steady ones are looked at together
+        shipped = False
         for link in self.server.links():
             state = self._ranks.get(id(link))
             if state is None:
@@ -132,22 +138,33 @@ class Shipper:
                     and not state.encoder.holding
                     and not has_records(state.pending)  # an empty read is kept back, not sent
                     and not state.unsent
+                    and not state.resend
                 )
                 state.steady_period = period if steady else None
                 state.read_period = int(now // max(READ_S, state.pace)) if steady else None
                 state.peek_head = link.reader.position
                 state.recheck, state.quiet = None, False
-                if self._failing:
-                    log.info("coordinator reachable again: shipping resumed")
-                    self._failing = False
+                shipped = True
             except Exception as e:  # the coordinator is unreachable (remote agents): retry next tick
-                self.failures += 1
                 state.registered = False  # a restarted coordinator must hear of the rank again
                 state.steady_period = None  # its batch waits: tried again every tick, as it was
-                if not self._failing:
-                    log.warning("cannot ship rank %d's records (%s); will retry", state.identity.rank, e)
-                    self._failing = True
+                self._unreachable(f"rank {state.identity.rank}'s records", e)
+        if self.outbox is not None:
+            try:
+                self.outbox.flush()  # undoes what the coordinator refused or did not get
+            except Exception as e:
+                shipped = False
+                self._unreachable("the ranks' records", e)
+        if shipped and self._failing:
+            log.info("coordinator reachable again: shipping resumed")
+            self._failing = False
         tell_phases(self.server, self.intake, self.host, self.inspector)
+
+    def _unreachable(self, what: str, e: Exception) -> None:
+        self.failures += 1
+        if not self._failing:
+            log.warning("cannot ship %s (%s); will retry", what, e)
+            self._failing = True
 
     def _due(self, state: ShippedRank) -> bool:
         """Whether a steady rank, read in this ``READ_S`` already, is to be read now: a look at
@@ -284,10 +301,17 @@ class Shipper:
             state.pace = min(pace, MAX_PACE_S) if pace > 0 else 0.0  # (NaN: not said)
             if state.flight is not None and state.pace > READ_S:
                 self.fetcher.space(id(link), 2 * state.pace)
+        # an open rank's batches go with the other ranks' at the end of the tick; an ending or
+        # closed one's at once, in the order its end needs (its last reads, then it is let go)
+        fan = self.outbox is not None and not closed and not ending
         while True:
             # an empty batch kept back (nothing to send before the next heartbeat) is no reason
-            # not to look again: the rank may have written since, or just died
-            pending = state.pending if state.pending is not None and has_records(state.pending) else self._read(state)
+            # not to look again: the rank may have written since, or just died; reads a call
+            # failed to deliver go first
+            if state.pending is not None and has_records(state.pending):
+                pending: Batch = state.pending
+            else:
+                pending = state.resend.pop(0) if state.resend else self._read(state)
             state.pending = pending
             now = self.clock()
             # a trailing call under way waits for the next read (runs), where the read reached the
@@ -309,6 +333,9 @@ class Shipper:
                     state.registered = False
                     state.encoder.held_restore(held)  # the same records again: the same held back
                     return  # register on the next tick and send the same records again
+            elif self.outbox is not None and fan:
+                told, said = state.flight_told, state.flight_said
+                self.outbox.add(Queued(state, self._batch(state, pending, now), pending, [], held, told, said))
             else:
                 batch = self._batch(state, pending, now)
                 reply = self.intake.accept_report(batch)
@@ -318,10 +345,10 @@ class Shipper:
                     return  # register on the next tick and send the same records again
             state.pending = None
             state.last_sent = self.mono()  # heartbeats are timed on the monotonic clock
-            if pending is None or len(pending.slots) < MAX_SLOTS:
+            if (pending is None or len(pending.slots) < MAX_SLOTS) and not state.resend:
                 break  # read to the end for now (a full read: more to read, whatever runs made of it)
         if state.flight is not None:
-            self._flight_recorder(state)  # an ending rank's farewell comes after its last read
+            self._flight_recorder(state, fan)  # an ending rank's farewell comes after its last read
         elif ending and not state.farewell:
             # no Flight Recorder to read last (no worker server): its ring is read to the end since
             # it said it is ending (its RankEnd read), so it may go; before, it waited out the
@@ -339,16 +366,17 @@ class Shipper:
             state.read_to = asked
         return batch
 
-    def _flight_recorder(self, state: ShippedRank) -> None:
+    def _flight_recorder(self, state: ShippedRank, fan: bool = False) -> None:
         """Ship the entries of the newest Flight Recorder read that no Python call covered, once
         the rank's ring has been read past the moment of that read (every Python call an entry
         could belong to has then been seen: its record was written before it was issued). A
         rank that says it is ending is read once more, here, and then let go: from the dump it
         handed over, made as it ended, which outlives it; else from its worker server, while
-        its process lives."""
+        its process lives. With ``fan``, its batches wait in the outbox: an end said since the
+        tick began is seen on the next tick, after them."""
         link = state.link
         assert state.flight is not None
-        ending = link.ending_at is not None and not state.farewell
+        ending = link.ending_at is not None and not state.farewell and not fan
         if ending:
             assert link.ending_at is not None
             if state.last_asked is None:
@@ -383,12 +411,15 @@ class Shipper:
                     state.flight_told = max(state.flight_told, fetched.time)  # it found nothing new
         if state.unsent:
             now = self.clock()
+            held, told, said = state.encoder.held_mark(), state.flight_told, state.flight_said
             batch = self._batch(state, Batch([], {}, 0), now)
             for event in state.unsent:
                 wire.event_to_pb(event, batch.events.add())
             batch.flight_read_time = max(batch.flight_read_time, state.flight_pending)  # they go in it
             state.flight_said = max(state.flight_said, batch.flight_read_time)
-            if self.intake.accept_report(batch).reregister:
+            if self.outbox is not None and fan:
+                self.outbox.add(Queued(state, batch, None, list(state.unsent), held, told, said))
+            elif self.intake.accept_report(batch).reregister:
                 state.registered = False
                 return  # sent again after registering
             state.unsent.clear()
