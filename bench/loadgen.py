@@ -67,6 +67,8 @@ TP_SIZE = 8
 TP_LAYERS = 32  # tp: two all_reduces a layer, one step of 64
 LATENCY_SAMPLES = 20_000  # per process, reservoir
 REPLAY_BASE = 1_000_000.0  # replay mode: batches are built on this time base
+#: A replayed rank's monotonic clock at ``REPLAY_BASE`` (a host up for a day).
+REPLAY_MONO = 86_400.0
 DEVICE_READ_S = 1.0  # --device: a rank's Flight Recorder read for its progress (the agent's interval)
 DEVICE_LAG_S = 0.05  # --device: from a collective's enqueue to its completion on the device
 
@@ -607,6 +609,10 @@ class Worker:
                 sim.batch_seq += 1
                 batch = self._build(sim, events)
                 batch.sent_time = due
+                # the sender's monotonic clock, in step with its wall clock (stamped as it is built,
+                # it moved with the build, not the run: every batch looked like a step of the
+                # rank's wall clock, so each late one moved the rank's times)
+                batch.mono_time = REPLAY_MONO + (due - base)
                 ncalls = sum(1 for e in events if isinstance(e, self.r.CallRecord))
                 reports.append((due - base, sim.rank, batch, len(events), ncalls))
                 due = sim.next_due if due < sim.next_due else due + sim.interval
