@@ -7,7 +7,7 @@ rank per read. Batches leave in the order they were queued, so each rank's stay 
 A batch the coordinator refuses (it asks the rank to register again) is undone with every later
 one of its rank: the ring reads they carried go back to be encoded again after the rank
 registers (``ShippedRank.resend``), before anything read after them; their Flight Recorder
-events go back to wait; what the encoder held back is as it was before the first of them. A call
+events and device progress go back to wait; what the encoder held back is as it was before the first of them. A call
 that fails undoes every batch in it. Nothing is lost, nothing sent twice."""
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Queued:
     held: list[RingSlot]  # what the encoder held back before it was encoded
     told: float  # the rank's ``flight_told`` and ``flight_said`` before it
     said: float
+    rode: list[r.RankEvent]  # device progress that rode with it
 
 
 class Outbox:
@@ -103,5 +104,6 @@ def _undo(items: list[Queued]) -> None:
         state.resend[:0] = rings
         state.pending = None
         state.unsent[:0] = [e for q in mine for e in q.events]
+        state.riding[:0] = [e for q in mine for e in q.rode]
         state.registered = False  # registered again, then the same records go again
         state.steady_period = None  # tried again on the next tick

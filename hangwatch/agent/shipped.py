@@ -73,6 +73,11 @@ class ShippedRank:
     #: when its last Flight Recorder read was asked for, as it ends, where it handed none over
     last_asked: float | None = None
     unsent: list[r.RankEvent] = field(default_factory=list)
+    #: device progress that rides with the rank's next batch (``Shipper._progress``), since when
+    #: (monotonic), and per NCCL group the completed seq last read and whether it stood then
+    riding: list[r.RankEvent] = field(default_factory=list)
+    riding_since: float = 0.0
+    device: dict[str, tuple[int, bool]] = field(default_factory=dict)
     #: the STEADY_S period (of the monotonic clock) in which a steady rank's ring was last read
     #: or looked at (None: not steady, read every tick)
     steady_period: int | None = None

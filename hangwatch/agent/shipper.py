@@ -18,7 +18,8 @@ For every rank linked to this node's agent (:mod:`hangwatch.agent.rings`), each 
   all it gained (:class:`~hangwatch.flight_entries.PythonAccounts`), at most 10 s;
 - ships, with every read of a NCCL ring, where each group's collectives stand on the device
   (enqueued, started, completed): on NCCL a call returns when it is enqueued, and the
-  coordinator keeps it open until the device completes it;
+  coordinator keeps it open until the device completes it. A group whose device stands (or
+  stood and moved) goes at once; one that keeps up rides with the rank's next batch;
 - once the link has closed (the process is gone, however it went) and the ring is read to the
   end, reports the process gone, at the moment its link closed, with how it ended where
   ``/proc`` still says so (a zombie's exit status), and forgets the link.
@@ -171,17 +172,18 @@ class Shipper:
         its ring's stamps (``RingReader.peek``, a few µs), its newest slot, and its Flight
         Recorder reads.
 
-        Read now: a Flight Recorder read waits to be shipped; the writer lapped the last look, or
-        a quarter of the ring (a full batch at most) waits; the rank wrote nothing for a tick at
-        least (its newest slot's time, or no slot since the last look) while some slots are
-        unread: it went quiet, inside a call that does not return or at work outside any, and
-        its last records are what a detector needs. A call the rank had just entered at the last
-        look is looked at again on the next tick (``recheck``): without its exit then (whatever
-        another thread wrote meanwhile), it is read and sent, not held back (a mismatch's ranks
-        are read a tick after they froze, as when they were read every period). A rank that
+        Read now: a Flight Recorder read waits to be shipped, or device progress to ride; the
+        writer lapped the last look, or a quarter of the ring (a full batch at most) waits; the
+        rank wrote nothing for a tick at least (its newest slot's time, or no slot since the
+        last look) while some slots are unread: it went quiet, inside a call that does not
+        return or at work outside any, and its last records are what a detector needs. A call
+        the rank had just entered at the last look is looked at again on the next tick
+        (``recheck``): without its exit then (whatever another thread wrote meanwhile), it is
+        read and sent, not held back (a mismatch's ranks are read a tick after they froze, as
+        when they were read every period). A rank that
         keeps writing, not inside a call, is read at the next ``READ_S``."""
         link = state.link
-        if state.flight is not None and self.fetcher.has_new(id(link)):
+        if (state.flight is not None and self.fetcher.has_new(id(link))) or self._riding_due(state):
             return True
         reader = link.reader
         head = reader.peek(state.peek_head)
@@ -268,10 +270,13 @@ class Shipper:
             taken = self.fetcher.take(id(link))
             if taken is not None and (state.fetched is None or taken.time >= state.fetched.time):
                 state.fetched = taken  # never an older read over a newer one (the last read)
-                # where the rank's NCCL groups stand on the device goes at once: it needs no
-                # Python call to be seen first (the coordinator orders it by seq and time)
+                # where the rank's NCCL groups stand on the device needs no Python call to be
+                # seen first (the coordinator orders it by seq and time)
                 rank = state.identity.rank
-                state.unsent += [dataclasses.replace(p, rank=rank) for p in taken.progress]
+                for progress in taken.progress:
+                    self._progress(state, dataclasses.replace(progress, rank=rank))
+        if (closed or ending) and state.riding:
+            state.unsent += self._ride(state)  # its last word goes now
         if not state.registered:
             try:
                 registration = self.intake.accept_registration(state.identity, via="agent")
@@ -321,7 +326,12 @@ class Shipper:
             state.encoder.hold = (
                 runs and not closed and pending is not None and len(pending.slots) < MAX_SLOTS and not state.quiet
             )
-            if not has_records(pending) and not self._heartbeat_due(state) and not state.encoder.holding:
+            if (
+                not has_records(pending)
+                and not self._heartbeat_due(state)
+                and not state.encoder.holding
+                and not self._riding_due(state)
+            ):
                 break
             held = state.encoder.held_mark()
             if self.direct is not None:
@@ -329,19 +339,24 @@ class Shipper:
                 events = state.encoder.decode(
                     pending, state.identity.rank, self.direct.record_cost, runs=self.direct.takes_runs
                 )
-                if self.direct.accept_events(header, events) is None:
+                rode = self._ride(state)
+                if self.direct.accept_events(header, events + rode if rode else events) is None:
                     state.registered = False
                     state.encoder.held_restore(held)  # the same records again: the same held back
+                    state.riding[:0] = rode
                     return  # register on the next tick and send the same records again
             elif self.outbox is not None and fan:
                 told, said = state.flight_told, state.flight_said
-                self.outbox.add(Queued(state, self._batch(state, pending, now), pending, [], held, told, said))
+                batch = self._batch(state, pending, now)
+                self.outbox.add(Queued(state, batch, pending, [], held, told, said, self._ride(state, batch)))
             else:
                 batch = self._batch(state, pending, now)
+                rode = self._ride(state, batch)
                 reply = self.intake.accept_report(batch)
                 if reply.reregister:
                     state.registered = False
                     state.encoder.held_restore(held)  # the same records again: the same held back
+                    state.riding[:0] = rode
                     return  # register on the next tick and send the same records again
             state.pending = None
             state.last_sent = self.mono()  # heartbeats are timed on the monotonic clock
@@ -417,10 +432,12 @@ class Shipper:
                 wire.event_to_pb(event, batch.events.add())
             batch.flight_read_time = max(batch.flight_read_time, state.flight_pending)  # they go in it
             state.flight_said = max(state.flight_said, batch.flight_read_time)
+            rode = self._ride(state, batch)
             if self.outbox is not None and fan:
-                self.outbox.add(Queued(state, batch, None, list(state.unsent), held, told, said))
+                self.outbox.add(Queued(state, batch, None, list(state.unsent), held, told, said, rode))
             elif self.intake.accept_report(batch).reregister:
                 state.registered = False
+                state.riding[:0] = rode
                 return  # sent again after registering
             state.unsent.clear()
             state.flight_told = max(state.flight_told, state.flight_pending)
@@ -437,6 +454,33 @@ class Shipper:
                 state.last_sent = self.mono()
             state.farewell = True
             self.server.farewell(link)
+
+    def _progress(self, state: ShippedRank, progress: r.GroupProgress) -> None:
+        """Ship where a NCCL group stands on the device: at once where it stands (work enqueued,
+        nothing completed since the last read) or stood at the last read and has moved since;
+        else with the rank's next batch, within ``max(READ_S, pace)``. A device that keeps up
+        tells nothing a detector waits for, and at 16,384 ranks each read in a batch of its own
+        was one batch in three."""
+        last = state.device.get(progress.group)
+        stands = last is not None and progress.completed < progress.enqueued and progress.completed == last[0]
+        state.device[progress.group] = (progress.completed, stands)
+        if stands or (last is not None and last[1]) or not self.read_less:
+            state.unsent.append(progress)
+            return
+        if not state.riding:
+            state.riding_since = self.mono()
+        state.riding.append(progress)
+
+    def _ride(self, state: ShippedRank, batch: pb.ReportBatch | None = None) -> list[r.RankEvent]:
+        """The device progress waiting to ride, taken (added to ``batch``, where given)."""
+        rode, state.riding = state.riding, []
+        if batch is not None:
+            for event in rode:
+                wire.event_to_pb(event, batch.events.add())
+        return rode
+
+    def _riding_due(self, state: ShippedRank) -> bool:
+        return bool(state.riding) and self.mono() - state.riding_since >= max(READ_S, state.pace)
 
     def _heartbeat_due(self, state: ShippedRank) -> bool:
         """Time for a batch without records, and the rank itself is alive: its sender thread

@@ -8,6 +8,7 @@ the seam (``read``), and the shipped batches go through the coordinator's real d
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from hangwatch.agent.flightrecorder import RingFetcher
 from hangwatch.agent.frquery import progress_of
 from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
-from hangwatch.agent.shipper import Shipper
+from hangwatch.agent.shipper import READ_S, TICK_S, Shipper
 from hangwatch.client.ringsink import RingSink
 from hangwatch.testing import wait_for
 from tests.agent.test_shipper import Intake
@@ -155,3 +156,67 @@ def test_the_shipper_sends_the_rank_s_progress_to_the_coordinator(rig: Any) -> N
         wait_for(lambda: shipped(1), 5, 0.02, "the completion shipped")
     finally:
         sock.close()
+
+
+class Mono:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("read_less", [True, False], ids=["read less", "HANGWATCH_READ_LESS=0"])
+def test_a_device_that_keeps_up_rides_with_the_next_batch_and_one_that_stands_goes_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_less: bool
+) -> None:
+    monkeypatch.setenv("HANGWATCH_READ_LESS", "1" if read_less else "0")
+    server = RingServer(str(tmp_path / "agent.sock"))
+    server.start()
+    intake, gpu, mono = Intake(), Gpu(), Mono()
+    fetcher = RingFetcher(interval_s=3600.0, read=gpu, background=False)  # read when the test says
+    shipper = Shipper(server, intake, "node-1", PsutilInspector(), flight_recorder=fetcher, mono=mono)
+    sink = RingSink(256, rank=3)
+    hello = {"job_id": "j", "rank": 3, "world_size": 4, "session": "s3", "worker_socket": "/run/w.sock"}
+    sock = link.connect(server.path, hello, [sink.fd])
+    assert sock is not None
+
+    def completed() -> list[int]:
+        return [e.completed for e in intake.events.get(3, []) if isinstance(e, r.GroupProgress)]
+
+    def read_and_tick() -> None:
+        fetcher.poll_once()
+        mono.now += TICK_S
+        shipper.tick()
+
+    try:
+        wait_for(lambda: server.links(), 5, 0.02, "the link")
+        shipper.tick()  # registered, its Flight Recorder watched
+        read_and_tick()  # seq 1 issued from C++ (its record goes at once), enqueued, not completed
+        assert completed() == [0]  # with it
+        read_and_tick()  # nothing completed since, work enqueued: the device stands
+        assert completed() == [0, 0]
+        gpu.complete()
+        read_and_tick()  # it moved again
+        assert completed() == [0, 0, 1]
+        read_and_tick()  # keeping up (all it enqueued completed): it rides
+        assert completed() == ([0, 0, 1] if read_less else [0, 0, 1, 1])
+        mono.now += READ_S
+        shipper.tick()  # within READ_S, in a batch of its own where the rank sent none
+        assert completed() == [0, 0, 1, 1]
+        read_and_tick()
+        assert completed() == ([0, 0, 1, 1] if read_less else [0, 0, 1, 1, 1])
+        sink.put(r.CallRecord(3, 1, "all_reduce", "0", 2, (), (), "sum", enter_time=time.time(),
+                              exit_time=time.time(), call_site="t.py:1"))  # fmt: skip
+        mono.now += TICK_S
+        shipper.tick()  # the rank's next batch carries it
+        assert completed() == [0, 0, 1, 1, 1]
+        calls = [e for e in intake.events[3] if isinstance(e, r.CallRecord)]
+        assert [(c.source, c.seq) for c in calls] == [("flight_recorder", 1), ("python", 2)]
+        if read_less:  # in one batch: its call, then it
+            assert intake.events[3][-2:] == [calls[-1], intake.events[3][-1]]
+    finally:
+        sock.close()
+        fetcher.stop()
+        server.stop()
+        sink.close()
