@@ -1,13 +1,15 @@
-"""What the shipper keeps of each linked rank, and the pace it reads them at."""
+"""What the shipper keeps of each linked rank, the pace it reads them at, and when device progress rides."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from hangwatch import records as r
+from hangwatch import wire
 from hangwatch.agent.flightrecorder import Fetched
 from hangwatch.agent.rings import RankLink
 from hangwatch.flight_entries import EntryTracker
+from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, RingReader
 from hangwatch.ringwire import RingEncoder
 
@@ -73,7 +75,7 @@ class ShippedRank:
     #: when its last Flight Recorder read was asked for, as it ends, where it handed none over
     last_asked: float | None = None
     unsent: list[r.RankEvent] = field(default_factory=list)
-    #: device progress that rides with the rank's next batch (``Shipper._progress``), since when
+    #: device progress that rides with the rank's next batch (``take_progress``), since when
     #: (monotonic), and per NCCL group the completed seq last read and whether it stood then
     riding: list[r.RankEvent] = field(default_factory=list)
     riding_since: float = 0.0
@@ -115,3 +117,34 @@ def returned(reader: RingReader, entered: tuple[int, int], head: int) -> bool:
         if slot.kind == Kind.EXIT and slot.call_id == call_id:
             return True
     return False
+
+
+def take_progress(state: ShippedRank, progress: r.GroupProgress, now: float, ride_ok: bool = True) -> None:
+    """Where a NCCL group stands on the device, to ship: at once (``unsent``) where it stands (work
+    enqueued, nothing completed since the last read) or stood at the last read and has moved since,
+    or where nothing rides (``ride_ok``: ``HANGWATCH_READ_LESS=0``); else with the rank's next batch
+    (``riding``), within ``max(READ_S, pace)``. A device that keeps up tells nothing a detector
+    waits for, and at 16,384 ranks each read in a batch of its own was one batch in three."""
+    last = state.device.get(progress.group)
+    stands = last is not None and progress.completed < progress.enqueued and progress.completed == last[0]
+    state.device[progress.group] = (progress.completed, stands)
+    if stands or (last is not None and last[1]) or not ride_ok:
+        state.unsent.append(progress)
+        return
+    if not state.riding:
+        state.riding_since = now
+    state.riding.append(progress)
+
+
+def ride(state: ShippedRank, batch: pb.ReportBatch | None = None) -> list[r.RankEvent]:
+    """The device progress waiting to ride, taken (added to ``batch``, where given)."""
+    rode, state.riding = state.riding, []
+    if batch is not None:
+        for event in rode:
+            wire.event_to_pb(event, batch.events.add())
+    return rode
+
+
+def riding_due(state: ShippedRank, now: float) -> bool:
+    """Whether device progress has waited to ride as long as it may (a batch goes for it)."""
+    return bool(state.riding) and now - state.riding_since >= max(READ_S, state.pace)

@@ -56,6 +56,9 @@ from hangwatch.agent.shipped import (
     ShippedRank,
     has_records,
     returned,
+    ride,
+    riding_due,
+    take_progress,
 )
 from hangwatch.flight_entries import EntryTracker, PythonAccounts
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -183,7 +186,7 @@ class Shipper:
         when they were read every period). A rank that
         keeps writing, not inside a call, is read at the next ``READ_S``."""
         link = state.link
-        if (state.flight is not None and self.fetcher.has_new(id(link))) or self._riding_due(state):
+        if (state.flight is not None and self.fetcher.has_new(id(link))) or riding_due(state, self.mono()):
             return True
         reader = link.reader
         head = reader.peek(state.peek_head)
@@ -274,9 +277,9 @@ class Shipper:
                 # seen first (the coordinator orders it by seq and time)
                 rank = state.identity.rank
                 for progress in taken.progress:
-                    self._progress(state, dataclasses.replace(progress, rank=rank))
+                    take_progress(state, dataclasses.replace(progress, rank=rank), self.mono(), self.read_less)
         if (closed or ending) and state.riding:
-            state.unsent += self._ride(state)  # its last word goes now
+            state.unsent += ride(state)  # its last word goes now
         if not state.registered:
             try:
                 registration = self.intake.accept_registration(state.identity, via="agent")
@@ -330,7 +333,7 @@ class Shipper:
                 not has_records(pending)
                 and not self._heartbeat_due(state)
                 and not state.encoder.holding
-                and not self._riding_due(state)
+                and not riding_due(state, self.mono())
             ):
                 break
             held = state.encoder.held_mark()
@@ -339,7 +342,7 @@ class Shipper:
                 events = state.encoder.decode(
                     pending, state.identity.rank, self.direct.record_cost, runs=self.direct.takes_runs
                 )
-                rode = self._ride(state)
+                rode = ride(state)
                 if self.direct.accept_events(header, events + rode if rode else events) is None:
                     state.registered = False
                     state.encoder.held_restore(held)  # the same records again: the same held back
@@ -348,10 +351,10 @@ class Shipper:
             elif self.outbox is not None and fan:
                 told, said = state.flight_told, state.flight_said
                 batch = self._batch(state, pending, now)
-                self.outbox.add(Queued(state, batch, pending, [], held, told, said, self._ride(state, batch)))
+                self.outbox.add(Queued(state, batch, pending, [], held, told, said, ride(state, batch)))
             else:
                 batch = self._batch(state, pending, now)
-                rode = self._ride(state, batch)
+                rode = ride(state, batch)
                 reply = self.intake.accept_report(batch)
                 if reply.reregister:
                     state.registered = False
@@ -432,7 +435,7 @@ class Shipper:
                 wire.event_to_pb(event, batch.events.add())
             batch.flight_read_time = max(batch.flight_read_time, state.flight_pending)  # they go in it
             state.flight_said = max(state.flight_said, batch.flight_read_time)
-            rode = self._ride(state, batch)
+            rode = ride(state, batch)
             if self.outbox is not None and fan:
                 self.outbox.add(Queued(state, batch, None, list(state.unsent), held, told, said, rode))
             elif self.intake.accept_report(batch).reregister:
@@ -454,33 +457,6 @@ class Shipper:
                 state.last_sent = self.mono()
             state.farewell = True
             self.server.farewell(link)
-
-    def _progress(self, state: ShippedRank, progress: r.GroupProgress) -> None:
-        """Ship where a NCCL group stands on the device: at once where it stands (work enqueued,
-        nothing completed since the last read) or stood at the last read and has moved since;
-        else with the rank's next batch, within ``max(READ_S, pace)``. A device that keeps up
-        tells nothing a detector waits for, and at 16,384 ranks each read in a batch of its own
-        was one batch in three."""
-        last = state.device.get(progress.group)
-        stands = last is not None and progress.completed < progress.enqueued and progress.completed == last[0]
-        state.device[progress.group] = (progress.completed, stands)
-        if stands or (last is not None and last[1]) or not self.read_less:
-            state.unsent.append(progress)
-            return
-        if not state.riding:
-            state.riding_since = self.mono()
-        state.riding.append(progress)
-
-    def _ride(self, state: ShippedRank, batch: pb.ReportBatch | None = None) -> list[r.RankEvent]:
-        """The device progress waiting to ride, taken (added to ``batch``, where given)."""
-        rode, state.riding = state.riding, []
-        if batch is not None:
-            for event in rode:
-                wire.event_to_pb(event, batch.events.add())
-        return rode
-
-    def _riding_due(self, state: ShippedRank) -> bool:
-        return bool(state.riding) and self.mono() - state.riding_since >= max(READ_S, state.pace)
 
     def _heartbeat_due(self, state: ShippedRank) -> bool:
         """Time for a batch without records, and the rank itself is alive: its sender thread
