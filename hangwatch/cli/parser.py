@@ -60,17 +60,22 @@ def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True
         help=f"cap of the incident store in MiB; the oldest incidents are pruned first "
         f"(default ${config.ENV_MAX_DATA_MB}, then {config.DEFAULT_MAX_DATA_MB:.0f})",
     )
-    for flag, default, what in (
-        ("--rank-budget-mb", budget.DEFAULT_RANK_MB, "one rank's calls, history and tables"),
-        ("--job-budget-mb", budget.DEFAULT_JOB_MB, "one job's"),
-        ("--memory-budget-mb", budget.DEFAULT_TOTAL_MB, "every job's together"),
+    for flag, default, what, told in (
+        ("--rank-budget-mb", budget.DEFAULT_RANK_MB, "one rank's calls, history and tables", ""),
+        (
+            "--job-budget-mb",
+            None,
+            "one job's",
+            f"{budget.DEFAULT_JOB_MB}, or {budget.JOB_KIB_PER_RANK} KiB a rank where that is more",
+        ),
+        ("--memory-budget-mb", budget.DEFAULT_TOTAL_MB, "every job's together", ""),
     ):
         p.add_argument(
             flag,
             type=float,
-            default=float(default),
-            help=f"memory budget in MiB for {what} (default {default}); calls beyond it are refused and "
-            "counted in status and /metrics",
+            default=None if default is None else float(default),
+            help=f"memory budget in MiB for {what} (default {told or default}); calls beyond it are refused "
+            "and counted in status and /metrics",
         )
     p.add_argument(
         "--token",

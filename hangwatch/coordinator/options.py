@@ -37,7 +37,7 @@ class CoordinatorOptions:
     #: memory budgets in MiB: what one rank, one job and the whole coordinator may hold
     #: (``coordinator.budget``); calls beyond them are refused and counted
     rank_budget_mb: float = budget.DEFAULT_RANK_MB
-    job_budget_mb: float = budget.DEFAULT_JOB_MB
+    job_budget_mb: float | None = None  # None: budget.DEFAULT_JOB_MB, grown with the job's ranks
     memory_budget_mb: float = budget.DEFAULT_TOTAL_MB
 
 

@@ -56,7 +56,12 @@ def status(c: Coordinator, job_selector: str = "") -> dict[str, Any] | None:
                 "moved_aside": c.store.moved_aside or None,  # a corrupt database set aside at start
             },
             "rejected": {**c.rejected, "truncated": wire.truncated},  # strings cut at ingest
-            "budget": {**c.jobs.ledger.view(), "job_held_bytes": job.held, "job_refused": job.refused},
+            "budget": {
+                **c.jobs.ledger.view(),
+                "job_held_bytes": job.held,
+                "job_limit_bytes": c.jobs.ledger.budget.job_for(job.world_size),  # grown with its ranks
+                "job_refused": job.refused,
+            },
         }
         status = status_json(job, now, c.options.silence_after, extra, open_incidents)
         status["graph"] = {

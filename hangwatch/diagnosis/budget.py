@@ -16,7 +16,10 @@ measured 1.3-2.7x above it across healthy and hostile shapes). Measured under th
 budgets, healthy jobs with world, tensor- and data-parallel groups, 80 steps of 4 collectives:
 1,024 ranks are charged 245 MiB, 4,096 ranks 979 MiB, and 4,096 ranks with two more groups each
 (expert and context parallel) 1,611 MiB of the 2,048 a job may hold; nothing refused or trimmed.
-A larger job trims its oldest history first: raise ``--job-budget-mb`` for it.
+A job of more ranks than the default covers at ``JOB_KIB_PER_RANK`` each may hold that much a
+rank, where ``--job-budget-mb`` is not given (a 16,384-rank FSDP loop was charged 1,940 MiB of
+the 2,048, and refused millions of calls with device progress on); beyond, a job trims its oldest
+history first, then refuses: raise ``--job-budget-mb`` for it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from hangwatch import records as r
 MIB = 1024 * 1024
 DEFAULT_RANK_MB = 64
 DEFAULT_JOB_MB = 2048
+#: A job's budget a rank where it is not given: 2,048 MiB cover 10,922 ranks, 16,384 get 3 GiB.
+JOB_KIB_PER_RANK = 192
 DEFAULT_TOTAL_MB = 4096
 
 #: A CallRecord (slots dataclass), its numbers and its ``extra`` dict, before its strings and
@@ -105,13 +110,22 @@ class Budget:
     rank: int = DEFAULT_RANK_MB * MIB
     job: int = DEFAULT_JOB_MB * MIB
     total: int = DEFAULT_TOTAL_MB * MIB
+    #: a job may hold this much a rank where that is more than ``job`` (0: ``job`` alone)
+    job_per_rank: int = 0
 
     @classmethod
-    def of_mb(cls, rank: float, job: float, total: float) -> Budget:
-        for mb in (rank, job, total):
+    def of_mb(cls, rank: float, job: float | None, total: float) -> Budget:
+        """Budgets in MiB; ``job`` None: the default, grown with the job's ranks."""
+        for mb in (rank, DEFAULT_JOB_MB if job is None else job, total):
             if not (0 < mb < 1 << 40):  # NaN, infinite, zero or negative
                 raise ValueError(f"memory budgets must be positive numbers of MiB, not {mb}")
+        if job is None:
+            return cls(int(rank * MIB), DEFAULT_JOB_MB * MIB, int(total * MIB), JOB_KIB_PER_RANK * 1024)
         return cls(int(rank * MIB), int(job * MIB), int(total * MIB))
+
+    def job_for(self, world_size: int) -> int:
+        """What a job of ``world_size`` ranks may hold."""
+        return max(self.job, world_size * self.job_per_rank)
 
 
 UNLIMITED = Budget(1 << 62, 1 << 62, 1 << 62)

@@ -365,6 +365,30 @@ def test_history_trimmed_before_a_call_is_refused() -> None:
     audit(job)
 
 
+def test_a_job_of_many_ranks_may_hold_more_where_its_budget_is_left_to_the_default() -> None:
+    """At 16,384 ranks a healthy FSDP loop was charged 1,940 of the 2,048 MiB a job could hold,
+    and refused millions of calls once its device progress came too: a job budget left to its
+    default grows with the job's ranks (``JOB_KIB_PER_RANK`` each); one that was given does not."""
+    grown = Budget.of_mb(64, None, 4096)
+    assert grown.job_for(8) == grown.job_for(10_000) == b.DEFAULT_JOB_MB * b.MIB
+    assert grown.job_for(16_384) == 16_384 * b.JOB_KIB_PER_RANK * KB == 3 * 1024 * b.MIB
+    assert Budget.of_mb(64, 100, 4096).job_for(16_384) == 100 * b.MIB
+    try:
+        Budget.of_mb(64, float("nan"), 4096)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a NaN job budget was taken")
+    # four ranks whose registrations fit the job's budget and whose calls fit only its growth
+    for per_rank, refused in ((2 * (b.RANK_BYTES + b.RANK_GROUP_BYTES), False), (0, True)):
+        job = JobState(Ledger(Budget(1 << 40, 4 * b.RANK_BYTES + 1024, 1 << 40, per_rank)))
+        states = [job.register(identity(rk, 4, session=f"s{rk}"), T0) for rk in range(4)]
+        for state in states:
+            job.apply(state, call(state.rank, 1, enter_time=T0 + 1, exit_time=T0 + 1.1), T0 + 1)
+        assert (job.refused > 0) == refused, (per_rank, job.refused)
+        audit(job)
+
+
 def test_coordinator_total_budget_refuses_a_new_rank() -> None:
     ledger = Ledger(Budget(1 << 40, 1 << 40, 3 * b.RANK_BYTES))
     jobs = Jobs(ledger)

@@ -45,6 +45,11 @@ FLIGHT_STALE_S = 60.0
 #: it since. Before, its exit may be on its way to a coordinator running behind (at 16,384
 #: ranks, ranks whose first call's exit was queued were told waiting for ranks not heard yet).
 HEARD_WITHIN_S = 3.0
+#: A coordinator this far behind its batches holds its stuck judgements until it catches up: the
+#: batch that shows an absent rank arrived may be among those queued (at 16,384 ranks x 50/s with
+#: device progress, 10 s behind, 2,270 ranks were told waiting in a collective the absent ranks'
+#: queued batches held). A job that hangs stops calling, and its coordinator catches up then.
+BEHIND_HOLD_S = HEARD_WITHIN_S
 
 
 def _silent(state: RankState, ctx: Context) -> bool:
@@ -55,7 +60,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     """One hang per group, the oldest unresolved slot of each, diagnosed oldest first: a hang
     whose absent ranks' waits all end in another hang (ranks stuck in a subgroup's collective
     never reach the world barrier a third rank waits in; two stages that both send first) is
-    that hang's aftermath, told in its incident, not a root cause of its own."""
+    that hang's aftermath, told in its incident, not a root cause of its own. None while the
+    coordinator runs ``BEHIND_HOLD_S`` behind (``status`` says so)."""
+    if ctx.behind >= BEHIND_HOLD_S:
+        return []
     # (NCCL) calls that came in runs and a device holds below those slots, waiting as long as
     # the threshold, are open calls already, as they would have been call by call
     # (``JobState.before_detection``, before the detectors run)
@@ -163,6 +171,7 @@ def _candidates(job: JobState, ctx: Context) -> list[tuple[float, Slot, tuple[in
                 ctx.now - oldest >= ctx.stuck_after
                 and (group, seq) not in ctx.claimed
                 and _still_waiting(job, waiting) >= oldest + ctx.stuck_after - HEARD_WITHIN_S
+                and not _waits_unread(job, ctx, slot, waiting, oldest)
             ):
                 candidates.append((oldest, slot, job.members(group), waiting))
             break  # later slots of this group are younger: the oldest unresolved slot is the root
@@ -172,6 +181,31 @@ def _candidates(job: JobState, ctx: Context) -> list[tuple[float, Slot, tuple[in
 def _still_waiting(job: JobState, waiting: list[int]) -> float:
     """Up to when the waiting ranks are known to wait: the latest word of any of them."""
     return max((st.last_sent for rk in waiting if (st := job.ranks.get(rk)) is not None), default=0.0)
+
+
+def _read_since(st: RankState, t: float, ctx: Context) -> bool:
+    """Whether what the rank's C++ issued is known past ``t``: a Flight Recorder read asked half
+    the threshold after it has come (one just after may be followed by the call's own end a
+    moment later), or, where its reads stopped or no agent says when they were asked, a batch
+    one poll after it."""
+    if st.flight_to > st.last_sent - FLIGHT_STALE_S:
+        return st.flight_to >= t + ctx.stuck_after / 2
+    return st.last_sent >= t + config.FR_POLL_INTERVAL_S
+
+
+def _waits_unread(job: JobState, ctx: Context, slot: Slot, waiting: list[int], oldest: float) -> bool:
+    """Whether every waiting rank waits in a call C++ issued that no read since has shown still
+    under way (``_read_since`` its entry): the read that made its record found it in flight, and
+    the next may find it long done (under load, CI: a 24-entry ring turned over between reads
+    spaced seconds apart, and DDP's constructor broadcast was told stuck 3 s). Held for
+    ``TRACE_WAIT_S`` past the threshold at most: reads that stopped are told as they are."""
+    if ctx.now - oldest >= ctx.stuck_after + TRACE_WAIT_S:
+        return False
+    for rank in waiting:
+        call, st = slot.calls[rank], job.ranks.get(rank)
+        if call.source == "python" or st is None or st.end is not None or _read_since(st, call.enter_time, ctx):
+            return False
+    return True
 
 
 BARRIERS = catalogue.record_names([catalogue.Kind.BARRIER])
@@ -419,11 +453,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             continue
         if st.last_sent < slot.first_enter:
             return None
-        if cxx and (
-            st.flight_to < slot.first_enter + ctx.stuck_after / 2
-            if st.flight_to > st.last_sent - FLIGHT_STALE_S
-            else st.last_sent < slot.first_enter + config.FR_POLL_INTERVAL_S
-        ):
+        if cxx and not _read_since(st, slot.first_enter, ctx):
             return None
     doings = {rk: _doing(st, ctx.now) for rk, st in sorted(present.items())}
     details["absent"] = {str(rk): text for rk, text in doings.items()}

@@ -66,14 +66,15 @@ class Arena(_Base):
         ledger = self.ledger
         budget = ledger.budget
         mine = 0 if state is None else state.held + state.calls
-        if mine + n <= budget.rank and self.held + n <= budget.job and ledger.held + n <= budget.total:
+        job = budget.job_for(self.world_size)
+        if mine + n <= budget.rank and self.held + n <= job and ledger.held + n <= budget.total:
             return True
         if state is not None:
-            self._trim(state, max(mine + n - budget.rank, self.held + n - budget.job, ledger.held + n - budget.total))
+            self._trim(state, max(mine + n - budget.rank, self.held + n - job, ledger.held + n - budget.total))
             mine = state.held + state.calls
         for which, excess in (
             ("rank", mine + n - budget.rank),
-            ("job", self.held + n - budget.job),
+            ("job", self.held + n - job),
             ("total", ledger.held + n - budget.total),
         ):
             if excess > 0:

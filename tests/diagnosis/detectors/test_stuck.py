@@ -69,6 +69,20 @@ def test_a_wait_is_counted_to_the_threshold_only_as_far_as_the_waiting_ranks_sai
     assert stuck.detect(sim.job, sim.ctx(T0 + 5.6, stuck_after=5.0)) == []
 
 
+def test_a_coordinator_running_behind_holds_its_stuck_judgements_until_it_catches_up() -> None:
+    """Found at 16,384 ranks x 50/s with device progress (``bench/scale.py``): a coordinator 10 s
+    behind told 2,270 ranks waiting in a collective whose absent ranks' batches, which held it,
+    were queued. Its own lateness is no evidence against a rank: held until it catches up."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2)
+    sim.beat(T0 + 12.5)
+    late = dataclasses.replace(sim.ctx(T0 + 12.5), behind=stuck.BEHIND_HOLD_S)
+    assert stuck.detect(sim.job, late) == []
+    caught_up = dataclasses.replace(late, behind=stuck.BEHIND_HOLD_S - 0.5)
+    assert only(stuck.detect(sim.job, caught_up), "stuck_collective").culprit_ranks == [1]
+
+
 def test_a_rank_inside_an_op_no_read_showed_is_not_absent() -> None:
     """A rank whose node agent found it inside an op of the group that no Flight Recorder read
     showed (its entry overwritten first: ``RankState.unseen``) is not blamed with the rank that
@@ -133,6 +147,30 @@ def test_where_its_agent_says_when_its_flight_recorder_was_read_that_decides() -
     st.last_seen = st.last_sent = T0 + 1.5 + stuck.FLIGHT_STALE_S + 1
     found = stuck.detect(sim.job, sim.ctx(T0 + 1.5 + stuck.FLIGHT_STALE_S + 1))
     assert only(found, "stuck_collective").culprit_ranks == [1]
+
+
+def test_a_wait_inside_a_cxx_call_counts_once_a_read_since_shows_it_still_under_way() -> None:
+    """Found in CI: a 24-entry CPU ring turned over between reads spaced seconds apart on a loaded
+    machine; one read found rank 2 inside DDP's constructor broadcast, none showed it done, and it
+    was told waiting there 3 s for a rank whose own entry had been overwritten. A wait inside a
+    call C++ issued counts once a read asked half the threshold after the call began still shows
+    it under way; reads that never come hold it ``TRACE_WAIT_S`` at most."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, op="broadcast", seq=2, source="flight_recorder")
+    now = T0 + 12.5
+    sim.beat(now)
+    sim.states[1].flight_to = now  # rank 1 read: no such call
+    sim.states[0].flight_to = T0 + 2.1  # the read that found rank 0's in flight, and none since
+    assert stuck.detect(sim.job, sim.ctx(now)) == []
+    sim.states[0].flight_to = T0 + 2 + 10 / 2  # a read half the threshold (10 s) after: still in it
+    f = only(stuck.detect(sim.job, sim.ctx(now)), "stuck_collective")
+    assert (f.culprit_ranks, f.waiting_ranks, f.op) == ([1], [0], "broadcast")
+    sim.states[0].flight_to = T0 + 2.1
+    late = T0 + 2 + 10 + traces.TRACE_WAIT_S + 0.1
+    sim.beat(late)
+    sim.states[1].flight_to = late
+    assert only(stuck.detect(sim.job, sim.ctx(late)), "stuck_collective").culprit_ranks == [1]
 
 
 def test_stuck_eight_ranks_one_absent() -> None:
