@@ -61,6 +61,8 @@ def status(c: Coordinator, job_selector: str = "") -> dict[str, Any] | None:
                 "job_held_bytes": job.held,
                 "job_limit_bytes": c.jobs.ledger.budget.job_for(job.world_size),  # grown with its ranks
                 "job_refused": job.refused,
+                # findings wait after records were refused for a budget wider than a rank's
+                "held_s": round(c.engine.held_for_budget(job, now), 1),
             },
         }
         status = status_json(job, now, c.options.silence_after, extra, open_incidents)

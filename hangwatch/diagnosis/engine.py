@@ -37,6 +37,11 @@ from hangwatch.stackviews import child_where, summarize, user_frame, waited_chil
 from hangwatch.wording import joining, stories
 
 log = logging.getLogger("hangwatch.coordinator")
+#: After a job's records were refused for its or the coordinator's memory budget, its findings
+#: wait this long: any rank's calls may be missing, and a trace with holes reads as skips and
+#: mismatches (at 16,384 ranks over a 2,048 MiB job budget, a shape mismatch was blamed on 2,716
+#: ranks). One rank's own budget leaves the others' evidence whole, and holds nothing.
+BUDGET_HOLD_S = 30.0
 
 #: Families of a hang at a slot that a mismatch found there later tells instead.
 _SUPERSEDED = frozenset({KeyFamily.STUCK.value, KeyFamily.EARLY.value})
@@ -91,6 +96,17 @@ class Engine:
         #: stays one alert, and the alert's story is completed (the webhook posts an update)
         self.update_listeners: list[IncidentListener] = []
         self._updated: list[Incident] = []
+        #: per run, the job- or coordinator-wide refusals seen, and until when its findings wait
+        self._refusals: dict[str, tuple[int, float]] = {}
+
+    def held_for_budget(self, job: JobState, now: float) -> float:
+        """Seconds the job's findings still wait after its records were last refused for the
+        job's or the coordinator's memory budget (0: they do not)."""
+        seen, until = self._refusals.get(job.incarnation, (0, 0.0))
+        if job.refused_wide > seen:
+            until = now + BUDGET_HOLD_S
+            self._refusals[job.incarnation] = (job.refused_wide, until)
+        return max(0.0, until - now)
 
     def _default_id(self) -> str:
         self._counter += 1
@@ -155,7 +171,10 @@ class Engine:
         self, job: JobState, current: list[Incident], now: float
     ) -> list[tuple[Finding, Incident | None, bool]]:
         """One job's detectors, on what changed in it since the last tick; ``current``: its run's
-        incidents."""
+        incidents. None while its records are refused for a budget wider than one rank's
+        (``held_for_budget``): what changed waits for them."""
+        if self.held_for_budget(job, now) > 0:
+            return []
         claimed = {(inc.group, inc.seq) for inc in current if inc.status == "open" and inc.group}
         mismatched = {(inc.group, inc.seq) for inc in current if key_family(inc.key) == KeyFamily.MISMATCH.value}
         hangs = {

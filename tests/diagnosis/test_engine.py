@@ -13,6 +13,8 @@ import pytest
 
 from hangwatch import config
 from hangwatch.diagnosis import traces
+from hangwatch.diagnosis.budget import Budget
+from hangwatch.diagnosis.engine import BUDGET_HOLD_S
 from hangwatch.diagnosis.incidents import Finding
 from hangwatch.diagnosis.state import JobState
 from hangwatch.records import (
@@ -211,3 +213,37 @@ def test_a_hang_keeps_who_waited_for_whom_when_it_was_told() -> None:
     hosts = {st.identity.host for st in sim.job.ranks.values()}
     assert sorted(rank for ranks in graph["hosts"].values() for rank in ranks) == [0, 1, 2]
     assert set(graph["hosts"]) == hosts
+
+
+def test_a_job_whose_records_were_refused_for_its_budget_is_judged_once_they_no_longer_are() -> None:
+    """At 16,384 ranks over a 2,048 MiB job budget, refused calls left holes in many ranks' traces
+    and a shape mismatch was blamed on 2,716 ranks. A job whose records its or the coordinator's
+    budget refused is judged ``BUDGET_HOLD_S`` after the last refusal; one rank's own budget,
+    which leaves the others' evidence whole, holds nothing (a flooding rank cannot blind it)."""
+    sim = SimJob(2)
+    sim.collective(1, T0 + 1)
+    sim.call(0, T0 + 2, seq=2)  # rank 0 waits, rank 1 never comes
+    engine = sim.engine()
+    ledger = sim.job.ledger
+    ledger.budget = Budget(1 << 40, sim.job.held + 2048, 1 << 40)
+    for seq in range(1, 40):  # rank 1's calls on another group, refused at the job's budget
+        sim.call(1, T0 + 3 + seq / 100, seq=seq, group="side")
+    assert sim.job.refused_wide > 0
+    sim.beat(T0 + 13)
+    assert engine.tick(T0 + 13) == [] and engine.held_for_budget(sim.job, T0 + 13) > 0
+    later = T0 + 13 + BUDGET_HOLD_S
+    sim.beat(later)
+    (inc,) = engine.tick(later)
+    assert (inc.kind, inc.culprit_ranks) == ("stuck_collective", [1])
+    # a rank's own budget refusing its flood holds nothing
+    sim2 = SimJob(2)
+    sim2.collective(1, T0 + 1)
+    sim2.call(0, T0 + 2, seq=2)
+    engine2 = sim2.engine()
+    sim2.job.ledger.budget = Budget(sim2.job.ranks[1].held + sim2.job.ranks[1].calls + 2048, 1 << 40, 1 << 40)
+    for seq in range(1, 40):
+        sim2.call(1, T0 + 3 + seq / 100, seq=seq, group="side")
+    assert sim2.job.refused > 0 and sim2.job.refused_wide == 0
+    sim2.beat(T0 + 13)
+    (inc2,) = engine2.tick(T0 + 13)
+    assert inc2.kind == "stuck_collective"

@@ -105,6 +105,7 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         self.heard = Heard()  # how late this job's ranks are heard, wherever the delay arises
         self.held = 0  # bytes this incarnation's tables hold (its ranks' included)
         self.refused = 0  # calls and groups refused for a memory budget
+        self.refused_wide = 0  # of which for the job's or the coordinator's, not one rank's
         #: this incarnation of the job: a fresh id each time it runs (a rerun, a restart by the launcher, the
         #: coordinator restarted), so one run's incidents are never taken for another's
         self.incarnation = uuid.uuid4().hex[:8]

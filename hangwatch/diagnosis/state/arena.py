@@ -79,6 +79,8 @@ class Arena(_Base):
         ):
             if excess > 0:
                 self.refused += 1
+                if which != "rank":
+                    self.refused_wide += 1
                 ledger.refuse(which)
                 return False
         return True

@@ -173,6 +173,7 @@ class _Base:
     lag: Lag
     held: int
     refused: int
+    refused_wide: int
     incarnation: str
     incarnations: int
     launch: str
