@@ -120,15 +120,17 @@ def returned(reader: RingReader, entered: tuple[int, int], head: int) -> bool:
 
 
 def take_progress(state: ShippedRank, progress: r.GroupProgress, now: float, ride_ok: bool = True) -> None:
-    """Where a NCCL group stands on the device, to ship: at once (``unsent``) where it stands (work
-    enqueued, nothing completed since the last read) or stood at the last read and has moved since,
-    or where nothing rides (``ride_ok``: ``HANGWATCH_READ_LESS=0``); else with the rank's next batch
-    (``riding``), within ``max(READ_S, pace)``. A device that keeps up tells nothing a detector
-    waits for, and at 16,384 ranks each read in a batch of its own was one batch in three."""
+    """Where a NCCL group stands on the device, to ship: at once (``unsent``) where work is pending
+    on it (enqueued, not completed: the first read of a device that stopped looks like any other,
+    and a stop told from one rank's read alone named one waiting rank of two), where it stood at
+    the last read and has moved since, or where nothing rides (``ride_ok``:
+    ``HANGWATCH_READ_LESS=0``); else, the device caught up, with the rank's next batch
+    (``riding``), within ``max(READ_S, pace)``: it tells nothing a detector waits for."""
     last = state.device.get(progress.group)
-    stands = last is not None and progress.completed < progress.enqueued and progress.completed == last[0]
+    pending = progress.completed < progress.enqueued
+    stands = last is not None and pending and progress.completed == last[0]
     state.device[progress.group] = (progress.completed, stands)
-    if stands or (last is not None and last[1]) or not ride_ok:
+    if pending or (last is not None and last[1]) or not ride_ok:
         state.unsent.append(progress)
         return
     if not state.riding:

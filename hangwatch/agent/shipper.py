@@ -18,8 +18,8 @@ For every rank linked to this node's agent (:mod:`hangwatch.agent.rings`), each 
   all it gained (:class:`~hangwatch.flight_entries.PythonAccounts`), at most 10 s;
 - ships, with every read of a NCCL ring, where each group's collectives stand on the device
   (enqueued, started, completed): on NCCL a call returns when it is enqueued, and the
-  coordinator keeps it open until the device completes it. A group whose device stands (or
-  stood and moved) goes at once; one that keeps up rides with the rank's next batch;
+  coordinator keeps it open until the device completes it. A group with work pending on its
+  device (or that stood and moved) goes at once; one caught up rides with the rank's next batch;
 - once the link has closed (the process is gone, however it went) and the ring is read to the
   end, reports the process gone, at the moment its link closed, with how it ended where
   ``/proc`` still says so (a zombie's exit status), and forgets the link.

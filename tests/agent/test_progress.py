@@ -167,7 +167,7 @@ class Mono:
 
 
 @pytest.mark.parametrize("read_less", [True, False], ids=["read less", "HANGWATCH_READ_LESS=0"])
-def test_a_device_that_keeps_up_rides_with_the_next_batch_and_one_that_stands_goes_at_once(
+def test_a_device_caught_up_rides_with_the_next_batch_and_one_with_work_pending_goes_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_less: bool
 ) -> None:
     monkeypatch.setenv("HANGWATCH_READ_LESS", "1" if read_less else "0")
@@ -199,7 +199,7 @@ def test_a_device_that_keeps_up_rides_with_the_next_batch_and_one_that_stands_go
         gpu.complete()
         read_and_tick()  # it moved again
         assert completed() == [0, 0, 1]
-        read_and_tick()  # keeping up (all it enqueued completed): it rides
+        read_and_tick()  # caught up (all it enqueued completed): it rides
         assert completed() == ([0, 0, 1] if read_less else [0, 0, 1, 1])
         mono.now += READ_S
         shipper.tick()  # within READ_S, in a batch of its own where the rank sent none
