@@ -7,12 +7,12 @@ rank per read. Batches leave in the order they were queued, so each rank's stay 
 A batch the coordinator refuses (it asks the rank to register again) is undone with every later
 one of its rank: the ring reads they carried go back to be encoded again after the rank
 registers (``ShippedRank.resend``), before anything read after them; their Flight Recorder
-events and device progress go back to wait; what the encoder held back is as it was before the first of them. A call
-that fails undoes every batch in it. Nothing is lost, nothing sent twice."""
+events and device progress go back to wait; what the encoder held back is as it was before
+the first of them. A call that fails undoes every batch in it. Nothing is lost, nothing sent
+twice."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,8 +20,6 @@ from hangwatch import records as r
 from hangwatch.agent.shipped import ShippedRank, has_records
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, RingSlot
-
-log = logging.getLogger("hangwatch.agent")
 
 #: Batches in one call (the coordinator takes up to ``servicer.MAX_REPORTS_PER_RELAY``).
 MAX_REPORTS = 1024
