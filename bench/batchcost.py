@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/batchcost.py --baseline DIR [--ranks 8192] [--rates 10,50]
                                         [--patterns fsdp,tp] [--faults none,shape] [--pairs 2]
+                                        [--device off|on|both] [--cadence relay|agent|...]
 
 ``bench/scale.py`` runs the coordinator on the real clock, where a figure near saturation moves
 with everything else the machine does. Here the load is built once (``bench/loadgen.py``, as
@@ -17,6 +18,7 @@ but the clock is not the load's: no incident is judged here (``scale.py`` does t
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pickle
 import statistics
@@ -29,12 +31,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def build(ranks: int, rate: float, pattern: str, fault: str, seconds: float, fault_at: float, path: str) -> None:
+def build(
+    ranks: int,
+    rate: float,
+    pattern: str,
+    fault: str,
+    seconds: float,
+    fault_at: float,
+    path: str,
+    device: bool = False,
+    cadence: str = "relay",
+) -> None:
     """The load's relay calls, and the ranks' identities, into ``path``."""
     import loadgen
     import scale
 
-    cfg = scale.replayed(ranks, rate, pattern, fault, False, seconds, fault_at)
+    cfg = scale.replayed(ranks, rate, pattern, fault, device, seconds, fault_at, cadence)
     worker = loadgen.Worker(cfg, list(range(ranks)))
     sends = [(offset, raw, nrep) for offset, _, raw, nrep, _, _ in worker.build_sends()]
     with open(path, "wb") as f:
@@ -107,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=4.0)
     ap.add_argument("--fault-at", type=float, default=6.0, help="seconds into the load (the culprit: ranks / 2 + 1)")
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--device", choices=("off", "on", "both"), default="off", help="NCCL device progress in batches")
+    ap.add_argument("--cadence", default="relay", help="how batches reach the coordinator (as bench/scale.py)")
     ap.add_argument("--baseline", help="another checkout, run on the same load, alternating")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # (internal) one run on the load in this file
     args = ap.parse_args(argv)
@@ -118,27 +132,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         trees.append((Path(args.baseline).name, str(Path(args.baseline).resolve())))
     names = " | ".join(f"{name} µs a rank batch | {name} registrations s" for name, _ in trees)
-    print(f"| ranks | coll/s | pattern | fault | {names} | ratio |")
-    print("| ---: | ---: | --- | --- |" + " ---: |" * (2 * len(trees) + 1), flush=True)
+    print(f"| ranks | coll/s | pattern | device | fault | {names} | ratio |")
+    print("| ---: | ---: | --- | --- | --- |" + " ---: |" * (2 * len(trees) + 1), flush=True)
+    devices = {"off": [False], "on": [True], "both": [False, True]}[args.device]
     for ranks in map(int, args.ranks.split(",")):
         for rate in map(float, args.rates.split(",")):
-            for pattern in args.patterns.split(","):
-                for fault in args.faults.split(","):
-                    with tempfile.TemporaryDirectory(prefix="hw-cost-") as tmp:
-                        path = os.path.join(tmp, "load.pkl")
-                        build(ranks, rate, pattern, fault, args.seconds, args.fault_at, path)
-                        got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
-                        for _ in range(args.pairs):
-                            for name, tree in trees:
-                                got[name].append(_run(tree, path, args.warmup))
-                    cells, medians = [], []
-                    for name, _ in trees:
-                        us = statistics.median(r["us_per_batch"] for r in got[name])
-                        reg = statistics.median(r["register_s"] for r in got[name])
-                        medians.append(us)
-                        cells.append(f"{us:.1f} | {reg:.2f}")
-                    ratio = f"{medians[0] / medians[1]:.2f}" if len(medians) > 1 else "-"
-                    print(f"| {ranks} | {rate:g} | {pattern} | {fault} | {' | '.join(cells)} | {ratio} |", flush=True)
+            for pattern, device, fault in itertools.product(args.patterns.split(","), devices, args.faults.split(",")):
+                with tempfile.TemporaryDirectory(prefix="hw-cost-") as tmp:
+                    path = os.path.join(tmp, "load.pkl")
+                    build(ranks, rate, pattern, fault, args.seconds, args.fault_at, path, device, args.cadence)
+                    got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+                    for _ in range(args.pairs):
+                        for name, tree in trees:
+                            got[name].append(_run(tree, path, args.warmup))
+                cells, medians = [], []
+                for name, _ in trees:
+                    us = statistics.median(r["us_per_batch"] for r in got[name])
+                    reg = statistics.median(r["register_s"] for r in got[name])
+                    medians.append(us)
+                    cells.append(f"{us:.1f} | {reg:.2f}")
+                ratio = f"{medians[0] / medians[1]:.2f}" if len(medians) > 1 else "-"
+                on = "on" if device else "off"
+                print(
+                    f"| {ranks} | {rate:g} | {pattern} | {on} | {fault} | {' | '.join(cells)} | {ratio} |", flush=True
+                )
     return 0
 
 

@@ -63,6 +63,7 @@ ARRIVALS_KEPT = 32
 ARRIVALS_SAMPLED_FROM = 256
 ARRIVALS_SPREAD_S = 0.5
 PRUNE_RUNS_EVERY = 16  # passed seqs between two walks of every member's runs (``_prune_runs``)
+PRUNE_MEMBERS_PER_SEQ = 256  # a group's members a seq between two walks, where more (16,384: every 64 seqs)
 #: A group made anew numbers from 1 again: its first call comes at one of these first seqs (after
 #: the few C++ issued first, DDP's broadcast of the module's state), below the rank's last
 NEW_NUMBERING_SEQS = 64

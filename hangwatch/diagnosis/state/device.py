@@ -7,9 +7,10 @@ by later reads; one is made an open call only where the device stops at it.
 
 from __future__ import annotations
 
+import bisect
 import collections
-import dataclasses
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 
 from hangwatch import records as r
@@ -58,11 +59,16 @@ class Device(_Base):
             if not self._room(state, b.PROGRESS_BYTES + b.text_bytes(group)):
                 return
             self._charge(state, b.PROGRESS_BYTES + b.text_bytes(group))
-        local = dataclasses.replace(
-            event,
-            time=state.to_local(event.time),
-            completed_time=state.to_local(event.completed_time) if event.completed_time else 0.0,
-            started_time=state.to_local(event.started_time) if event.started_time else 0.0,
+        local = r.GroupProgress(  # its times on the coordinator's clock
+            event.rank,
+            group,
+            event.enqueued,
+            event.started,
+            event.completed,
+            state.to_local(event.time),
+            state.to_local(event.completed_time) if event.completed_time else 0.0,
+            event.timeout_ms,
+            state.to_local(event.started_time) if event.started_time else 0.0,
         )
         prior = state.progress.get(group)
         state.progress[group] = local
@@ -211,15 +217,21 @@ class Device(_Base):
         the last it completed, else the read's)."""
         lo = max(lo, hi - DURATIONS_KEPT)
         off, read = run.offset, progress.time
-        # as ``_close`` takes each: done at the read (the host returned before it, or at its return)
-        waits = [max(x + off, read) - (e + off) for e, x in zip(run.enters[lo:hi], run.exits[lo:hi], strict=True)]
+        # as ``_close`` takes each: done at the read, or at its return where that came later.
+        # Returns grow along a run, so those before the read are a prefix (no loop in Python).
+        enters, exits, base = run.enters, run.exits, read - off
+        j = bisect.bisect_right(exits, base, lo, hi)
+        waits = list(map(operator.sub, itertools.repeat(base, j - lo), enters[lo:j]))
+        waits += map(operator.sub, exits[j:hi], enters[j:hi])
         i = progress.completed - run.first_seq
         if progress.completed_time and lo <= i < hi:  # torch's watchdog's time for the last it completed
-            waits[i - lo] = max(run.exits[i] + off, min(progress.completed_time, read)) - (run.enters[i] + off)
+            waits[i - lo] = max(exits[i] + off, min(progress.completed_time, read)) - (enters[i] + off)
         if closed:
             first = run.first_call_id
-            waits = [w for j, w in enumerate(waits, lo) if first + j not in closed]
-        self.wait_durations.extend(map(max, itertools.repeat(0.0), waits))
+            waits = [w for k, w in enumerate(waits, lo) if first + k not in closed]
+        if waits and min(waits) < 0.0:  # (a clock stepped back inside a call: none waited less than nothing)
+            waits = [w if w > 0.0 else 0.0 for w in waits]
+        self.wait_durations.extend(waits)
 
     def _open_on_device(self, state: RankState, run: r.CallRun, i: int) -> bool:
         """``run``'s ``i``-th call as the open call it would be without runs: its host returned,

@@ -19,6 +19,7 @@ from hangwatch.diagnosis.state.base import (
     HISTORY_PER_GROUP,
     MAX_SLOTS_PER_GROUP,
     ON_DEVICE_RUNS,
+    PRUNE_MEMBERS_PER_SEQ,
     PRUNE_RUNS_EVERY,
     _any_in,
     _Base,
@@ -412,7 +413,9 @@ class Runs(_Base):
         if new_low > low:
             due = self._arrivals_due.get(group)
             self._arrivals_due[group] = (due[0] if due else low, new_low, members)
-            if new_low >= self._pruned_to.get(group, 0) + PRUNE_RUNS_EVERY:
+            # (a prune may walk every member: at most one walk each ``PRUNE_MEMBERS_PER_SEQ`` seqs)
+            every = max(PRUNE_RUNS_EVERY, len(members) // PRUNE_MEMBERS_PER_SEQ)
+            if new_low >= self._pruned_to.get(group, 0) + every:
                 self._prune_runs(group, new_low)
         self.passed_low[group] = new_low
 
