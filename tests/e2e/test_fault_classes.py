@@ -56,7 +56,20 @@ def wait_incident(
     try:
         return wait_for(find, timeout, 0.2, f"a {kind} incident")  # type: ignore[no-any-return]
     except AssertionError:
-        raise AssertionError(f"no {kind} incident; have: {_brief(c.incidents_json())}") from None
+        raise AssertionError(f"no {kind} incident; have: {_brief(c.incidents_json())}; {_lateness(c)}") from None
+
+
+def _lateness(c: Coordinator) -> str:
+    """How late the coordinator ran and its ranks were heard, for a test that waited in vain (the
+    stuck detector holds while the coordinator is behind)."""
+    now = time.time()
+    with c.lock:
+        return "; ".join(
+            f"job {job.job_id or '?'}: behind {job.behind(now):.1f} s (worst: queue {job.lag.worst:.1f} s, "
+            f"heard {job.heard.worst:.1f} s), each rank last sent "
+            + ", ".join(f"{rk} {now - st.last_sent:.1f} s ago" for rk, st in sorted(job.ranks.items()))
+            for job in c.jobs
+        )
 
 
 def wait_stacks(c: Coordinator, incident_id: str, rank: int, timeout: float = 30) -> str:
