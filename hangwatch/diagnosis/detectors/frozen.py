@@ -25,7 +25,13 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     live = [st for st in job.ranks.values() if st.end is None and st.alive]
     # a coordinator behind its batches hears every rank late: that lateness is its own, unless
     # the rank's node agent says now that it is stopped (a whole job stopped stops the frontier)
-    silent = [st for st in live if ctx.now - st.last_seen >= ctx.silence_after + _allowance(st, ctx)]
+    # (the allowance is never below 0: asked only of ranks silent as long as the threshold)
+    silent = [
+        st
+        for st in live
+        if ctx.now - st.last_seen >= ctx.silence_after
+        and ctx.now - st.last_seen >= ctx.silence_after + _allowance(st, ctx)
+    ]
     if len(silent) > max(1, len(live) // 2) or len({st.identity.host for st in silent}) > FROZEN_HOSTS:
         # Ranks on several hosts silent at once are the network or a coordinator late to its
         # batches (a stall of its own hears whichever ranks were next, on any node), not frozen
