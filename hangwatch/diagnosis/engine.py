@@ -30,6 +30,7 @@ from hangwatch.diagnosis.incidents import (
     incarnation_of,
     key_family,
     scoped,
+    unscoped,
 )
 from hangwatch.diagnosis.jobs import Jobs
 from hangwatch.diagnosis.state import JobState
@@ -54,6 +55,8 @@ SLOT_KINDS = (IncidentKind.STUCK_COLLECTIVE, IncidentKind.EARLY_EXIT, IncidentKi
 #: Incidents whose ranks' later deaths are their aftermath (torch's watchdog aborts hung ranks).
 #: A p2p deadlock (two stages that both send first) holds its ranks as a stuck collective does.
 HANG_FAMILIES = kinds.HOLDING_FAMILIES
+#: Hangs told at a slot (group, seq), one an incident: more ranks waiting there are told in it.
+SLOT_HANGS = frozenset({KeyFamily.STUCK.value, KeyFamily.EARLY.value, KeyFamily.STALL.value})
 
 #: Why a rank that registered itself over the network is never dumped or signalled: only a node
 #: agent's registration (from the rank's own link, ``SO_PEERCRED``) ties a pid to a rank of a job.
@@ -183,6 +186,11 @@ class Engine:
             if inc.status == "open" and key_family(inc.key) in HANG_FAMILIES
             for rank in inc.culprit_ranks + inc.waiting_ranks
         }
+        told = {
+            (inc.group, inc.seq): (unscoped(inc.key), frozenset(inc.waiting_ranks))
+            for inc in current
+            if inc.status == "open" and inc.group and key_family(inc.key) in SLOT_HANGS
+        }
         cache = self.caches.get(job.incarnation)
         if cache is None:  # made once per run: making it is most of an idle tick's cost
             cache = self.caches[job.incarnation] = new_cache()
@@ -195,6 +203,7 @@ class Engine:
             claimed=claimed,
             mismatched=mismatched,
             hangs=hangs,
+            told=told,
             changes=job.take_changes(),
             cache=cache,
         )

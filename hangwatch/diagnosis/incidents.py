@@ -80,6 +80,12 @@ def incarnation_of(key: str) -> str:
     return head.rsplit("/", 1)[0] if "/" in head else ""
 
 
+def unscoped(key: str) -> str:
+    """``key`` as a detector makes it: without the run a stored key is scoped to."""
+    head, sep, rest = key.partition(":")
+    return head.rsplit("/", 1)[-1] + sep + rest
+
+
 def scoped(run: str, key: str) -> str:
     """``key`` scoped to a run of the job (unchanged if it already is): the same hang in a rerun
     is a new incident."""

@@ -247,3 +247,32 @@ def test_a_job_whose_records_were_refused_for_its_budget_is_judged_once_they_no_
     sim2.beat(T0 + 13)
     (inc2,) = engine2.tick(T0 + 13)
     assert inc2.kind == "stuck_collective"
+
+
+def test_a_hang_told_gains_the_ranks_that_came_to_wait_after_it_and_blames_them_no_more() -> None:
+    """A slot's incident, once told, was never diagnosed again: a rank whose call there was read
+    later (a device's progress riding with a later batch, a batch late) stayed out of it, and a
+    rank blamed for not having come stayed blamed once it came. Ranks that come to wait are
+    told in the same incident; a tick with no one new changes nothing."""
+    sim = SimJob(3)
+    sim.collective(1, T0 + 1)
+    sim.call(2, T0 + 2, seq=2)
+    persisted: list[tuple[str, str]] = []
+    engine = sim.engine(persist=lambda inc: persisted.append((inc.id, inc.status)))
+    sim.beat(T0 + 13)
+    (inc,) = engine.tick(T0 + 13)
+    assert (inc.kind, inc.culprit_ranks, inc.waiting_ranks) == ("stuck_collective", [0, 1], [2])
+    sim.call(0, T0 + 13.5, seq=2)  # rank 0 was late, not stuck: it comes
+    sim.beat(T0 + 14)
+    assert engine.tick(T0 + 14) == []  # (no new incident: the same one, told again)
+    assert (inc.kind, inc.culprit_ranks, inc.waiting_ranks) == ("stuck_collective", [1], [0, 2])
+    assert inc.summary.startswith("ranks 0, 2 wait in all_reduce (group 0, seq 2)"), inc.summary
+    assert "rank 0 is outside" not in inc.summary and "rank 1 is outside any collective" in inc.summary
+    assert inc.details["revised"] == 1
+    assert len(engine.incidents) == 1 and inc.status == "open"
+    count = len(persisted)
+    for now in (T0 + 15, T0 + 16, T0 + 19):  # the look-alike: the same slot, no one new
+        sim.beat(now)
+        assert engine.tick(now) == []
+    assert (inc.culprit_ranks, inc.waiting_ranks, inc.details["revised"]) == ([1], [0, 2], 1)
+    assert len(persisted) == count

@@ -68,6 +68,9 @@ class Context:
     #: ranks in an open hang incident (stuck, early exit, transport stall) -> its key: a death of
     #: one of them afterwards (NCCL's watchdog aborting at its timeout) is that hang's aftermath
     hangs: dict[int, str] = field(default_factory=dict)
+    #: the slots of open hang incidents -> (their key, unscoped; the ranks they tell waiting): a
+    #: claimed slot where others wait is diagnosed again, in the same incident
+    told: dict[SlotId, tuple[str, frozenset[int]]] = field(default_factory=dict)
     changes: Changes = field(default_factory=Changes)  # what changed since the last tick
     #: seconds ranks may wait in ``init_process_group`` for the others (``config.DEFAULT_INIT_AFTER``)
     init_after: float = config.DEFAULT_INIT_AFTER

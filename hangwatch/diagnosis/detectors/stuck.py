@@ -22,7 +22,7 @@ from hangwatch import catalogue, config, kinds
 from hangwatch import records as r
 from hangwatch.diagnosis import waits
 from hangwatch.diagnosis.detectors import Context, joins
-from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key
+from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key, unscoped
 from hangwatch.diagnosis.state import JobState, RankState, Slot
 from hangwatch.diagnosis.traces import TRACE_WAIT_S, unknown_at
 from hangwatch.model.waitfor import Graph, Stand
@@ -71,8 +71,9 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     found = []
     for _, slot, members, waiting in sorted(candidates, key=lambda c: c[0]):
         finding = _diagnose(job, ctx, slot, members, waiting)
-        if finding is not None:
-            found.append(finding)
+        told = ctx.told.get((slot.group, slot.seq))
+        if finding is not None and (told is None or finding.key == told[0]):
+            found.append(finding)  # (a slot told before: in its own incident, never another)
     if not found:
         return []
     graph = waits.graph(job, ctx.now, ctx.silence_after + ctx.behind)  # its lateness: no rank frozen
@@ -91,6 +92,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
 
     for finding in sorted(found, key=lambda f: (not blames_where_waits_end(f), culprits_waiting(f))):
         root = _root(graph, finding.culprit_ranks, hung)
+        if root and unscoped(root) == finding.key:
+            root = ""  # its own incident, told again with the ranks that came to wait since
         if not root and _held_by_younger(job, ctx, finding):
             continue  # told next, as the aftermath of the hang its culprits' waits end in
         if not root and _held_for_traces(job, ctx, finding):
@@ -169,13 +172,21 @@ def _candidates(job: JobState, ctx: Context) -> list[tuple[float, Slot, tuple[in
             oldest = min(slot.calls[rk].enter_time for rk in waiting)
             if (
                 ctx.now - oldest >= ctx.stuck_after
-                and (group, seq) not in ctx.claimed
+                and ((group, seq) not in ctx.claimed or _more_waiting(ctx, group, seq, waiting))
                 and _still_waiting(job, waiting) >= oldest + ctx.stuck_after - HEARD_WITHIN_S
                 and not _waits_unread(job, ctx, slot, waiting, oldest)
             ):
                 candidates.append((oldest, slot, job.members(group), waiting))
             break  # later slots of this group are younger: the oldest unresolved slot is the root
     return candidates
+
+
+def _more_waiting(ctx: Context, group: str, seq: int, waiting: list[int]) -> bool:
+    """Whether a slot an open hang incident tells (``Context.told``) has ranks waiting that it
+    does not name: one whose call was read after the hang was told (a device's progress, a
+    late batch) is told in it then, and a rank blamed for being late that came is blamed no more."""
+    told = ctx.told.get((group, seq))
+    return told is not None and not told[1].issuperset(waiting)
 
 
 def _still_waiting(job: JobState, waiting: list[int]) -> float:
