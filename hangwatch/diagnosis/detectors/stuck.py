@@ -92,8 +92,10 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
 
     for finding in sorted(found, key=lambda f: (not blames_where_waits_end(f), culprits_waiting(f))):
         root = _root(graph, finding.culprit_ranks, hung)
-        if root and unscoped(root) == finding.key:
-            root = ""  # its own incident, told again with the ranks that came to wait since
+        if (finding.group, finding.seq) in ctx.told:  # its own incident, told again with who came since
+            if root and unscoped(root) != finding.key:
+                continue  # (its culprits now wait in another hang: told there, not twice)
+            root = ""
         if not root and _held_by_younger(job, ctx, finding):
             continue  # told next, as the aftermath of the hang its culprits' waits end in
         if not root and _held_for_traces(job, ctx, finding):
