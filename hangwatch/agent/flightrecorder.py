@@ -115,7 +115,7 @@ MAX_NCCL_GROUPS = 4096
 TURNOVER_BUDGET = 0.05
 #: However much a read costs, a rank is read at least this often (then over ``READ_BUDGET``, and
 #: ``status`` says so): the coordinator takes reads this far apart for reads that stopped
-#: (``detectors.stuck.FLIGHT_STALE_S``).
+#: (``detectors.horizon.FLIGHT_STALE_S``).
 MAX_READ_EVERY_S = config.FR_MAX_READ_EVERY_S
 #: Ranks' rings read at once, each on a thread of its own: a worker server that drips its answer
 #: holds one of them until its read's deadline, never the reads of the others.

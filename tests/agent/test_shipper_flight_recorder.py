@@ -706,7 +706,7 @@ def test_a_rank_is_read_at_least_every_max_read_every_s_whatever_it_costs() -> N
     apart under the budget: the coordinator would take the rank's reads for stopped
     (``FLIGHT_STALE_S``). It is read every ``MAX_READ_EVERY_S``, and ``status`` says what it costs."""
     from hangwatch.agent.flightrecorder import MAX_READ_EVERY_S
-    from hangwatch.diagnosis.detectors.stuck import FLIGHT_STALE_S
+    from hangwatch.diagnosis.detectors.horizon import FLIGHT_STALE_S
 
     clock = [1000.0]
     reads = [0]

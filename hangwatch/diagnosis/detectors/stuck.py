@@ -21,39 +21,13 @@ from __future__ import annotations
 from hangwatch import catalogue, config, kinds
 from hangwatch import records as r
 from hangwatch.diagnosis import waits
-from hangwatch.diagnosis.detectors import Context, joins
+from hangwatch.diagnosis.detectors import Context, horizon, joins
 from hangwatch.diagnosis.incidents import Finding, IncidentKind, KeyFamily, incident_key, unscoped
 from hangwatch.diagnosis.state import JobState, RankState, Slot
-from hangwatch.diagnosis.traces import TRACE_WAIT_S, unknown_at
 from hangwatch.model.waitfor import Graph, Stand
 from hangwatch.wording import describe_call, doing, gpu_load, joining, stories
 
 EARLY_EXIT_HINT = kinds.hint(IncidentKind.EARLY_EXIT)
-
-
-#: Heartbeats come every second; a rank silent this long may be frozen (the frozen detector
-#: decides at ``silence_after``), so a hang it is absent from is not yet blamed on it.
-SUSPECT_SILENCE_S = 2.5
-#: A rank's latest Flight Recorder read this much older than its latest batch: its reads have
-#: stopped (the worker server no longer answers, a ring keeps failing), and what it says of
-#: C++'s collectives is old. A node agent spaces reads by their cost and spares those Python
-#: calls account for, but reads each rank at least every 20 s
-#: (``agent.flightrecorder.MAX_READ_EVERY_S``) and a spared CPU ring every 10 s.
-FLIGHT_STALE_S = 60.0
-#: A rank still inside a call says so in each batch (one at least every 2 s, held up to 1 s by
-#: a relay): a wait counts to the threshold only where a waiting rank's word came this close to
-#: it since. Before, its exit may be on its way to a coordinator running behind (at 16,384
-#: ranks, ranks whose first call's exit was queued were told waiting for ranks not heard yet).
-HEARD_WITHIN_S = 3.0
-#: A coordinator this far behind its batches holds its stuck judgements until it catches up: the
-#: batch that shows an absent rank arrived may be among those queued (at 16,384 ranks x 50/s with
-#: device progress, 10 s behind, 2,270 ranks were told waiting in a collective the absent ranks'
-#: queued batches held). A job that hangs stops calling, and its coordinator catches up then.
-BEHIND_HOLD_S = HEARD_WITHIN_S
-
-
-def _silent(state: RankState, ctx: Context) -> bool:
-    return ctx.now - state.last_seen > min(ctx.silence_after, SUSPECT_SILENCE_S) + ctx.behind
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
@@ -61,8 +35,8 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     whose absent ranks' waits all end in another hang (ranks stuck in a subgroup's collective
     never reach the world barrier a third rank waits in; two stages that both send first) is
     that hang's aftermath, told in its incident, not a root cause of its own. None while the
-    coordinator runs ``BEHIND_HOLD_S`` behind (``status`` says so)."""
-    if ctx.behind >= BEHIND_HOLD_S:
+    coordinator runs ``horizon.BEHIND_HOLD_S`` behind (``status`` says so)."""
+    if ctx.behind >= horizon.BEHIND_HOLD_S:
         return []
     # (NCCL) calls that came in runs and a device holds below those slots, waiting as long as
     # the threshold, are open calls already, as they would have been call by call
@@ -98,7 +72,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
             root = ""
         if not root and _held_by_younger(job, ctx, finding):
             continue  # told next, as the aftermath of the hang its culprits' waits end in
-        if not root and _held_for_traces(job, ctx, finding):
+        if not root and horizon.held_for_traces(job, ctx, finding):
             continue  # the culprits' C++ calls since the wait began are not read yet
         if root and root != finding.key:
             finding.aftermath_of = root
@@ -135,16 +109,6 @@ def _doing(st: RankState, now: float) -> str:
     return doing(st.end, blocked, st.where, st.where_user, now)
 
 
-def _held_for_traces(job: JobState, ctx: Context, finding: Finding) -> bool:
-    """Whether a culprit's trace is not known through the wait's start: its C++ collectives come
-    from Flight Recorder reads, the latest older than the wait (under load, rank 0 seen busy in
-    its backward while its gradient all_reduce, issued from C++, met rank 1's barrier). Held for
-    ``TRACE_WAIT_S`` past the threshold at most: reads that stopped are told as they are."""
-    if ctx.now - finding.onset_time >= ctx.stuck_after + TRACE_WAIT_S:
-        return False
-    return bool(unknown_at(job, finding.culprit_ranks, finding.onset_time))
-
-
 def _root(graph: Graph, culprits: list[int], hung: dict[int, str]) -> str:
     """The one hang already told that the culprits' waits all end in ("": none, or several)."""
     ends = graph.reached(culprits)
@@ -174,51 +138,13 @@ def _candidates(job: JobState, ctx: Context) -> list[tuple[float, Slot, tuple[in
             oldest = min(slot.calls[rk].enter_time for rk in waiting)
             if (
                 ctx.now - oldest >= ctx.stuck_after
-                and ((group, seq) not in ctx.claimed or _more_waiting(ctx, group, seq, waiting))
-                and _still_waiting(job, waiting) >= oldest + ctx.stuck_after - HEARD_WITHIN_S
-                and not _waits_unread(job, ctx, slot, waiting, oldest)
+                and ((group, seq) not in ctx.claimed or horizon.more_waiting(ctx, group, seq, waiting))
+                and horizon.still_waiting(job, waiting) >= oldest + ctx.stuck_after - horizon.HEARD_WITHIN_S
+                and not horizon.waits_unread(job, ctx, slot, waiting, oldest)
             ):
                 candidates.append((oldest, slot, job.members(group), waiting))
             break  # later slots of this group are younger: the oldest unresolved slot is the root
     return candidates
-
-
-def _more_waiting(ctx: Context, group: str, seq: int, waiting: list[int]) -> bool:
-    """Whether a slot an open hang incident tells (``Context.told``) has ranks waiting that it
-    does not name: one whose call was read after the hang was told (a device's progress, a
-    late batch) is told in it then, and a rank blamed for being late that came is blamed no more."""
-    told = ctx.told.get((group, seq))
-    return told is not None and not told[1].issuperset(waiting)
-
-
-def _still_waiting(job: JobState, waiting: list[int]) -> float:
-    """Up to when the waiting ranks are known to wait: the latest word of any of them."""
-    return max((st.last_sent for rk in waiting if (st := job.ranks.get(rk)) is not None), default=0.0)
-
-
-def _read_since(st: RankState, t: float, ctx: Context) -> bool:
-    """Whether what the rank's C++ issued is known past ``t``: a Flight Recorder read asked half
-    the threshold after it has come (one just after may be followed by the call's own end a
-    moment later), or, where its reads stopped or no agent says when they were asked, a batch
-    one poll after it."""
-    if st.flight_to > st.last_sent - FLIGHT_STALE_S:
-        return st.flight_to >= t + ctx.stuck_after / 2
-    return st.last_sent >= t + config.FR_POLL_INTERVAL_S
-
-
-def _waits_unread(job: JobState, ctx: Context, slot: Slot, waiting: list[int], oldest: float) -> bool:
-    """Whether every waiting rank waits in a call C++ issued that no read since has shown still
-    under way (``_read_since`` its entry): the read that made its record found it in flight, and
-    the next may find it long done (under load, CI: a 24-entry ring turned over between reads
-    spaced seconds apart, and DDP's constructor broadcast was told stuck 3 s). Held for
-    ``TRACE_WAIT_S`` past the threshold at most: reads that stopped are told as they are."""
-    if ctx.now - oldest >= ctx.stuck_after + TRACE_WAIT_S:
-        return False
-    for rank in waiting:
-        call, st = slot.calls[rank], job.ranks.get(rank)
-        if call.source == "python" or st is None or st.end is not None or _read_since(st, call.enter_time, ctx):
-            return False
-    return True
 
 
 BARRIERS = catalogue.record_names([catalogue.Kind.BARRIER])
@@ -446,7 +372,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
     present = {rk: st for rk, st in states.items() if st is not None}
     if any(not st.alive for st in present.values()):
         return None  # rank_died explains it
-    if any(st.end is None and _silent(st, ctx) for st in present.values()):
+    if any(st.end is None and horizon.silent(st, ctx) for st in present.values()):
         return None  # rank_frozen explains it (or will, once the silence lasts silence_after)
     # The latest batch we have from an absent rank must have left it after the others entered,
     # else its absence is not known yet (batches travel for up to a report interval, more
@@ -466,7 +392,7 @@ def _diagnose(job: JobState, ctx: Context, slot: Slot, members: tuple[int, ...],
             continue
         if st.last_sent < slot.first_enter:
             return None
-        if cxx and not _read_since(st, slot.first_enter, ctx):
+        if cxx and not horizon.read_since(st, slot.first_enter, ctx):
             return None
     doings = {rk: _doing(st, ctx.now) for rk, st in sorted(present.items())}
     details["absent"] = {str(rk): text for rk, text in doings.items()}

@@ -11,7 +11,7 @@ import dataclasses
 from hangwatch import config
 from hangwatch import records as r
 from hangwatch.diagnosis import traces
-from hangwatch.diagnosis.detectors import stuck
+from hangwatch.diagnosis.detectors import horizon, stuck
 from hangwatch.records import CallRecord, EndKind
 from tests.factories import T0, SimJob, only
 
@@ -77,9 +77,9 @@ def test_a_coordinator_running_behind_holds_its_stuck_judgements_until_it_catche
     sim.collective(1, T0 + 1)
     sim.call(0, T0 + 2, seq=2)
     sim.beat(T0 + 12.5)
-    late = dataclasses.replace(sim.ctx(T0 + 12.5), behind=stuck.BEHIND_HOLD_S)
+    late = dataclasses.replace(sim.ctx(T0 + 12.5), behind=horizon.BEHIND_HOLD_S)
     assert stuck.detect(sim.job, late) == []
-    caught_up = dataclasses.replace(late, behind=stuck.BEHIND_HOLD_S - 0.5)
+    caught_up = dataclasses.replace(late, behind=horizon.BEHIND_HOLD_S - 0.5)
     assert only(stuck.detect(sim.job, caught_up), "stuck_collective").culprit_ranks == [1]
 
 
@@ -144,8 +144,8 @@ def test_where_its_agent_says_when_its_flight_recorder_was_read_that_decides() -
     # reads that stopped coming (its worker server no longer answers) say nothing: the allowance
     # is the one-poll one again, rather than never blaming it
     st.flight_to = T0 + 1.5
-    st.last_seen = st.last_sent = T0 + 1.5 + stuck.FLIGHT_STALE_S + 1
-    found = stuck.detect(sim.job, sim.ctx(T0 + 1.5 + stuck.FLIGHT_STALE_S + 1))
+    st.last_seen = st.last_sent = T0 + 1.5 + horizon.FLIGHT_STALE_S + 1
+    found = stuck.detect(sim.job, sim.ctx(T0 + 1.5 + horizon.FLIGHT_STALE_S + 1))
     assert only(found, "stuck_collective").culprit_ranks == [1]
 
 
