@@ -26,7 +26,7 @@ from hangwatch.records import (
     ThreadStack,
     link_tag,
 )
-from tests.factories import T0, SimJob
+from tests.factories import T0, SimJob, group_event
 
 
 def test_engine_stuck_incident_lifecycle_persist_and_stacks() -> None:
@@ -276,3 +276,30 @@ def test_a_hang_told_gains_the_ranks_that_came_to_wait_after_it_and_blames_them_
         assert engine.tick(now) == []
     assert (inc.culprit_ranks, inc.waiting_ranks, inc.details["revised"]) == ([1], [0, 2], 1)
     assert len(persisted) == count
+
+
+def test_a_hang_told_again_with_who_came_changes_no_other_hang() -> None:
+    """Rank 1 waits in a subgroup's all_reduce for rank 3; rank 2 waits in the world's for ranks
+    0, 1 and 3: two hangs. Rank 0 then comes to the world's: that hang is told again in its
+    own incident (rank 0 no longer blamed, rank 1 told waiting where it waits); the subgroup's
+    is untouched, and nothing is opened or folded anew."""
+    sim = SimJob(4)
+    for rk in (1, 3):
+        sim.apply(group_event(rk, "1", (1, 3)), T0)
+    sim.collective(1, T0 + 1)
+    sim.call(1, T0 + 1.5, seq=1, group="1")
+    sim.call(2, T0 + 2, seq=2)
+    engine = sim.engine()
+    sim.beat(T0 + 12)
+    sub, world = sorted(engine.tick(T0 + 12), key=lambda inc: inc.group, reverse=True)
+    assert (sub.group, sub.culprit_ranks, sub.waiting_ranks) == ("1", [3], [1])
+    assert (world.group, world.culprit_ranks, world.waiting_ranks) == ("0", [0, 1, 3], [2])
+    before = (sub.summary, dict(sub.details))
+    sim.call(0, T0 + 13.5, seq=2)
+    for now in (T0 + 14, T0 + 15):
+        sim.beat(now)
+        assert engine.tick(now) == []
+    assert (world.culprit_ranks, world.waiting_ranks, world.details["revised"]) == ([1, 3], [0, 2], 1)
+    assert "rank 1 is waiting in all_reduce (group 1, seq 1)" in world.summary, world.summary
+    assert (sub.summary, sub.details) == before
+    assert len(engine.incidents) == 2
