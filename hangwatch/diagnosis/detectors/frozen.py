@@ -29,8 +29,7 @@ def detect(job: JobState, ctx: Context) -> list[Finding]:
     silent = [
         st
         for st in live
-        if ctx.now - st.last_seen >= ctx.silence_after
-        and ctx.now - st.last_seen >= ctx.silence_after + _allowance(st, ctx)
+        if (quiet := ctx.now - st.last_seen) >= ctx.silence_after and quiet >= ctx.silence_after + _allowance(st, ctx)
     ]
     if len(silent) > max(1, len(live) // 2) or len({st.identity.host for st in silent}) > FROZEN_HOSTS:
         # Ranks on several hosts silent at once are the network or a coordinator late to its

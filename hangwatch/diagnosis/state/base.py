@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import itertools
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -77,6 +79,21 @@ def _same_process(claimed: r.RankIdentity, proven: r.RankIdentity) -> bool:
     differs from the agent's, so there only the host and start time are compared)."""
     pid_ok = claimed.pid == proven.pid or bool(claimed.pid_namespace)
     return claimed.host == proven.host and pid_ok and abs(claimed.start_time - proven.start_time) <= 1.0
+
+
+def _run_waits(
+    enters: Sequence[float], exits: Sequence[float], lo: int, hi: int, done_by: float | None = None
+) -> list[float]:
+    """The waits of a run's calls ``lo`` to ``hi - 1``: from enter to return, or to ``done_by``
+    (a device's read, on the run's clock) where that came later. Returns grow along a run, so
+    those before ``done_by`` are a prefix (no loop in Python). None below 0 (a clock stepped
+    back inside a call: none waited less than nothing)."""
+    j = lo if done_by is None else bisect.bisect_right(exits, done_by, lo, hi)
+    waits = list(map(operator.sub, itertools.repeat(done_by, j - lo), enters[lo:j])) if j > lo else []
+    waits += map(operator.sub, exits[j:hi], enters[j:hi])
+    if waits and min(waits) < 0.0:
+        waits = [w if w > 0.0 else 0.0 for w in waits]
+    return waits
 
 
 def _completed_in(run: r.CallRun, progress: r.GroupProgress, offset: float) -> int:

@@ -7,10 +7,7 @@ by later reads; one is made an open call only where the device stops at it.
 
 from __future__ import annotations
 
-import bisect
 import collections
-import itertools
-import operator
 from collections.abc import Callable, Sequence
 
 from hangwatch import records as r
@@ -21,6 +18,7 @@ from hangwatch.diagnosis.state.base import (
     MAX_OPEN_CALLS,
     _Base,
     _completed_in,
+    _run_waits,
 )
 from hangwatch.diagnosis.state.ranks import (
     PROGRESS_FRESH_S,
@@ -217,20 +215,15 @@ class Device(_Base):
         the last it completed, else the read's)."""
         lo = max(lo, hi - DURATIONS_KEPT)
         off, read = run.offset, progress.time
-        # as ``_close`` takes each: done at the read, or at its return where that came later.
-        # Returns grow along a run, so those before the read are a prefix (no loop in Python).
-        enters, exits, base = run.enters, run.exits, read - off
-        j = bisect.bisect_right(exits, base, lo, hi)
-        waits = list(map(operator.sub, itertools.repeat(base, j - lo), enters[lo:j]))
-        waits += map(operator.sub, exits[j:hi], enters[j:hi])
+        # as ``_close`` takes each: done at the read, or at its return where that came later
+        enters, exits = run.enters, run.exits
+        waits = _run_waits(enters, exits, lo, hi, read - off)
         i = progress.completed - run.first_seq
         if progress.completed_time and lo <= i < hi:  # torch's watchdog's time for the last it completed
-            waits[i - lo] = max(exits[i] + off, min(progress.completed_time, read)) - (enters[i] + off)
+            waits[i - lo] = max(0.0, max(exits[i] + off, min(progress.completed_time, read)) - (enters[i] + off))
         if closed:
             first = run.first_call_id
             waits = [w for k, w in enumerate(waits, lo) if first + k not in closed]
-        if waits and min(waits) < 0.0:  # (a clock stepped back inside a call: none waited less than nothing)
-            waits = [w if w > 0.0 else 0.0 for w in waits]
         self.wait_durations.extend(waits)
 
     def _open_on_device(self, state: RankState, run: r.CallRun, i: int) -> bool:

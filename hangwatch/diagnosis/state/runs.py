@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import operator
 
 from hangwatch import records as r
 from hangwatch.diagnosis import budget as b
@@ -25,6 +24,7 @@ from hangwatch.diagnosis.state.base import (
     _Base,
     _run_at,
     _run_key,
+    _run_waits,
     _RunRef,
 )
 from hangwatch.diagnosis.state.facts import facts_of
@@ -198,10 +198,7 @@ class Runs(_Base):
         d = max(lo, n - DURATIONS_KEPT)
         w = min(hi, device)
         if d < w:
-            waits = list(map(operator.sub, exits[d:w], enters[d:w]))
-            if min(waits) < 0.0:  # (a clock stepped back inside a call: none waited less than nothing)
-                waits = [t if t > 0.0 else 0.0 for t in waits]
-            self.wait_durations.extend(waits)
+            self.wait_durations.extend(_run_waits(enters, exits, d, w))
         lo = max(lo, n - HISTORY_PER_GROUP)
         k = hi - lo
         if k <= 0:
