@@ -39,6 +39,7 @@ from collections.abc import Callable
 from hangwatch import config, wire
 from hangwatch import records as r
 from hangwatch.agent.flightrecorder import RingFetcher
+from hangwatch.agent.header import header as make_header
 from hangwatch.agent.intake import DirectIntake, Intake, ManyIntake, identity_of, tell_phases
 from hangwatch.agent.namespaces import path_of
 from hangwatch.agent.outbox import Outbox, Queued
@@ -50,7 +51,6 @@ from hangwatch.agent.shipped import (
     MAX_PACE_S,
     MAX_SLOTS,
     READ_S,
-    STACK_KEPT,
     STEADY_S,
     TICK_S,
     ShippedRank,
@@ -338,7 +338,7 @@ class Shipper:
                 break
             held = state.encoder.held_mark()
             if self.direct is not None:
-                header = self._header(state, now)
+                header = make_header(state, now, self.mono(), self.fetcher)
                 events = state.encoder.decode(
                     pending, state.identity.rank, self.direct.record_cost, runs=self.direct.takes_runs
                 )
@@ -469,58 +469,9 @@ class Shipper:
         return status is None or state.status_time is None or status[0] != state.status_time
 
     def _batch(self, state: ShippedRank, ring: Batch, now: float) -> pb.ReportBatch:
-        batch = self._header(state, now)
+        batch = make_header(state, now, self.mono(), self.fetcher)
         state.encoder.encode(ring, batch)
         return batch
-
-    def _header(self, state: ShippedRank, now: float) -> pb.ReportBatch:
-        """A batch's header: who, when, how many records lost, where the rank's main thread is."""
-        ident = state.identity
-        state.batch_seq += 1
-        batch = pb.ReportBatch(
-            job_id=ident.job_id,
-            rank=ident.rank,
-            session=ident.session,
-            batch_seq=state.batch_seq,
-            sent_time=now,  # read now, on the coordinator's clock's host: no transit to net out
-            mono_time=self.mono(),  # a step of this host's wall clock shows in sent_time - mono_time
-            dropped=state.link.reader.lost,
-        )
-        if state.flight is not None:
-            note = self.fetcher.note(id(state.link))
-            if state.flight.lost:  # a ring that turns over between reads: a larger one would not
-                lost = (
-                    f"{state.flight.lost} CPU Flight Recorder entries overwritten before a read (a larger "
-                    "TORCH_FR_BUFFER_SIZE turns over less often)"
-                )
-                note = f"{note}; {lost}" if note else lost
-            batch.budget_note = note
-            batch.flight_read_time = self._flight_read_time(state)
-            state.flight_said = max(state.flight_said, batch.flight_read_time)
-            if state.flight.unseen:
-                batch.flight_unseen.extend(sorted(state.flight.unseen))
-        status = state.link.reader.status()
-        if status is not None:
-            state.status_time = batch.alive_time = status[0]
-            where, where_user, *stack = (*status[1].split("\n"), "")[: 2 + STACK_KEPT]
-            batch.where, batch.where_user = where, where_user
-            batch.where_stack.extend(s for s in stack if s)
-        return batch
-
-    def _flight_read_time(self, state: ShippedRank) -> float:
-        """What the header says of the rank's Flight Recorder: when its latest read whose
-        records have all gone was asked, or, later, the latest poll its Python calls accounted
-        for, where the ring has been read past it (those calls have gone) and nothing waits."""
-        told = state.flight_told
-        vouched = self.fetcher.vouched(id(state.link))
-        if (
-            vouched > told
-            and state.flight_floor <= vouched <= state.read_to
-            and not state.unsent
-            and state.fetched is None
-        ):
-            told = vouched
-        return told
 
     def _gone(self, state: ShippedRank) -> None:
         """The rank's process is gone (its link closed): say so, with how it ended if /proc knows."""
