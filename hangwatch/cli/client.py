@@ -23,7 +23,7 @@ def query(addr: str, method: str, *, token: str | None = None, timeout: float = 
 
 
 def import_dumps(addr: str, payload: bytes, *, token: str | None = None, job: str = "", timeout: float = 120.0) -> Any:
-    """Send a folder of Flight Recorder dumps (``dumps.pack``) to be analysed and joined to a job."""
+    """Send a folder of Flight Recorder dumps (``packed.pack``) to be analysed and joined to a job."""
     return call(addr, "ImportDumps", pb.ImportRequest(token=token or "", job=job, dumps=payload), timeout)
 
 

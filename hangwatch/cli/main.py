@@ -92,7 +92,7 @@ def _report_graph(data: dict[str, Any], fmt: str) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from hangwatch.postmortem import dumps, replay
+    from hangwatch.postmortem import dumps, packed, replay
 
     try:
         folder = dumps.load(args.dir, args.prefix)
@@ -110,12 +110,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if args.import_:
         from hangwatch.cli.client import import_dumps
 
-        payload, size = dumps.pack(folder)
-        if len(payload) > dumps.MAX_SEND_BYTES or size > dumps.MAX_IMPORT_BYTES:
+        payload, size = packed.pack(folder)
+        if len(payload) > packed.MAX_SEND_BYTES or size > packed.MAX_IMPORT_BYTES:
             sys.stderr.write(
                 f"hangwatch: {size >> 20} MiB of dumps to send ({len(payload) >> 20} MiB compressed), more than the "
-                f"coordinator takes in one import ({dumps.MAX_IMPORT_BYTES >> 20} MiB, "
-                f"{dumps.MAX_SEND_BYTES >> 20} MiB compressed): import the ranks in parts (--prefix)\n"
+                f"coordinator takes in one import ({packed.MAX_IMPORT_BYTES >> 20} MiB, "
+                f"{packed.MAX_SEND_BYTES >> 20} MiB compressed): import the ranks in parts (--prefix)\n"
             )
             return 2
         result = import_dumps(_addr(args), payload, token=_token(args), job=args.job)

@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hangwatch.coordinator.servicer import ImportBusy
-from hangwatch.postmortem import dumps, replay
+from hangwatch.postmortem import packed, replay
 from hangwatch.postmortem.dumps import Folder
 from hangwatch.wording import format_ranks
 
@@ -18,15 +18,15 @@ MAX_IMPORTED_INCIDENTS = 16
 
 
 def import_payload(c: Coordinator, data: bytes, job_selector: str = "") -> dict[str, Any] | None:
-    """An import's bytes (``hangwatch analyze --import``, ``dumps.pack``): one at a time,
+    """An import's bytes (``hangwatch analyze --import``, ``packed.pack``): one at a time,
     inflated within its bound, and what parsing it holds charged to the memory budget while
     it lasts. ``ImportBusy`` when it cannot be taken now, ``DumpError`` when it is no import;
     else as :meth:`import_dumps`."""
     if not c.importing.acquire(blocking=False):
         raise ImportBusy("another import of dumps is being analysed: send this one when it is done")
     try:
-        raw = dumps.inflate(data)
-        charge = len(raw) * dumps.IMPORT_PARSE_FACTOR
+        raw = packed.inflate(data)
+        charge = len(raw) * packed.IMPORT_PARSE_FACTOR
         ledger = c.jobs.ledger
         with c.lock:
             if ledger.held + charge > ledger.budget.total:
@@ -36,7 +36,7 @@ def import_payload(c: Coordinator, data: bytes, job_selector: str = "") -> dict[
                 )
             ledger.held += charge
         try:
-            folder = dumps.from_json(raw)
+            folder = packed.from_json(raw)
             del raw
             return import_dumps(c, folder, job_selector)
         finally:

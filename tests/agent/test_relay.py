@@ -189,11 +189,11 @@ def test_a_dumps_import_through_the_relay_reaches_the_coordinator(
 ) -> None:
     """``hangwatch analyze --import`` from a node whose ranks point at their relay."""
     from hangwatch.cli.client import CoordinatorUnreachable, import_dumps
-    from hangwatch.postmortem import dumps
+    from hangwatch.postmortem import dumps, packed
 
     c = coordinator_factory(token=TOKEN, embedded_agent=False)
     relay = relays(c.port)
-    empty = dumps.pack(dumps.Folder())[0]
+    empty = packed.pack(dumps.Folder())[0]
     with pytest.raises(CoordinatorUnreachable, match=r"via relay: .*no job 'nope'"):
         import_dumps(relay.addr, empty, token=TOKEN, job="nope")
     Transport(relay.addr, TOKEN).register(ident(0))

@@ -21,7 +21,7 @@ from hangwatch.cli.client import CoordinatorUnreachable, import_dumps
 from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import Coordinator
 from hangwatch.diagnosis.incidents import incarnation_of
-from hangwatch.postmortem import dumps
+from hangwatch.postmortem import dumps, packed
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
 from tests import factories
@@ -51,7 +51,7 @@ def _ident(rank: int) -> r.RankIdentity:
 
 
 def _import(c: Coordinator, folder: dumps.Folder, job: str = "") -> Any:
-    return import_dumps(f"127.0.0.1:{c.port}", dumps.pack(folder)[0], job=job)
+    return import_dumps(f"127.0.0.1:{c.port}", packed.pack(folder)[0], job=job)
 
 
 def test_a_hang_the_dumps_show_and_the_job_did_not_is_added_found_post_mortem(
@@ -198,14 +198,14 @@ def test_imports_are_taken_one_at_a_time_and_within_the_memory_budget(
         dump.entries = [
             {**e, "process_group": (str(g), ""), "call_site": "x" * 500} for e in dump.entries for g in range(64)
         ]
-    payload, size = dumps.pack(big)
-    assert size * dumps.IMPORT_PARSE_FACTOR > 1 << 20
+    payload, size = packed.pack(big)
+    assert size * packed.IMPORT_PARSE_FACTOR > 1 << 20
     err = _raw(c, payload)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory budget" in str(err.details())
     assert c.jobs.ledger.held < 1 << 20  # nothing of it stays charged
     c2 = coordinator_factory(embedded_agent=False)
     Transport(f"127.0.0.1:{c2.port}", None).register(_ident(0))
     with c2.importing:  # another import under way
-        err = _raw(c2, dumps.pack(_skipped())[0])
+        err = _raw(c2, packed.pack(_skipped())[0])
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "another import" in str(err.details())
     assert _import(c2, _skipped())["added"]  # taken once that one is done
