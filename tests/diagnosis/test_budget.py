@@ -11,7 +11,7 @@ import dataclasses
 import gc
 import tracemalloc
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hangwatch import records as r
@@ -116,6 +116,8 @@ actions = st.lists(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=actions, rank_kb=st.sampled_from([24, 64, 100_000]), site=st.integers(0, 1024))
+# a rank's run kept, the rank registered again, the run's group destroyed: given back twice
+@example(steps=[("run", 1, "1", 1, 3, 0), ("reregister", 1), ("group", 0, "1", False)], rank_kb=64, site=0)
 def test_charges_match_what_is_held(steps: list[tuple[object, ...]], rank_kb: int, site: int) -> None:
     ledger = Ledger(Budget(rank_kb * KB, 400 * KB, 1 << 40))
     jobs = Jobs(ledger)

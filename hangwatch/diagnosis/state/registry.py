@@ -145,6 +145,11 @@ class Registry(_Base):
             self._unhold(previous, call)
         for hist in previous.history.values():
             self._evict(previous, hist, len(hist))
+        # the runs it passed go too: their cost is in its tables, given back below, and a run
+        # left behind would be given back again when its group goes
+        for byrank in self.passed.values():
+            for run in byrank.pop(previous.rank, ()):
+                self._drop_run(run)
         if previous.last_kept:
             self._release_kept(previous)
         self._charge(None, -previous.held)  # its own tables, exactly (what calls it left in slots stay the job's)
