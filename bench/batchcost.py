@@ -5,8 +5,10 @@
                                         [--device off|on|both] [--cadence relay|agent|...]
 
 ``bench/scale.py`` runs the coordinator on the real clock, where a figure near saturation moves
-with everything else the machine does. Here the load is built once (``bench/loadgen.py``, as
-``scale.py`` builds it) and written to a file; each run is a fresh process that registers the
+with everything else the machine does. Here each tree's load is built once by its own
+``bench/loadgen.py`` (as ``scale.py`` builds it: what that tree's senders send, so a tree whose
+node agents fold their ranks' cycles is measured on folded batches) and written to a file;
+each run is a fresh process that registers the
 ranks and hands every relay call to the ``ReportMany`` handler at once, one after another, with
 the collector tuned as the daemon tunes it. It prints the handler thread's CPU per rank batch
 once past ``--warmup`` seconds of the load (a rank's first calls travel one by one), and the
@@ -94,6 +96,25 @@ def one(path: str, warmup: float) -> dict[str, float]:
     return {"us_per_batch": 1e6 * handled / max(1, batches), "register_s": registered}
 
 
+def _build(tree: str | None, path: str, load: tuple[object, ...], device: bool, cadence: str) -> str:
+    """The load ``tree``'s own load generator builds (None: this tree's), into ``path``."""
+    ranks, rate, pattern, fault, seconds, fault_at = load
+    if tree is None:
+        build(ranks, rate, pattern, fault, seconds, fault_at, path, device, cadence)  # type: ignore[arg-type]
+        return path
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(tree) / 'bench')!r}); import batchcost; "
+        f"batchcost.build({ranks!r}, {rate!r}, {pattern!r}, {fault!r}, {seconds!r}, {fault_at!r}, {path!r}, "
+        f"{device!r}, {cadence!r})"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=tree), check=False
+    )
+    if out.returncode:
+        raise SystemExit(f"batchcost: building {tree}'s load failed:\n{out.stderr[-3000:]}")
+    return path
+
+
 def _run(tree: str | None, path: str, warmup: float) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=tree) if tree else None
     out = subprocess.run(
@@ -139,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         for rate in map(float, args.rates.split(",")):
             for pattern, device, fault in itertools.product(args.patterns.split(","), devices, args.faults.split(",")):
                 with tempfile.TemporaryDirectory(prefix="hw-cost-") as tmp:
-                    path = os.path.join(tmp, "load.pkl")
-                    build(ranks, rate, pattern, fault, args.seconds, args.fault_at, path, device, args.cadence)
+                    load = (ranks, rate, pattern, fault, args.seconds, args.fault_at)
+                    paths = {name: _build(tree, os.path.join(tmp, f"{i}.pkl"), load, device, args.cadence)
+                             for i, (name, tree) in enumerate(trees)}  # fmt: skip
                     got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
                     for _ in range(args.pairs):
                         for name, tree in trees:
-                            got[name].append(_run(tree, path, args.warmup))
+                            got[name].append(_run(tree, paths[name], args.warmup))
                 cells, medians = [], []
                 for name, _ in trees:
                     us = statistics.median(r["us_per_batch"] for r in got[name])

@@ -92,6 +92,9 @@ class Config:
     replay: bool = False  # build every batch before t0, then only send bytes on schedule
     relay_interval: float = RELAY_INTERVAL_S
     runs: bool = False  # calls alike as runs in one column entry (CallColumns.run), as agents send them
+    #: a rank's calls that repeat a cycle folded before they go, across steps, as node agents
+    #: fold them (``hangwatch.sendfold``); with ``runs``
+    fold: bool = False
     #: NCCL ranks: a rank's batches carry its device progress on group "0" (``GroupProgress``), as
     #: a node agent reads it from Flight Recorder (at most every ``DEVICE_READ_S``); the device
     #: completes a collective ``DEVICE_LAG_S`` after it was enqueued
@@ -271,6 +274,10 @@ class Worker:
             transport = Transport(cfg.addr, cfg.token, timeout_s=cfg.timeout_s, options=OWN_CONNECTION)
             encoder = CallEncoder()
             encoder.send_runs = cfg.runs
+            if cfg.runs and cfg.fold:
+                from hangwatch.sendfold import SenderFold  # (not in a tree before it: ``batchcost --baseline``)
+
+                encoder.fold = SenderFold()
             self.sims.append(RankSim(rk, ident, transport, encoder=encoder))
         self.relays: dict[int, Any] = {}
         self.replay_calls = 0

@@ -3,7 +3,9 @@
 - ``wire``: ``RingEncoder.encode`` → protobuf bytes → ``CallDecoder.decode`` → ``JobState.ingest``,
   call by call (a remote agent's or a relay's batches, before runs);
 - ``wire runs``: the same with runs of alike calls in column entries (``CallColumns.run``: what a
-  remote agent, a relay or a rank shipping its own ring sends a coordinator that takes runs);
+  relay or a rank shipping its own ring sends a coordinator that takes runs);
+- ``wire folded``: the same, the calls that repeat a cycle folded by the sender across polls and
+  steps (``hangwatch.sendfold``: what a remote node agent sends now);
 - ``typed``: ``RingEncoder.decode(runs=False)`` → ``JobState.ingest``, call by call (the embedded
   agent before runs);
 - ``runs``: ``RingEncoder.decode`` → ``JobState.ingest`` with runs of alike calls
@@ -39,10 +41,11 @@ from hangwatch.diagnosis.state import JobState
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, RingReader, RingWriter
 from hangwatch.ringwire import RingEncoder, call_blob
+from hangwatch.sendfold import SenderFold
 from hangwatch.signatures import CallDecoder
 
 PY_RUNS = "runs, Python gather"
-PATHS = ("wire", "wire runs", "typed", PY_RUNS, "runs")
+PATHS = ("wire", "wire runs", "wire folded", "typed", PY_RUNS, "runs")
 
 
 def _polls(ranks: int, calls: int, batch: int, lines: int = 1) -> list[list[Batch]]:
@@ -79,31 +82,36 @@ def _job(ranks: int) -> tuple[JobState, list[str]]:
     return job, sessions
 
 
-def run(path: str, polls: list[list[Batch]]) -> tuple[float, JobState]:
-    """µs of CPU per call on ``path``, and the job state it left."""
+def run(path: str, polls: list[list[Batch]]) -> tuple[float, JobState, float]:
+    """µs of CPU per call on ``path``, the job state it left, and µs per call of it the
+    sender's encoding took (wire paths)."""
     ranks = len(polls)
     job, sessions = _job(ranks)
     encoders = [RingEncoder() for _ in range(ranks)]
     for encoder in encoders:
-        encoder.send_runs = path == "wire runs"
-        encoder.send_cycles = "runs" in path  # a coordinator that takes runs takes cycles too
+        encoder.send_runs = path in ("wire runs", "wire folded")
+        encoder.fold = SenderFold() if path == "wire folded" else None
+        encoder.send_cycles = path != "wire"  # a coordinator that takes runs takes cycles too
         encoder.native = path != PY_RUNS
-    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True) for _ in range(ranks)]
+    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True, fold=True) for _ in range(ranks)]
     calls = 0
+    encoding = 0.0
     t0 = time.process_time()
     for k in range(len(polls[0])):
         for rank in range(ranks):
             ring = polls[rank][k]
             if path.startswith("wire"):
                 batch = pb.ReportBatch(rank=rank, session=sessions[rank])
+                t_enc = time.process_time()
                 encoders[rank].encode(ring, batch)
+                encoding += time.process_time() - t_enc
                 events = decoders[rank].decode(rank, pb.ReportBatch.FromString(batch.SerializeToString()))[0]
             else:
                 events = encoders[rank].decode(ring, rank, budget.call_bytes, runs=path.startswith("runs"))
             job.ingest(sessions[rank], rank, events, now=1.795e9)
             calls += len(ring.slots) // 2
         job.take_changes()
-    return 1e6 * (time.process_time() - t0) / calls, job
+    return 1e6 * (time.process_time() - t0) / calls, job, 1e6 * encoding / calls
 
 
 def main() -> None:
@@ -120,18 +128,21 @@ def main() -> None:
         f"CPU µs per call, median of {args.repeats}"
     )
     print(
-        "| calls per poll | " + " | ".join(PATHS) + " | wire / wire runs | typed / runs | Python gather / C "
-        "| held by the job state after (typed / runs) |"
+        "| calls per poll | " + " | ".join(PATHS) + " | wire / wire runs | wire runs / wire folded | typed / runs "
+        "| Python gather / C | the sender's encoding: wire runs / wire folded | held by the job state after "
+        "(typed / runs) |"
     )
-    print("| ---: |" + " ---: |" * (len(PATHS) + 4))
+    print("| ---: |" + " ---: |" * (len(PATHS) + 6))
     for batch in batches:
         polls = _polls(args.ranks, args.calls, batch, args.lines)
         figures: dict[str, list[float]] = {p: [] for p in PATHS}
         held: dict[str, int] = {}
+        encodes: dict[str, list[float]] = {p: [] for p in PATHS}
         for _ in range(args.repeats):
             for path in PATHS:
-                us, job = run(path, polls)
+                us, job, enc = run(path, polls)
                 figures[path].append(us)
+                encodes[path].append(enc)
                 held[path] = job.held
                 if "runs" in path:
                     assert job.runs_taken > 0 or batch < 2 * args.lines, "no run was taken"
@@ -142,8 +153,10 @@ def main() -> None:
             f"| {batch:,} | "
             + " | ".join(f"{med[p]:.2f}" for p in PATHS)
             + f" | {med['wire'] / med['wire runs']:.1f}x "
+            f"| {med['wire runs'] / med['wire folded']:.2f}x "
             f"| {med['typed'] / med['runs']:.1f}x "
             f"| {med[PY_RUNS] / med['runs']:.2f}x "
+            f"| {statistics.median(encodes['wire runs']):.2f} / {statistics.median(encodes['wire folded']):.2f} "
             f"| {held['typed'] / 1024:,.0f} / {held['runs'] / 1024:,.0f} KiB |"
         )
 

@@ -100,6 +100,7 @@ def replayed(
         relay_interval=TICK_S if agent else loadgen.RELAY_INTERVAL_S,
         interval_s=READ_S if cadence == "agent-read-s" else 0.0,
         together=agent,
+        fold=agent,  # node agents fold their ranks' cycles (``sendfold``)
     )
 
 

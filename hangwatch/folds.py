@@ -34,6 +34,11 @@ FOLD_MIN = 4
 MAX_FOLD = 64
 #: Cycles whose templates a rank session keeps found.
 MAX_KNOWN = 256
+#: A sender's runs' signature ids, from their first call, to where their least turn starts:
+#: ids alone, so one for every rank whose sender numbered its signatures alike (``Folder.shape``).
+_STARTS: dict[tuple[int, ...], int] = {}
+MAX_STARTS = 4096
+_UNKNOWN = object()
 
 
 @dataclass(frozen=True)
@@ -286,10 +291,39 @@ class Folder:
         #: ``records.Shape`` and what the job state derives from it (``state.facts.facts_of``); emptied
         #: when the signature table changes
         self.known: dict[tuple[int, ...], r.Shape | None] = {}
+        #: a sender's runs' signatures, from their first call, to their cycle and turn (``shape``)
+        self.turned: dict[tuple[int, ...], tuple[r.Shape, int, tuple[r.CallRecord, ...]] | None] = {}
 
     def forget(self) -> None:
         """The signature table changed: templates found before may be another's now."""
         self.known.clear()
+        self.turned.clear()
+
+    def shape(
+        self, table: dict[int, r.CallRecord], sids: tuple[int, ...]
+    ) -> tuple[r.Shape, int, tuple[r.CallRecord, ...]] | None:
+        """The rank's cycle of a run whose calls are of ``sids`` from its first on (a sender's
+        fold), the run's turn in it, and its templates from the run's first call, as ``fold``
+        finds them; None where a run may not be of them."""
+        made = self.turned.get(sids, _UNKNOWN)
+        if made is not _UNKNOWN:
+            return made  # type: ignore[return-value]
+        p = len(sids)
+        start = _STARTS.get(sids)
+        if start is None:  # (the same ids for every rank whose sender defined them in one order)
+            start = min(range(p), key=lambda j: sids[j:] + sids[:j]) if p > 1 else 0
+            if len(_STARTS) >= MAX_STARTS:
+                _STARTS.clear()
+            _STARTS[sids] = start
+        one = sids[start:] + sids[:start]
+        if len(self.known) >= MAX_KNOWN or len(self.turned) >= MAX_KNOWN:
+            self.forget()
+        found = self.known[one] if one in self.known else templates_of(table, one)
+        self.known[one] = found
+        turn = (p - start) % p
+        made = None if found is None else (found, turn, found.templates[turn:] + found.templates[:turn])
+        self.turned[sids] = made
+        return made
 
     def take(
         self,

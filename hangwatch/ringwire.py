@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hangwatch import catalogue, config, ringruns, wire
 from hangwatch import records as r
@@ -30,6 +30,9 @@ from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, PackedSlots, RingSlot
 from hangwatch.ringruns import CYCLE_MIN, RUN_MIN, Run
 from hangwatch.signatures import MAX_CYCLE, MAX_SIGNATURES, Columns
+
+if TYPE_CHECKING:
+    from hangwatch.sendfold import SenderFold
 
 _native_gather: Callable[..., tuple[list[Any], bool]] | None
 try:  # the gatherer in C, where the extension was built at install (``client/_fastpath.c``)
@@ -118,6 +121,9 @@ class RingEncoder:
         #: runs may be cycles of signatures (``CallColumns.run_cycle``): the coordinator said it
         #: takes them (``decode`` too: the embedded agent's coordinator says so at registration)
         self.send_cycles = False
+        #: fold the calls that repeat a cycle before they go (a node agent's, where the coordinator
+        #: said it takes runs that cross steps)
+        self.fold: SenderFold | None = None
         #: hold back a batch's trailing call under way, once (``_hold``): a node agent's, while
         #: the rank's link is open (its last read sends everything)
         self.hold = False
@@ -136,6 +142,8 @@ class RingEncoder:
         self._free.clear()
         self._next = 1
         self._whole.clear()
+        if self.fold is not None:
+            self.fold.reset()
 
     def _signature(self, blob_id: int, used: set[int], batch: pb.ReportBatch) -> int | None:
         sid = self._ids.get(blob_id)
@@ -162,6 +170,11 @@ class RingEncoder:
             return None
         self._ids[blob_id] = sid
         self._learn(blob_id, sig.call)
+        if self.fold is not None:
+            try:
+                self.fold.define(sid, wire.call_from_pb(0, sig.call))
+            except (wire.WireError, ValueError, OverflowError):
+                self.fold.define(sid, None)
         return sid
 
     def _known(self, blob_id: int) -> None:
@@ -299,6 +312,9 @@ class RingEncoder:
             else:
                 continue
             carried += 1
+        if self.fold is not None:
+            self.fold.fold(cols, batch.rank)
+            batch.folded = True
         cols.write(batch)
         self.last_step = self._last_step
         return carried

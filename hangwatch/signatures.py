@@ -15,11 +15,14 @@ import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hangwatch import folds, wire
 from hangwatch import records as r
 from hangwatch.protos import hangwatch_pb2 as pb
+
+if TYPE_CHECKING:
+    from hangwatch.sendfold import SenderFold
 
 #: Signatures one session may define. The sender evicts its least recently used one beyond this
 #: (and reuses the id); the coordinator refuses definitions past it.
@@ -46,6 +49,8 @@ class Columns:
         "enters",
         "exits",
         "ids",
+        "leads",
+        "per_steps",
         "run_enters",
         "run_exits",
         "runs",
@@ -67,6 +72,8 @@ class Columns:
         self.run_exits: list[float] = []
         self.cycles: list[int] = []  # filled from the first cycle on (the proto's ``run_cycle``)
         self.cycle_sigs: list[int] = []
+        self.per_steps: list[int] = []  # filled from the first run that crosses steps on
+        self.leads: list[int] = []
 
     def add(self, sid: int, call_id: int, seq: int, step: int, enter: float, exit_time: float, count: int) -> int:
         """Append a call (``exit_time`` NaN: still under way); its index."""
@@ -81,6 +88,9 @@ class Columns:
             self.runs.append(1)
         if self.cycles:
             self.cycles.append(0)
+        if self.per_steps:
+            self.per_steps.append(0)
+            self.leads.append(0)
         return len(self.ids) - 1
 
     def add_run(
@@ -92,9 +102,12 @@ class Columns:
         enters: list[float],
         exits: list[float],
         cycle: Sequence[int] = (),
+        per_step: int = 0,
+        lead: int = 0,
     ) -> None:
         """Append a run of alike calls (``records.CallRun``): one entry, the others' times after;
-        ``cycle``: the signatures of a cycle's calls after the first in each period."""
+        ``cycle``: the signatures of a cycle's calls after the first in each period; ``per_step``
+        and ``lead``: how its steps advance, where it crosses them."""
         i = self.add(sid, call_id, seq, step, enters[0], exits[0], 1)
         if not self.runs:
             self.runs = [1] * (i + 1)
@@ -106,6 +119,10 @@ class Columns:
                 self.cycles = [0] * (i + 1)
             self.cycles[i] = len(cycle)
             self.cycle_sigs.extend(cycle)
+        if per_step:
+            if not self.per_steps:
+                self.per_steps, self.leads = [0] * (i + 1), [0] * (i + 1)
+            self.per_steps[i], self.leads[i] = per_step, lead
 
     def compact(self) -> None:
         """Fold each stretch of entries alike (one signature, call ids and seqs one apart, one
@@ -172,6 +189,9 @@ class Columns:
         if self.cycles:
             cols.run_cycle.extend(self.cycles)
             cols.run_signature.extend(self.cycle_sigs)
+        if self.per_steps:
+            cols.run_per_step.extend(self.per_steps)
+            cols.run_lead.extend(self.leads)
 
 
 class CallEncoder:
@@ -184,12 +204,16 @@ class CallEncoder:
         self._next = 1
         #: fold calls alike into runs (``Columns.compact``): the coordinator said it takes them
         self.send_runs = False
+        #: fold the calls that repeat a cycle, as a node agent does (``hangwatch.sendfold``)
+        self.fold: SenderFold | None = None
 
     def reset(self) -> None:
         """Forget every definition (after each registration: the coordinator's table is new)."""
         self._ids.clear()
         self._free.clear()
         self._next = 1
+        if self.fold is not None:
+            self.fold.reset()
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -214,6 +238,8 @@ class CallEncoder:
         wire.call_to_pb(call, sig.call)
         for per_call in _PER_CALL_FIELDS:  # those travel in the columns
             sig.call.ClearField(per_call)
+        if self.fold is not None:
+            self.fold.define(sid, call)
         return sid
 
     def encode(self, events: Sequence[r.RankEvent], batch: pb.ReportBatch) -> None:
@@ -243,6 +269,9 @@ class CallEncoder:
             wire.event_to_pb(ev, batch.events.add())
         if self.send_runs:
             cols.compact()
+        if self.fold is not None:
+            self.fold.fold(cols, batch.rank)
+            batch.folded = True
         cols.write(batch)
 
 
@@ -305,8 +334,20 @@ def _template(rank: int, msg: pb.Call, cost: Callable[[r.CallRecord], int] | Non
 #: Calls a batch's runs may stand for beyond their entries (``CallColumns.run``): a batch of
 #: more is refused whole, as a batch whose columns do not line up is.
 MAX_RUN_CALLS = 1 << 20
-#: The longest period of a cycle of signatures a run may be (``CallColumns.run_cycle``, plus one).
+#: The longest period of a cycle of signatures a sender gathers within a step (``ringruns``).
 MAX_CYCLE = 8
+#: The longest period a batch's run may be (``CallColumns.run_cycle``, plus one): a node agent's
+#: folds are of up to a step of ``folds.MAX_FOLD`` calls.
+MAX_WIRE_CYCLE = folds.MAX_FOLD
+
+
+def _steps_line_up(cols: pb.CallColumns, runs: list[int]) -> bool:
+    """Whether each entry's steps (``run_per_step``, ``run_lead``) are a run's that crosses them."""
+    pers, leads = cols.run_per_step, cols.run_lead
+    if len(pers) != len(runs) or len(leads) != len(runs):
+        return False
+    triples = zip(pers, leads, runs, strict=True)
+    return all((not p and not q) or (k > 1 and q < p <= MAX_RUN_CALLS) for p, q, k in triples)
 
 
 class CallDecoder:
@@ -375,7 +416,7 @@ class CallDecoder:
                 (rest if ev.call_id in in_columns else first).append(ev)  # type: ignore[union-attr]
             else:
                 rest.append(ev)
-        calls, bad, folded = self._columns(rank, batch.calls)
+        calls, bad, folded = self._columns(rank, batch.calls, batch.folded)
         return first + calls + rest, rejected + bad, folded
 
     def _drop(self, sid: int) -> None:
@@ -393,7 +434,7 @@ class CallDecoder:
         if self.folder is not None:
             self.folder.forget()
 
-    def _columns(self, rank: int, cols: pb.CallColumns) -> tuple[list[r.RankEvent], int, int]:
+    def _columns(self, rank: int, cols: pb.CallColumns, sent_folded: bool) -> tuple[list[r.RankEvent], int, int]:
         n = len(cols.signature)
         if not n:
             return [], 0, 0
@@ -411,8 +452,9 @@ class CallDecoder:
             or extra > MAX_RUN_CALLS
             or len(cols.run_enter) != extra
             or len(cols.run_exit) != extra
-            or (cols.run_cycle and any(c and (k < 2 or c > MAX_CYCLE) for c, k in zip(cycles, runs, strict=True)))
+            or (cols.run_cycle and any(c and (k < 2 or c >= MAX_WIRE_CYCLE) for c, k in zip(cycles, runs, strict=True)))
             or len(cols.run_signature) != (sum(cycles) if cols.run_cycle else 0)
+            or (cols.run_per_step and not _steps_line_up(cols, runs))
         ):
             return [], n, 0  # columns that do not line up cannot be trusted at all
         table = self.table
@@ -422,7 +464,9 @@ class CallDecoder:
             cols.signature, cols.call_id, cols.seq, cols.step, cols.enter_time, cols.exit_time, counts, runs, cycles
         )  # fmt: skip
         after: r.CallRun | None = None  # a run after the calls that go one by one
-        if self.folder is not None and max(counts) <= 1 and (not extra or n > 1):
+        pers, leads = cols.run_per_step, cols.run_lead  # (runs that cross steps: a node agent's folds)
+        sent_folded = sent_folded or bool(pers)  # (``folds.expand`` knows no steps in a run)
+        if self.folder is not None and not sent_folded and max(counts) <= 1 and (not extra or n > 1):
             before, columns, after, taken = self.folder.take(
                 rank, table, columns, cols.run_enter, cols.run_exit, cols.run_signature, bool(extra)
             )
@@ -431,17 +475,25 @@ class CallDecoder:
         record = r.CallRecord
         at = 0  # the next of a run's other calls' times
         cat = 0  # the next of a cycle's other signatures
+        entry = -1
         for sid, cid, seq, step, enter, exit_time, count, k, c in zip(*columns, strict=True) if columns[0] else ():
+            entry += 1
             t = table.get(sid)
             done = exit_time == exit_time  # not NaN: NaN marks a call still under way
             if k > 1:
                 enters = [enter, *cols.run_enter[at : at + k - 1]]
                 exits = [exit_time, *cols.run_exit[at : at + k - 1]]
                 at += k - 1
+                sids = (sid, *cols.run_signature[cat : cat + c]) if c else (sid,)
+                cat += c
+                per = pers[entry] if pers else 0
+                # its rank's cycle, as a fold here finds it: its templates the table's, on one group
+                made = self.folder.shape(table, sids) if self.folder is not None and (c or per) else None
                 cycle: tuple[r.CallRecord, ...] = ()
-                if c:
-                    found = [table.get(x) for x in cols.run_signature[cat : cat + c]]
-                    cat += c
+                if made is not None:
+                    t, cycle = made[2][0], made[2][1:]
+                elif c:
+                    found = [table.get(x) for x in sids[1:]]
                     if t is None or any(x is None or x.group != t.group for x in found):
                         rejected += k  # a cycle is of signatures known, on one group, or not taken
                         continue
@@ -450,7 +502,12 @@ class CallDecoder:
                     rejected += k  # a run is whole (complete, finite, one seq each) or not taken
                     continue
                 folded += k
-                calls.append(r.CallRun(rank, t, cid, seq, step, enters, exits, cycle=cycle))
+                run = r.CallRun(rank, t, cid, seq, step, enters, exits, cycle=cycle)
+                if per:
+                    run.per_step, run.lead = per, leads[entry]
+                if made is not None:
+                    run.shape, run.turn = made[0], made[1]
+                calls.append(run)
                 continue
             if t is None or enter - enter != 0 or (done and exit_time - exit_time != 0):  # infinite times
                 rejected += 1

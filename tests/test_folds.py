@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hangwatch import folds
 from hangwatch import records as r
 from hangwatch.protos import hangwatch_pb2 as pb
+from hangwatch.sendfold import SenderFold
 from hangwatch.signatures import CallDecoder, CallEncoder
 
 RANK = 3
@@ -33,9 +34,12 @@ def _fsdp(n: int, start: int = 0, per: int = 2 * LAYERS) -> list[r.CallRecord]:
     return [_call(i, i % (2 * LAYERS), i // per) for i in range(start, start + n)]
 
 
-def _batches(calls: list[r.CallRecord], cuts: list[int], runs: bool = False) -> list[pb.ReportBatch]:
+def _batches(
+    calls: list[r.CallRecord], cuts: list[int], runs: bool = False, fold: bool = False
+) -> list[pb.ReportBatch]:
     enc = CallEncoder()
     enc.send_runs = runs  # a sender that gathers runs (within a step)
+    enc.fold = SenderFold() if fold else None  # a node agent that folds its ranks' cycles
     out, lo = [], 0
     for hi in [*cuts, len(calls)]:
         batch = pb.ReportBatch(rank=RANK)
@@ -178,10 +182,29 @@ def test_folding_changes_no_call(
             del calls[at]
             for i, later in enumerate(calls[at:], at):
                 later.call_id = later.seq = i + 1
-    batches = _batches(calls, sorted({c for c in cuts if c < len(calls)}), runs)
-    folded, _ = _decoded(batches, fold=True)
+    at = sorted({c for c in cuts if c < len(calls)})
+    batches = _batches(calls, at, runs)
+    folded, events = _decoded(batches, fold=True)
     plain, _ = _decoded(batches, fold=False)
     assert folded == plain == [_fields(c) for c in calls]
+    # a node agent's folds are the coordinator's, batch for batch
+    sent = _batches(calls, at, runs, fold=True)
+    assert all(b.folded for b in sent)
+    by_sender, as_sent = _decoded(sent, fold=True)
+    assert by_sender == folded
+    assert [_form(ev) for ev in as_sent] == [_form(ev) for ev in events]
+
+
+def _form(ev: r.RankEvent) -> tuple[object, ...]:
+    """What the job state takes of a decoded record: a run's extent, steps and cycle, and
+    whether it knows the rank's cycle it is of (which may be kept in another turn: the job
+    state compares cycles in any turn, ``state.base._RunRef.alike``)."""
+    if not isinstance(ev, r.CallRun):
+        return (type(ev).__name__, getattr(ev, "call_id", None))
+    if ev.shape is not None:  # the cycle, turned to the run's first call, is the run's
+        assert ev.shape.templates[ev.turn :] + ev.shape.templates[: ev.turn] == ev.templates
+    sites = tuple(t.call_site for t in ev.templates)
+    return ("run", ev.first_call_id, len(ev), ev.step, ev.per_step, ev.lead, sites, ev.shape is not None)
 
 
 def test_a_steps_runs_that_a_sender_cut_at_each_step_fold_into_one() -> None:
@@ -256,3 +279,47 @@ def test_a_call_that_parts_at_a_batchs_edge_costs_that_call_alone() -> None:
             alone = [ev.seq for ev in events if isinstance(ev, r.CallRecord) and ev.seq > 40]
             assert where + 1 in alone and len(alone) <= 2, (where, alone)
             assert isinstance(events[-1], r.CallRun)
+
+
+def test_a_node_agent_sends_a_batch_of_fsdp_steps_as_one_entry_across_steps() -> None:
+    """The sender folds what the coordinator would: one column entry for three steps and more,
+    its cycle's 15 further signatures and its steps on the wire; the decoder takes it as it
+    came (the batch says ``folded``), the calls as sent."""
+    calls = _fsdp(45, start=5)
+    (batch,) = _batches(calls, [], fold=True)
+    cols = batch.calls
+    assert batch.folded and list(cols.run) == [45] and list(cols.run_cycle) == [15]
+    assert (list(cols.run_per_step), list(cols.run_lead)) == ([16], [5])
+    made, events = _decoded([batch], fold=True)
+    assert made == [_fields(c) for c in calls]
+    (run,) = events
+    assert isinstance(run, r.CallRun) and (run.per_step, run.lead, run.last_step) == (16, 5, 3)
+    assert run.shape is not None and len(run.shape.templates) == 16
+
+
+def _lead_of_a_whole_step(c: pb.CallColumns) -> None:
+    c.run_lead[0] = 16  # as many before its first call as its step has
+
+
+def _one_entry_too_many(c: pb.CallColumns) -> None:
+    c.run_per_step.append(16)
+
+
+def _stepping_call_alone(c: pb.CallColumns) -> None:
+    c.run[0] = 1  # one call, not a run, said to cross steps
+    c.run_cycle[0] = 0
+    for column in (c.run_enter, c.run_exit, c.run_signature):
+        del column[:]
+
+
+def test_a_batch_whose_steps_do_not_line_up_is_refused_whole() -> None:
+    """Steps that cannot be a run's (a lead not below the calls a step, a step of a call that is
+    not a run, columns of other lengths) make the columns untrusted, as any misaligned ones."""
+    (good,) = _batches(_fsdp(45, start=5), [], fold=True)
+    assert CallDecoder(fold=True).decode(RANK, good)[1] == 0
+    for mend in (_lead_of_a_whole_step, _one_entry_too_many, _stepping_call_alone):
+        batch = pb.ReportBatch()
+        batch.CopyFrom(good)
+        mend(batch.calls)
+        got, rejected, _ = CallDecoder(fold=True).decode(RANK, batch)
+        assert rejected == 1 and not [ev for ev in got if isinstance(ev, (r.CallRecord, r.CallRun))], mend.__name__

@@ -17,6 +17,7 @@ from hangwatch import ringwire
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import SLOT, Batch, Kind, PackedSlots, RingReader, RingSlot, RingWriter
 from hangwatch.ringwire import RingEncoder, _extend, call_blob, event_blob, text_blob
+from hangwatch.sendfold import SenderFold
 from hangwatch.signatures import CallDecoder
 
 RANK = 2
@@ -133,20 +134,22 @@ def _flat(events: list[r.RankEvent]) -> list[r.RankEvent]:
     runs=st.booleans(),
     cycles=st.booleans(),
     poll=st.sampled_from([7, 64, 1 << 20]),
+    fold=st.booleans(),
 )
 def test_round_trip_through_the_ring_and_the_wire(
-    actions: list[tuple[object, ...]], capacity: int, runs: bool, cycles: bool, poll: int
+    actions: list[tuple[object, ...]], capacity: int, runs: bool, cycles: bool, poll: int, fold: bool
 ) -> None:
-    """Also with runs of alike calls (``CallColumns.run``), and of cycles of signatures
-    (``CallColumns.run_cycle``), as a coordinator that takes them gets them: the calls they
-    stand for are the rank's, one for one."""
+    """Also with runs of alike calls (``CallColumns.run``), of cycles of signatures
+    (``CallColumns.run_cycle``), and folded across steps by a node agent (``sendfold``), as a
+    coordinator that takes them gets them: the calls they stand for are the rank's, one for one."""
     w = RingWriter(capacity=256, blob_bytes=1 << 16)
     rank = RankSide(w)
     reader = RingReader(w.fd)
     encoder = RingEncoder(capacity=capacity)  # a small id table: signatures get evicted and redefined
     encoder.send_runs = runs
     encoder.send_cycles = runs and cycles
-    decoder = CallDecoder(capacity=capacity)
+    encoder.fold = SenderFold() if runs and fold else None
+    decoder = CallDecoder(capacity=capacity, fold=fold)
     got: list[r.RankEvent] = []
     t = 1000.0
 
@@ -156,7 +159,8 @@ def test_round_trip_through_the_ring_and_the_wire(
             ring = reader.poll(poll)
             encoder.encode(ring, batch)
             assert runs or not batch.calls.run
-            assert (runs and cycles) or not batch.calls.run_cycle
+            assert (runs and (cycles or fold)) or not batch.calls.run_cycle
+            assert batch.folded == (runs and fold)
             events, rejected, _folded = decoder.decode(RANK, batch)
             assert rejected == 0
             got.extend(_flat(events))
@@ -347,7 +351,7 @@ def test_a_cycle_on_the_wire_is_the_calls_it_stands_for() -> None:
         {"run_signature": []},  # a cycle without its signatures
         {"run_signature": [2, 2]},  # more than its cycle has
         {"run_cycle": [1, 0]},  # more cycle counts than entries
-        {"run_cycle": [9], "run_signature": [2] * 9},  # a period over MAX_CYCLE
+        {"run_cycle": [64], "run_signature": [2] * 64},  # a period over MAX_WIRE_CYCLE
         {"run": [1], "run_enter": [], "run_exit": []},  # a cycle on an entry that is not a run
     ],
 )

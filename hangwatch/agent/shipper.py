@@ -63,6 +63,7 @@ from hangwatch.agent.shipped import (
 from hangwatch.flight_entries import EntryTracker, PythonAccounts
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind
+from hangwatch.sendfold import SenderFold
 
 log = logging.getLogger("hangwatch.agent")
 
@@ -302,6 +303,8 @@ class Shipper:
             state.encoder.skip_through = max(state.encoder.skip_through, registration.last_call_id)
             state.encoder.send_runs = registration.takes_runs  # runs of alike calls in one column entry
             state.encoder.send_cycles = registration.takes_cycles  # and of cycles of signatures
+            # the calls that repeat a cycle folded here, not by the coordinator (``sendfold``)
+            state.encoder.fold = SenderFold() if registration.takes_steps else None
             # a large job asks for its batches further apart (``READ_S``): a steady rank is read so,
             # and its Flight Recorder polled twice as far apart, each poll after a read of its ring
             # (a look still reads at once what a detector waits for)

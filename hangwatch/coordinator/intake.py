@@ -118,6 +118,7 @@ class Intake:
             last_call_id=last_call_id,
             takes_runs=self.takes_runs,
             takes_cycles=self.takes_runs,  # runs of a cycle of signatures, where runs are taken
+            takes_steps=self.takes_runs,  # and runs that cross steps (a node agent's folds)
         )
 
     def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:

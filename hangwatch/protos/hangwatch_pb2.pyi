@@ -186,7 +186,7 @@ class Signature(_message.Message):
     def __init__(self, id: _Optional[int] = ..., call: _Optional[_Union[Call, _Mapping]] = ...) -> None: ...
 
 class CallColumns(_message.Message):
-    __slots__ = ("signature", "call_id", "seq", "step", "enter_time", "exit_time", "seq_count", "run", "run_enter", "run_exit", "run_cycle", "run_signature")
+    __slots__ = ("signature", "call_id", "seq", "step", "enter_time", "exit_time", "seq_count", "run", "run_enter", "run_exit", "run_cycle", "run_signature", "run_per_step", "run_lead")
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,8 @@ class CallColumns(_message.Message):
     RUN_EXIT_FIELD_NUMBER: _ClassVar[int]
     RUN_CYCLE_FIELD_NUMBER: _ClassVar[int]
     RUN_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    RUN_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    RUN_LEAD_FIELD_NUMBER: _ClassVar[int]
     signature: _containers.RepeatedScalarFieldContainer[int]
     call_id: _containers.RepeatedScalarFieldContainer[int]
     seq: _containers.RepeatedScalarFieldContainer[int]
@@ -211,7 +213,9 @@ class CallColumns(_message.Message):
     run_exit: _containers.RepeatedScalarFieldContainer[float]
     run_cycle: _containers.RepeatedScalarFieldContainer[int]
     run_signature: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, signature: _Optional[_Iterable[int]] = ..., call_id: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., enter_time: _Optional[_Iterable[float]] = ..., exit_time: _Optional[_Iterable[float]] = ..., seq_count: _Optional[_Iterable[int]] = ..., run: _Optional[_Iterable[int]] = ..., run_enter: _Optional[_Iterable[float]] = ..., run_exit: _Optional[_Iterable[float]] = ..., run_cycle: _Optional[_Iterable[int]] = ..., run_signature: _Optional[_Iterable[int]] = ...) -> None: ...
+    run_per_step: _containers.RepeatedScalarFieldContainer[int]
+    run_lead: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, signature: _Optional[_Iterable[int]] = ..., call_id: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., enter_time: _Optional[_Iterable[float]] = ..., exit_time: _Optional[_Iterable[float]] = ..., seq_count: _Optional[_Iterable[int]] = ..., run: _Optional[_Iterable[int]] = ..., run_enter: _Optional[_Iterable[float]] = ..., run_exit: _Optional[_Iterable[float]] = ..., run_cycle: _Optional[_Iterable[int]] = ..., run_signature: _Optional[_Iterable[int]] = ..., run_per_step: _Optional[_Iterable[int]] = ..., run_lead: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RankIdentity(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "start_time", "session", "backend", "torch_version", "hook_version", "pid_namespace", "launch", "attempt", "phase")
@@ -258,23 +262,25 @@ class RegisterRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., via: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("coordinator_id", "server_time", "report_interval_s", "last_call_id", "takes_runs", "takes_cycles")
+    __slots__ = ("coordinator_id", "server_time", "report_interval_s", "last_call_id", "takes_runs", "takes_cycles", "takes_steps")
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     LAST_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TAKES_RUNS_FIELD_NUMBER: _ClassVar[int]
     TAKES_CYCLES_FIELD_NUMBER: _ClassVar[int]
+    TAKES_STEPS_FIELD_NUMBER: _ClassVar[int]
     coordinator_id: str
     server_time: float
     report_interval_s: float
     last_call_id: int
     takes_runs: bool
     takes_cycles: bool
-    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ..., last_call_id: _Optional[int] = ..., takes_runs: _Optional[bool] = ..., takes_cycles: _Optional[bool] = ...) -> None: ...
+    takes_steps: bool
+    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ..., last_call_id: _Optional[int] = ..., takes_runs: _Optional[bool] = ..., takes_cycles: _Optional[bool] = ..., takes_steps: _Optional[bool] = ...) -> None: ...
 
 class ReportBatch(_message.Message):
-    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls", "urgent", "relay_held_s", "alive_time", "mono_time", "budget_note", "flight_read_time", "flight_unseen", "where_stack")
+    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls", "urgent", "relay_held_s", "alive_time", "mono_time", "budget_note", "flight_read_time", "flight_unseen", "where_stack", "folded")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +302,7 @@ class ReportBatch(_message.Message):
     FLIGHT_READ_TIME_FIELD_NUMBER: _ClassVar[int]
     FLIGHT_UNSEEN_FIELD_NUMBER: _ClassVar[int]
     WHERE_STACK_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_FIELD_NUMBER: _ClassVar[int]
     token: str
     job_id: str
     rank: int
@@ -317,7 +324,8 @@ class ReportBatch(_message.Message):
     flight_read_time: float
     flight_unseen: _containers.RepeatedScalarFieldContainer[str]
     where_stack: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ..., calls: _Optional[_Union[CallColumns, _Mapping]] = ..., urgent: _Optional[bool] = ..., relay_held_s: _Optional[float] = ..., alive_time: _Optional[float] = ..., mono_time: _Optional[float] = ..., budget_note: _Optional[str] = ..., flight_read_time: _Optional[float] = ..., flight_unseen: _Optional[_Iterable[str]] = ..., where_stack: _Optional[_Iterable[str]] = ...) -> None: ...
+    folded: bool
+    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ..., calls: _Optional[_Union[CallColumns, _Mapping]] = ..., urgent: _Optional[bool] = ..., relay_held_s: _Optional[float] = ..., alive_time: _Optional[float] = ..., mono_time: _Optional[float] = ..., budget_note: _Optional[str] = ..., flight_read_time: _Optional[float] = ..., flight_unseen: _Optional[_Iterable[str]] = ..., where_stack: _Optional[_Iterable[str]] = ..., folded: _Optional[bool] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("reregister", "server_time", "accepted")
