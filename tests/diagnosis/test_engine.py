@@ -26,7 +26,7 @@ from hangwatch.records import (
     ThreadStack,
     link_tag,
 )
-from tests.factories import T0, SimJob, group_event
+from tests.factories import T0, SimJob, call, group_event
 
 
 def test_engine_stuck_incident_lifecycle_persist_and_stacks() -> None:
@@ -127,6 +127,20 @@ def test_stuck_threshold_adapts_within_bounds() -> None:
     assert lo <= mid_engine.stuck_threshold() <= hi
     assert slow.engine(stuck_after=120.0).stuck_threshold() == 120.0
     assert slow.engine(stuck_after=1.0).stuck_threshold() == 1.0
+
+
+def test_a_step_whose_first_calls_come_in_its_batch_is_timed() -> None:
+    """A batch's calls are applied before its steps (see the proto): a step's first calls, sent
+    with its step, have moved the rank to that step already. Its time still counts. (Before,
+    it did not: a job sending a step a batch had no step time, and its threshold no rhythm.)"""
+    sim = SimJob(2)
+    engine = sim.engine(stuck_after=None)
+    for step in range(1, 6):
+        t = T0 + step * 3.0
+        for rk in (0, 1):
+            first = call(rk, step, enter_time=t + 0.01, exit_time=t + 0.02, step=step)
+            sim.deliver(rk, [first, StepEvent(rk, step, t)], t + 0.1)
+    assert engine.stuck_threshold() == 9.0  # 3 x the 3 s step time
 
 
 def test_engine_tick_uses_the_adaptive_threshold() -> None:

@@ -293,8 +293,11 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         elif isinstance(event, r.CallExit):
             self._exit(state, event, now)
         elif isinstance(event, r.StepEvent):
-            if event.step != state.step:
+            # (not ``state.step``: a batch's calls come before its steps, and its step's first
+            # calls have moved the rank to it already)
+            if event.step != state.timed_step:
                 state.step_times.append(state.to_local(event.time))
+                state.timed_step = event.step
             state.step = event.step
             state.last_progress = now
         elif isinstance(event, r.GroupEvent):

@@ -62,6 +62,7 @@ class RankState:
     offset_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
     step: int = 0
     step_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=64))
+    timed_step: int = -1  # the step whose time ``step_times`` took last (calls move ``step`` first)
     open_calls: dict[int, r.CallRecord] = field(default_factory=dict)
     open_collectives: dict[str, dict[int, r.CallRecord]] = field(default_factory=dict)  # group -> id -> call
     last_call: r.CallRecord | None = None
