@@ -144,6 +144,16 @@ class StepEvent:
     time: float
 
 
+@dataclass(frozen=True, slots=True)
+class Steps:
+    """A batch's steps, each a ``StepEvent`` in order, where the batch holds no other event (a
+    node agent sends them so, ``ReportBatch.step_number``): taken at once, not one by one."""
+
+    rank: int
+    steps: tuple[int, ...]
+    times: tuple[float, ...]
+
+
 #: The marker of a DDP forward pass whose backward will synchronise gradients (grad enabled, not
 #: under ``no_sync()``); its detail is ``"<group>:<seq>"``, the DDP group and torch's sequence
 #: number on it when the forward began. A rank whose forward passes keep pace with the others'
@@ -349,7 +359,9 @@ class CallRun:
         return [self.call(i) for i in range(len(self.enters))]
 
 
-RankEvent = CallRecord | CallExit | GroupEvent | StepEvent | MarkerEvent | RankEnd | Heartbeat | GroupProgress | CallRun
+RankEvent = (
+    CallRecord | CallExit | GroupEvent | StepEvent | Steps | MarkerEvent | RankEnd | Heartbeat | GroupProgress | CallRun
+)
 
 
 class ProcState(str, enum.Enum):

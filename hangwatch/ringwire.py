@@ -315,6 +315,7 @@ class RingEncoder:
         if self.fold is not None:
             self.fold.fold(cols, batch.rank)
             batch.folded = True
+            self.fold.steps(batch)
         cols.write(batch)
         self.last_step = self._last_step
         return carried

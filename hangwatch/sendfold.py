@@ -6,7 +6,8 @@ The coordinator folds calls sent one by one into runs itself (``folds``, in
 handler. A node agent runs the same ``folds.Folder`` on each rank's columns before sending, and
 sends the runs it folds as column entries that cross steps (``CallColumns.run_per_step``), the
 batch marked ``folded``; the coordinator takes them as they come. They are the runs the
-coordinator would have folded, batch for batch, so the detectors see the same records.
+coordinator would have folded, batch for batch, so the detectors see the same records. A batch
+whose events are all steps sends them in columns too (``steps_in_columns``), taken at once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from hangwatch import folds
 from hangwatch import records as r
+from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.signatures import Columns
 
 
@@ -45,6 +47,10 @@ class SenderFold:
         else:
             self.table[sid] = dataclasses.replace(call, call_id=sid)
 
+    def steps(self, batch: pb.ReportBatch) -> None:
+        """``steps_in_columns``: a batch whose events are all steps sends them as columns."""
+        steps_in_columns(batch)
+
     def fold(self, cols: Columns, rank: int) -> None:
         """Fold ``cols`` where they repeat a cycle, as the coordinator would (``CallDecoder._columns``)."""
         n = len(cols.sigs)
@@ -70,6 +76,18 @@ class SenderFold:
             _add(out, after)
         for name in Columns.__slots__:
             setattr(cols, name, getattr(out, name))
+
+
+def steps_in_columns(batch: pb.ReportBatch) -> None:
+    """Move ``batch``'s events into its step columns (``step_number``, ``step_time``) where every
+    one is a step: a steady rank's batch, whose steps the coordinator then takes at once. (Where
+    another event is among them, their order matters: they stay events.)"""
+    events = batch.events
+    if not events or not all(e.HasField("step") for e in events):
+        return
+    batch.step_number.extend([e.step.step for e in events])
+    batch.step_time.extend([e.step.time for e in events])
+    del events[:]
 
 
 def _add(cols: Columns, run: r.CallRun) -> None:

@@ -272,6 +272,7 @@ class CallEncoder:
         if self.fold is not None:
             self.fold.fold(cols, batch.rank)
             batch.folded = True
+            self.fold.steps(batch)
         cols.write(batch)
 
 
@@ -346,8 +347,10 @@ def _steps_line_up(cols: pb.CallColumns, runs: list[int]) -> bool:
     pers, leads = cols.run_per_step, cols.run_lead
     if len(pers) != len(runs) or len(leads) != len(runs):
         return False
-    triples = zip(pers, leads, runs, strict=True)
-    return all((not p and not q) or (k > 1 and q < p <= MAX_RUN_CALLS) for p, q, k in triples)
+    for p, q, k in zip(pers, leads, runs, strict=True):
+        if (p or q) and not (k > 1 and q < p <= MAX_RUN_CALLS):
+            return False
+    return True
 
 
 class CallDecoder:
@@ -401,8 +404,16 @@ class CallDecoder:
         rest: list[r.RankEvent] = []
         in_columns: set[int] | None = None  # call ids in this batch's columns, built on the first exit
         for msg in batch.events:
-            try:  # (a few steps in each batch: taken without the dispatch over every kind)
-                ev = wire.step_from_pb(rank, msg.step) if msg.HasField("step") else wire.event_from_pb(rank, msg)
+            if msg.HasField("step"):  # (a few in each batch: taken here, as ``wire.step_from_pb`` takes them)
+                step = msg.step
+                t = step.time
+                if t - t != 0:  # NaN or infinity: no time
+                    rejected += 1
+                else:
+                    rest.append(r.StepEvent(rank, step.step, t))
+                continue
+            try:
+                ev = wire.event_from_pb(rank, msg)
             except (wire.WireError, ValueError, OverflowError):
                 rejected += 1
                 continue
@@ -417,6 +428,13 @@ class CallDecoder:
             else:
                 rest.append(ev)
         calls, bad, folded = self._columns(rank, batch.calls, batch.folded)
+        times = batch.step_time
+        if times or batch.step_number:  # the batch's steps, where they were all its events (a node agent's)
+            numbers = batch.step_number
+            if len(numbers) != len(times) or not math.isfinite(sum(times)):
+                bad += max(len(numbers), len(times))
+            else:
+                calls.append(r.Steps(rank, tuple(numbers), tuple(times)))
         return first + calls + rest, rejected + bad, folded
 
     def _drop(self, sid: int) -> None:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from hangwatch import folds
 from hangwatch import records as r
+from hangwatch.diagnosis.state import JobState
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.sendfold import SenderFold
 from hangwatch.signatures import CallDecoder, CallEncoder
@@ -196,15 +197,16 @@ def test_folding_changes_no_call(
 
 
 def _form(ev: r.RankEvent) -> tuple[object, ...]:
-    """What the job state takes of a decoded record: a run's extent, steps and cycle, and
-    whether it knows the rank's cycle it is of (which may be kept in another turn: the job
-    state compares cycles in any turn, ``state.base._RunRef.alike``)."""
+    """What the job state takes of a decoded record: a run's extent, steps and cycle. (Whether
+    it knows the rank's cycle as a ``Shape``, and in which turn, is what the job state caches
+    its facts on: either way they are the same, ``state.facts``, and compared in any turn,
+    ``state.base._RunRef.alike``.)"""
     if not isinstance(ev, r.CallRun):
         return (type(ev).__name__, getattr(ev, "call_id", None))
     if ev.shape is not None:  # the cycle, turned to the run's first call, is the run's
         assert ev.shape.templates[ev.turn :] + ev.shape.templates[: ev.turn] == ev.templates
     sites = tuple(t.call_site for t in ev.templates)
-    return ("run", ev.first_call_id, len(ev), ev.step, ev.per_step, ev.lead, sites, ev.shape is not None)
+    return ("run", ev.first_call_id, len(ev), ev.step, ev.per_step, ev.lead, sites)
 
 
 def test_a_steps_runs_that_a_sender_cut_at_each_step_fold_into_one() -> None:
@@ -323,3 +325,69 @@ def test_a_batch_whose_steps_do_not_line_up_is_refused_whole() -> None:
         mend(batch.calls)
         got, rejected, _ = CallDecoder(fold=True).decode(RANK, batch)
         assert rejected == 1 and not [ev for ev in got if isinstance(ev, (r.CallRecord, r.CallRun))], mend.__name__
+
+
+def _stepping(n: int) -> list[r.RankEvent]:
+    """FSDP's calls, each step's ``StepEvent`` before its first call (as a rank's ring has them)."""
+    out: list[r.RankEvent] = []
+    for c in _fsdp(n):
+        if c.call_id == 1 or c.step != _fsdp(c.call_id - 1)[-1].step:
+            out.append(r.StepEvent(RANK, c.step, c.enter_time - 0.25))
+        out.append(c)
+    return out
+
+
+def _ingested(batches: list[pb.ReportBatch]) -> tuple[tuple[object, ...], int]:
+    """What the job state keeps of a rank's steps, fed ``batches`` as the coordinator feeds them;
+    and the events applied."""
+    job = JobState()
+    st = job.register(r.RankIdentity("j", RANK, 4, "h", 1, session="s"), 0.0)
+    dec, applied = CallDecoder(fold=True), 0
+    for batch in batches:
+        events, rejected, _ = dec.decode(RANK, batch)
+        assert rejected == 0
+        result = job.ingest("s", RANK, events, now=200.0)
+        assert result is not None and not result.failed
+        applied += result.applied
+    return (st.step, st.timed_step, list(st.step_times), st.last_call_id), applied
+
+
+def test_a_node_agent_sends_a_batch_of_steps_and_calls_with_its_steps_in_columns() -> None:
+    """Where a batch's events are all steps, a node agent sends them as columns, taken at once:
+    the job state keeps of them what it kept of the events."""
+    events = _stepping(80)
+    sent = []
+    for fold in (False, True):
+        enc = CallEncoder()
+        enc.send_runs = True
+        enc.fold = SenderFold() if fold else None
+        batches = []
+        for lo, hi in ((0, 30), (30, len(events))):
+            batch = pb.ReportBatch(rank=RANK)
+            enc.encode(events[lo:hi], batch)
+            batches.append(batch)
+        sent.append(batches)
+    plain, folded = sent
+    assert all(len(b.events) >= 2 and not b.step_number for b in plain)
+    assert all(not b.events for b in folded)
+    assert [list(b.step_number) for b in folded] == [[0, 1], [2, 3, 4]]
+    kept, applied = _ingested(folded)
+    assert (kept, applied) == _ingested(plain)
+    assert kept[0] == 4 and len(kept[2]) == 5  # every step timed
+
+
+def test_steps_beside_another_event_stay_events_in_their_order() -> None:
+    events = _stepping(40)
+    events.insert(5, r.MarkerEvent(RANK, "trigger", 101.0))
+    enc = CallEncoder()
+    enc.fold = SenderFold()
+    batch = pb.ReportBatch(rank=RANK)
+    enc.encode(events, batch)
+    assert not batch.step_number and [e.WhichOneof("body") for e in batch.events][:3] == ["step", "marker", "step"]
+
+
+def test_step_columns_that_do_not_line_up_are_refused() -> None:
+    for numbers, times in (([1, 2], [5.0]), ([1], [float("nan")]), ([], [5.0])):
+        batch = pb.ReportBatch(rank=RANK, step_number=numbers, step_time=times)
+        got, rejected, _ = CallDecoder(fold=True).decode(RANK, batch)
+        assert rejected and not got, (numbers, times)

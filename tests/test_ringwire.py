@@ -120,10 +120,16 @@ _CYCLIC = st.lists(st.one_of(_PATTERN, _ACTIONS.map(lambda actions: actions[:3])
 
 
 def _flat(events: list[r.RankEvent]) -> list[r.RankEvent]:
-    """Runs of alike calls (``records.CallRun``) as the calls they stand for."""
+    """Runs of alike calls (``records.CallRun``) as the calls they stand for, a batch's steps
+    (``records.Steps``) as its step events."""
     out: list[r.RankEvent] = []
     for event in events:
-        out.extend(event.calls() if isinstance(event, r.CallRun) else [event])
+        if isinstance(event, r.CallRun):
+            out.extend(event.calls())
+        elif isinstance(event, r.Steps):
+            out.extend(r.StepEvent(event.rank, s, t) for s, t in zip(event.steps, event.times, strict=True))
+        else:
+            out.append(event)
     return out
 
 

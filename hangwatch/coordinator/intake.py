@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hangwatch import records as r
 from hangwatch import wire
@@ -191,12 +191,10 @@ class Intake:
                 dropped=batch.dropped,
                 where=wire.clip(batch.where, wire.MAX_SITE),
                 where_user=wire.clip(batch.where_user, wire.MAX_SITE),
-                where_stack=tuple(wire.clip(s, budget.STACK_FRAME) for s in batch.where_stack[: budget.STACK_KEPT]),
+                where_stack=_clipped(batch.where_stack, budget.STACK_KEPT, budget.STACK_FRAME),
                 budget_note=wire.clip(batch.budget_note, wire.MAX_SITE),
                 flight_time=batch.flight_read_time,
-                flight_unseen=tuple(
-                    wire.clip(g, budget.UNSEEN_NAME) for g in batch.flight_unseen[: budget.UNSEEN_KEPT]
-                ),
+                flight_unseen=_clipped(batch.flight_unseen, budget.UNSEEN_KEPT, budget.UNSEEN_NAME),
             )
             if result is None:
                 return None
@@ -256,3 +254,8 @@ class Intake:
 
     def metrics_rejected(self, reason: str, count: int = 1) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + count
+
+
+def _clipped(texts: Sequence[str], kept: int, limit: int) -> tuple[str, ...]:
+    """The first ``kept`` of ``texts``, each clipped to ``limit`` (most batches carry none)."""
+    return tuple(wire.clip(text, limit) for text in texts[:kept]) if texts else ()

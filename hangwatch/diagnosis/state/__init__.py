@@ -251,7 +251,7 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
                 continue
             try:
                 self.apply(state, event, now)
-                result.applied += len(event.enters) if type(event) is r.CallRun else 1  # a run: its calls
+                result.applied += _counted(event)
             except Exception as exc:  # a bug or a hostile event must not block this rank's stream
                 result.failed += 1
                 if result.error is None:
@@ -293,12 +293,11 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         elif isinstance(event, r.CallExit):
             self._exit(state, event, now)
         elif isinstance(event, r.StepEvent):
-            # (not ``state.step``: a batch's calls come before its steps, and its step's first
-            # calls have moved the rank to it already)
-            if event.step != state.timed_step:
-                state.step_times.append(state.to_local(event.time))
-                state.timed_step = event.step
-            state.step = event.step
+            _stepped(state, event.step, event.time)
+            state.last_progress = now
+        elif isinstance(event, r.Steps):
+            for step, t in zip(event.steps, event.times, strict=True):
+                _stepped(state, step, t)
             state.last_progress = now
         elif isinstance(event, r.GroupEvent):
             self._group_event(state, event)
@@ -347,6 +346,24 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         return data[min(len(data) - 1, int(q * len(data)))]
 
 
+def _counted(event: r.RankEvent) -> int:
+    """The events ``event`` counts for: a run, its calls; steps, each."""
+    kind = type(event)
+    if kind is r.CallRun:
+        return len(event.enters)  # type: ignore[union-attr]
+    return len(event.steps) if kind is r.Steps else 1  # type: ignore[union-attr]
+
+
+def _stepped(state: RankState, step: int, t: float) -> None:
+    """``state``'s rank began ``step`` at ``t`` (its clock): timed once a step (not by
+    ``state.step``: a batch's calls come before its steps, and a step's first calls have moved
+    the rank to it already)."""
+    if step != state.timed_step:
+        state.step_times.append(state.to_local(t))
+        state.timed_step = step
+    state.step = step
+
+
 def _active(event: r.RankEvent, since: float) -> bool:
     """An event of a process group made after ``since`` (rank clock): a Python call or a step, or
     a group created. (A Flight Recorder read after the rank's end still ships calls made before
@@ -357,4 +374,6 @@ def _active(event: r.RankEvent, since: float) -> bool:
         return bool(event.enters) and event.enters[-1] > since
     if isinstance(event, r.StepEvent):
         return event.time > since
+    if isinstance(event, r.Steps):
+        return any(t > since for t in event.times)
     return isinstance(event, r.GroupEvent) and event.kind is r.GroupEventKind.CREATED and event.time > since
