@@ -223,10 +223,12 @@ def _short(ranks: list[int]) -> str:
 
 
 def _run(tree: str | None, config: dict[str, Any]) -> dict[str, Any]:
-    """One run in a fresh process, with ``tree``'s coordinator (None: this one's)."""
+    """One run in a fresh process, with ``tree``'s coordinator (None: this one's), on the load
+    its own ``bench/loadgen.py`` builds (what its senders send)."""
     env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    script = str(Path(tree) / "bench" / "scale.py") if tree else __file__
     out = subprocess.run(
-        [sys.executable, __file__, "--one", json.dumps(config)], capture_output=True, text=True, env=env, check=False
+        [sys.executable, script, "--one", json.dumps(config)], capture_output=True, text=True, env=env, check=False
     )
     if out.returncode:
         raise SystemExit(f"scale: a run failed ({config}):\n{out.stderr[-3000:]}")

@@ -281,6 +281,8 @@ def fr_dump_job(
     try:
         while job.proc.poll() is None and time.monotonic() < deadline:
             count = sum(1 for p in out.iterdir() if not p.name.endswith(".tmp"))
+            if count >= nproc:
+                break  # every rank's dump is in (the job itself waits for ever)
             if count != seen:
                 seen, last_new = count, time.monotonic()
             elif seen and time.monotonic() - last_new > quiet_s:
