@@ -107,7 +107,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @staticmethod
     def _oversized(request: pb.ReportBatch) -> str:
-        events = len(request.events) + len(request.calls.signature) + len(request.signatures)
+        events = len(request.events) + len(request.calls.signature) + len(request.signatures) + len(request.step_time)
         if events > MAX_EVENTS_PER_BATCH:
             return f"batch of {events} events exceeds the limit of {MAX_EVENTS_PER_BATCH}"
         return ""

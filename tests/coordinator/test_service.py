@@ -18,6 +18,7 @@ import pytest
 from hangwatch import records as r
 from hangwatch.client.transport import Transport
 from hangwatch.coordinator.daemon import ConfigError, Coordinator, CoordinatorOptions
+from hangwatch.coordinator.servicer import MAX_EVENTS_PER_BATCH
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
 from hangwatch.signatures import CallEncoder
@@ -106,6 +107,25 @@ def test_invalid_and_unknown_input(coordinator_factory: Callable[..., Coordinato
     ack = stub.Report(batch, timeout=5)
     assert ack.accepted == 1
     assert c.rejected.get("malformed") == 2
+    channel.close()
+
+
+def test_a_batch_of_more_steps_than_a_batch_may_carry_is_refused(coordinator: Coordinator) -> None:
+    """Steps in columns (a node agent's) count as the events they stand for."""
+    ident = identity(0)
+    Transport(f"127.0.0.1:{coordinator.port}", None).register(ident)
+    channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
+    stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    n = MAX_EVENTS_PER_BATCH + 1
+    batch = pb.ReportBatch(job_id="job", rank=0, session=ident.session, sent_time=time.time())
+    batch.step_number.extend(range(n))
+    batch.step_time.extend([time.time()] * n)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Report(batch, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert coordinator.rejected.get("oversized") == 1
+    del batch.step_number[1:], batch.step_time[1:]
+    assert stub.Report(batch, timeout=5).accepted == 1  # one step: taken
     channel.close()
 
 
