@@ -93,7 +93,9 @@ def run(path: str, polls: list[list[Batch]]) -> tuple[float, JobState, float]:
         encoder.fold = SenderFold() if path == "wire folded" else None
         encoder.send_cycles = path != "wire"  # a coordinator that takes runs takes cycles too
         encoder.native = path != PY_RUNS
-    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True, fold=True) for _ in range(ranks)]
+    # (the decoder folds where its sender did, as a coordinator that takes them does)
+    fold = path == "wire folded"
+    decoders = [CallDecoder(cost=budget.call_bytes, charge=lambda n: True, fold=fold) for _ in range(ranks)]
     calls = 0
     encoding = 0.0
     t0 = time.process_time()

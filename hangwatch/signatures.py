@@ -342,6 +342,14 @@ MAX_CYCLE = 8
 MAX_WIRE_CYCLE = folds.MAX_FOLD
 
 
+def _call_of(rank: int, t: r.CallRecord, cid: int, seq: int, step: int, enter: float, exit_time: float) -> r.CallRecord:
+    """A completed call of template ``t`` (as ``CallDecoder._columns`` makes one that came alone)."""
+    return r.CallRecord(
+        rank, cid, t.op, t.group, seq, t.inputs, t.outputs, t.reduce_op, t.root, t.peer, t.async_op, step,
+        t.call_site, enter, exit_time, t.source, None, 1, t.extra, None, t.cost,
+    )  # fmt: skip
+
+
 def _steps_line_up(cols: pb.CallColumns, runs: list[int]) -> bool:
     """Whether each entry's steps (``run_per_step``, ``run_lead``) are a run's that crosses them."""
     pers, leads = cols.run_per_step, cols.run_lead
@@ -428,14 +436,46 @@ class CallDecoder:
             else:
                 rest.append(ev)
         calls, bad, folded = self._columns(rank, batch.calls, batch.folded)
-        times = batch.step_time
+        times: Sequence[float] = batch.step_time
         if times or batch.step_number:  # the batch's steps, where they were all its events (a node agent's)
-            numbers = batch.step_number
-            if len(numbers) != len(times) or not math.isfinite(sum(times)):
+            numbers: Sequence[int] = batch.step_number
+            if len(numbers) != len(times):
                 bad += max(len(numbers), len(times))
             else:
-                calls.append(r.Steps(rank, tuple(numbers), tuple(times)))
+                if not math.isfinite(sum(times)):  # a step without a time: that step alone is refused
+                    kept = [(n, t) for n, t in zip(numbers, times, strict=True) if t - t == 0]
+                    bad += len(times) - len(kept)
+                    numbers, times = [n for n, _ in kept], [t for _, t in kept]
+                if numbers:
+                    calls.append(r.Steps(rank, tuple(numbers), tuple(times)))
         return first + calls + rest, rejected + bad, folded
+
+    @staticmethod
+    def _one_by_one(
+        rank: int,
+        templates: tuple[r.CallRecord | None, ...],
+        cid: int,
+        seq: int,
+        step: int,
+        per: int,
+        leads: Sequence[int],
+        entry: int,
+        enters: list[float],
+        exits: list[float],
+    ) -> list[r.RankEvent]:
+        """The calls of a cycle's run whose signatures are known, each alone (none where they
+        are not on one group or their times are not finite)."""
+        known = [t for t in templates if t is not None]
+        if not known or any(t.group != known[0].group for t in known) or not math.isfinite(sum(enters) + sum(exits)):
+            return []
+        lead = leads[entry] if per else 0
+        out: list[r.RankEvent] = []
+        for i, (enter, exit_time) in enumerate(zip(enters, exits, strict=True)):
+            t = templates[i % len(templates)]
+            if t is not None:
+                at_step = step + (lead + i) // per if per else step
+                out.append(_call_of(rank, t, cid + i, seq + i, at_step, enter, exit_time))
+        return out
 
     def _drop(self, sid: int) -> None:
         old = self.table.pop(sid, None)
@@ -512,8 +552,17 @@ class CallDecoder:
                     t, cycle = made[2][0], made[2][1:]
                 elif c:
                     found = [table.get(x) for x in sids[1:]]
-                    if t is None or any(x is None or x.group != t.group for x in found):
-                        rejected += k  # a cycle is of signatures known, on one group, or not taken
+                    if t is None or None in found:
+                        # a signature this table refused (its budget, a full table): the calls of
+                        # the others come one by one, as where the coordinator folds
+                        made_one = self._one_by_one(rank, (t, *found), cid, seq, step, per, leads, entry, enters, exits)
+                        rejected += k - len(made_one) if count <= 1 else k
+                        if count <= 1:
+                            calls += made_one
+                            folded += len(made_one)
+                        continue
+                    if any(x.group != t.group for x in found):  # type: ignore[union-attr]
+                        rejected += k  # a cycle is of signatures on one group, or not taken
                         continue
                     cycle = tuple(found)  # type: ignore[arg-type]  # (None ruled out above)
                 if t is None or not math.isfinite(sum(enters) + sum(exits)) or count > 1:  # (NaN, inf: not)

@@ -3,6 +3,9 @@ that makes every call exactly as it was sent; anything that breaks the cycle com
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -391,3 +394,38 @@ def test_step_columns_that_do_not_line_up_are_refused() -> None:
         batch = pb.ReportBatch(rank=RANK, step_number=numbers, step_time=times)
         got, rejected, _ = CallDecoder(fold=True).decode(RANK, batch)
         assert rejected and not got, (numbers, times)
+    # a step without a time is refused alone, as the same step as an event is
+    batch = pb.ReportBatch(rank=RANK, step_number=[1, 2, 3], step_time=[5.0, float("inf"), 7.0])
+    got, rejected, _ = CallDecoder(fold=True).decode(RANK, batch)
+    assert rejected == 1 and got == [r.Steps(RANK, (1, 3), (5.0, 7.0))]
+
+
+def _refusing(nth: int) -> Callable[[int], bool]:
+    """A budget that refuses the ``nth`` definition it is asked for, and nothing else."""
+    asked = itertools.count(1)
+
+    def charge(n: int) -> bool:
+        return n <= 0 or next(asked) != nth
+
+    return charge
+
+
+def test_a_signature_the_coordinator_refused_costs_its_calls_alone_folded_or_not() -> None:
+    """The coordinator may refuse a definition (its memory budget, a full table), which the sender
+    does not learn. A run the sender folded over it loses that signature's calls alone, as where
+    the coordinator folds, not the whole run, batch after batch. (Found by review.)"""
+    calls = _fsdp(48)
+    kept = []
+    for fold in (False, True):
+        dec = CallDecoder(fold=True, cost=lambda c: 100, charge=_refusing(5))
+        got, rejected = [], 0
+        for batch in _batches(calls, [20], fold=fold):
+            events, bad, _ = dec.decode(RANK, batch)
+            rejected += bad
+            got += [_fields(c) for ev in events for c in (ev.calls() if isinstance(ev, r.CallRun) else [ev])]
+        kept.append((got, rejected))
+    (plain, plain_rejected), (folded, folded_rejected) = kept
+    fifth = {c.call_site for c in calls[4::16]}
+    assert plain == folded == [_fields(c) for c in calls if c.call_site not in fifth]
+    assert plain_rejected == 1 + 3  # the definition, then each of its three calls
+    assert folded_rejected == plain_rejected

@@ -107,7 +107,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @staticmethod
     def _oversized(request: pb.ReportBatch) -> str:
-        events = len(request.events) + len(request.calls.signature) + len(request.signatures) + len(request.step_time)
+        events = len(request.events) + len(request.calls.signature) + len(request.signatures)
+        # (steps in columns are events; a cycle's signatures, each one the decoder looks up)
+        events += max(len(request.step_number), len(request.step_time)) + len(request.calls.run_signature)
         if events > MAX_EVENTS_PER_BATCH:
             return f"batch of {events} events exceeds the limit of {MAX_EVENTS_PER_BATCH}"
         return ""

@@ -105,7 +105,15 @@ def test_a_rank_s_fsdp_steps_go_folded_across_steps_and_arrive_as_written(foldin
     assert crossing, "no batch carried a run across steps"
     runs = [ev for ev in intake.events[0] if isinstance(ev, r.CallRun)]
     assert any(run.per_step == 2 * LAYERS and run.last_step > run.step for run in runs)
+    # every step arrived, once, in order, however it travelled (as an event, or in columns)
+    steps = [s for ev in intake.events[0] for s in _steps(ev)]
+    assert steps == list(range(STEPS))
+    assert any(req.step_number for req in intake.requests), "no batch carried its steps in columns"
 
 
 def _calls(ev: r.RankEvent) -> list[r.CallRecord]:
     return ev.calls() if isinstance(ev, r.CallRun) else [ev] if isinstance(ev, r.CallRecord) else []
+
+
+def _steps(ev: r.RankEvent) -> list[int]:
+    return list(ev.steps) if isinstance(ev, r.Steps) else [ev.step] if isinstance(ev, r.StepEvent) else []

@@ -126,6 +126,11 @@ def test_a_batch_of_more_steps_than_a_batch_may_carry_is_refused(coordinator: Co
     assert coordinator.rejected.get("oversized") == 1
     del batch.step_number[1:], batch.step_time[1:]
     assert stub.Report(batch, timeout=5).accepted == 1  # one step: taken
+    # each of a cycle's signatures counts too: the decoder looks each up
+    batch.calls.run_signature.extend([1] * n)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Report(batch, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     channel.close()
 
 
