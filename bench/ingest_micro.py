@@ -18,10 +18,11 @@ import uuid
 
 from hangwatch import records as r
 from hangwatch import wire
+from hangwatch.columns import CallEncoder
 from hangwatch.diagnosis import budget
 from hangwatch.diagnosis.state import JobState
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.signatures import CallDecoder, CallEncoder
+from hangwatch.signatures import CallDecoder
 
 
 def _events(rank: int, first: int, n: int) -> list[r.RankEvent]:

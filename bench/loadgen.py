@@ -56,7 +56,7 @@ from typing import Any
 from hangwatch.agent.relay import DEFAULT_INTERVAL_S as RELAY_INTERVAL_S
 from hangwatch.agent.relay import MAX_INTERVAL_S as RELAY_MAX_INTERVAL_S
 from hangwatch.client.sender import MAX_BATCH, SEND_INTERVAL_S
-from hangwatch.signatures import CallEncoder
+from hangwatch.columns import CallEncoder
 
 PATTERNS = ("ddp", "fsdp", "pipeline", "mixed", "tp")
 FAULTS = ("none", "stuck", "shape", "op", "dtype", "early_exit")
@@ -196,7 +196,7 @@ class RankSim:
     identity: Any  # records.RankIdentity
     transport: Any  # client.transport.Transport
     relay: Any = None  # agent.relay.Relay of its node, in relay mode
-    encoder: Any = None  # signatures.CallEncoder: calls in columns, as a rank's batches carry them
+    encoder: Any = None  # columns.CallEncoder: calls in columns, as a rank's batches carry them
     interval: float = SEND_INTERVAL_S  # what the coordinator asked for at registration
     next_enter: int = 0
     next_exit: int = 0

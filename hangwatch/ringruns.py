@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hangwatch.columns import MAX_CYCLE
 from hangwatch.ring import Kind, RingSlot
-from hangwatch.signatures import MAX_CYCLE
 
 _MASK32 = (1 << 32) - 1
 

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from hangwatch import catalogue, config, ringruns, wire
 from hangwatch import records as r
+from hangwatch.columns import MAX_CYCLE, MAX_SIGNATURES, Columns
 from hangwatch.flight_entries import PythonSeqs
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.ring import Batch, Kind, PackedSlots, RingSlot
 from hangwatch.ringruns import CYCLE_MIN, RUN_MIN, Run
-from hangwatch.signatures import MAX_CYCLE, MAX_SIGNATURES, Columns
 
 if TYPE_CHECKING:
     from hangwatch.sendfold import SenderFold

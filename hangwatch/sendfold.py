@@ -18,8 +18,8 @@ from typing import Any
 
 from hangwatch import folds
 from hangwatch import records as r
+from hangwatch.columns import Columns
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.signatures import Columns
 
 
 class SenderFold:

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from hangwatch import folds
 from hangwatch import records as r
+from hangwatch.columns import CallEncoder
 from hangwatch.diagnosis.state import JobState
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.sendfold import SenderFold
-from hangwatch.signatures import CallDecoder, CallEncoder
+from hangwatch.signatures import CallDecoder
 
 RANK = 3
 LAYERS = 8

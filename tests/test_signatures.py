@@ -8,9 +8,10 @@ import math
 
 from hangwatch import records as r
 from hangwatch import signatures, wire
+from hangwatch.columns import CallEncoder
 from hangwatch.diagnosis import budget
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.signatures import CallDecoder, CallEncoder
+from hangwatch.signatures import CallDecoder
 from tests import factories
 
 F32 = r.TensorMeta((4, 8), "float32", "cuda")

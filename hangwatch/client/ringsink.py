@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from hangwatch import records as r
+from hangwatch.columns import _key as call_key
 from hangwatch.ring import MAX_CAPACITY, Kind, RingWriter
 from hangwatch.ringwire import call_blob, event_blob, text_blob
-from hangwatch.signatures import _key as call_key
 
 #: Signatures a rank interns; past this a new signature's calls travel with an empty reference
 #: (counted as unnamed where they are read), as the blob area would soon be full anyway.

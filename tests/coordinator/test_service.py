@@ -17,11 +17,11 @@ import pytest
 
 from hangwatch import records as r
 from hangwatch.client.transport import Transport
+from hangwatch.columns import CallEncoder
 from hangwatch.coordinator.daemon import ConfigError, Coordinator, CoordinatorOptions
 from hangwatch.coordinator.servicer import MAX_EVENTS_PER_BATCH
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.protos import hangwatch_pb2_grpc as pb_grpc
-from hangwatch.signatures import CallEncoder
 from tests import factories
 from tests.conftest import wait_for
 
