@@ -85,13 +85,17 @@ class Intake:
         self.statuses.extend(statuses)
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[tuple[RingServer, Shipper, Intake]]:
+def shipping(tmp_path: Path, intake: Intake) -> Iterator[tuple[RingServer, Shipper, Intake]]:
+    """A ring server, and a shipper of its links' rings to ``intake``; the server stopped after."""
     server = RingServer(str(tmp_path / "agent.sock"))
     server.start()
-    intake = Intake()
     yield server, Shipper(server, intake, "node-1", PsutilInspector()), intake
     server.stop()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[RingServer, Shipper, Intake]]:
+    yield from shipping(tmp_path, Intake())
 
 
 def _rank(path: str, rank: int) -> subprocess.Popen[str]:

@@ -15,13 +15,12 @@ from typing import Any
 import pytest
 
 from hangwatch import records as r
-from hangwatch.agent.procinfo import PsutilInspector
 from hangwatch.agent.rings import RingServer
 from hangwatch.agent.shipper import Shipper
 from hangwatch.protos import hangwatch_pb2 as pb
 from hangwatch.signatures import CallDecoder
 from hangwatch.testing import wait_for
-from tests.agent.test_shipper import Intake
+from tests.agent.test_shipper import Intake, shipping
 
 LAYERS = 8
 STEPS = 6
@@ -71,12 +70,8 @@ class Folding(Intake):
 
 
 @pytest.fixture
-def folding(tmp_path: Path) -> Iterator[tuple[RingServer, Shipper, Folding]]:
-    server = RingServer(str(tmp_path / "agent.sock"))
-    server.start()
-    intake = Folding()
-    yield server, Shipper(server, intake, "node-1", PsutilInspector()), intake
-    server.stop()
+def folding(tmp_path: Path) -> Iterator[tuple[RingServer, Shipper, Intake]]:
+    yield from shipping(tmp_path, Folding())
 
 
 @pytest.mark.timeout(60)
