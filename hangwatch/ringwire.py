@@ -312,6 +312,7 @@ class RingEncoder:
             else:
                 continue
             carried += 1
+        self._cover_held()
         if self.fold is not None:
             self.fold.fold(cols, batch.rank)
             batch.folded = True
@@ -414,6 +415,7 @@ class RingEncoder:
                 except Exception:
                     continue
                 self._told(msg)
+        self._cover_held()
         self.last_step = self._last_step
         return out
 
@@ -455,6 +457,16 @@ class RingEncoder:
                 self._held = [last]
                 return slots.but_last() if type(slots) is PackedSlots else slots[:-1]
         return slots
+
+    def _cover_held(self) -> None:
+        """The call held back (``_hold``) is the rank's latest: its seq is a Python call's from
+        now, as its ENTER was read (``python``: what the Flight Recorder's reader asks, once the
+        ring is read past its read; else that read ships the call's entry as one from C++). The
+        next batch enters it again, as the same call."""
+        for s in self._held:
+            lane = self._lanes.get(s.ref, ("", -1))
+            call_id = _extend(s.call_id, self._last_call)
+            self._entered(s.ref, call_id, _extend(s.seq, self._last_seq.get(lane, 0)), bool(s.flags & 1))
 
     def _gather(self, slots: Sequence[RingSlot]) -> Sequence[RingSlot | Run]:
         """``slots`` with each stretch of calls alike (``Run``: two or more, each an ENTER and its

@@ -401,6 +401,10 @@ def test_a_node_agent_holds_a_trailing_call_under_way_back_once() -> None:
     rank.call("all_reduce", "0", 1, "open", t + 1.0)
     first = _flat(encoder.decode(reader.poll(), RANK))
     assert [c.seq for c in first if isinstance(c, r.CallRecord)] == [2, 3, 4, 5]  # the sixth waits
+    # held back, it is the Python call under way all the same: the Flight Recorder's reader, which
+    # reads once the ring is read past its read, must not take its entry for one issued from C++
+    # (a story told "rank 0 entered all_reduce at issued from C++" on a loaded CI machine)
+    assert encoder.python.covers("0", 6) and encoder.python.busy_on("0")
     then = _flat(encoder.decode(reader.poll(), RANK))  # nothing new: it is under way still
     assert [(c.seq, c.exit_time) for c in then if isinstance(c, r.CallRecord)] == [(6, None)]
     rank.call("all_reduce", "0", 1, "open", t + 2.0)  # seq 7, under way
