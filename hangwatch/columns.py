@@ -267,9 +267,7 @@ class CallEncoder:
         if self.send_runs:
             cols.compact()
         if self.fold is not None:
-            self.fold.fold(cols, batch.rank)
-            batch.folded = True
-            self.fold.steps(batch)
+            self.fold.send(cols, batch)
         cols.write(batch)
 
 

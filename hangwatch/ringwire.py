@@ -314,9 +314,7 @@ class RingEncoder:
             carried += 1
         self._cover_held()
         if self.fold is not None:
-            self.fold.fold(cols, batch.rank)
-            batch.folded = True
-            self.fold.steps(batch)
+            self.fold.send(cols, batch)
         cols.write(batch)
         self.last_step = self._last_step
         return carried

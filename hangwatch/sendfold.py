@@ -47,8 +47,11 @@ class SenderFold:
         else:
             self.table[sid] = dataclasses.replace(call, call_id=sid)
 
-    def steps(self, batch: pb.ReportBatch) -> None:
-        """``steps_in_columns``: a batch whose events are all steps sends them as columns."""
+    def send(self, cols: Columns, batch: pb.ReportBatch) -> None:
+        """What a node agent does to a batch before it goes: its columns folded (``fold``), the
+        batch marked so, and its steps in columns where they are all its events."""
+        self.fold(cols, batch.rank)
+        batch.folded = True
         steps_in_columns(batch)
 
     def fold(self, cols: Columns, rank: int) -> None:
