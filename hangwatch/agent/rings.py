@@ -184,6 +184,10 @@ class RingServer:
         #: written by ``stop``: the selector waits on it, and on nothing else, between links'
         #: events (a timeout to look at ``_stop`` would wake an idle agent for nothing)
         self._wake: tuple[socket.socket, socket.socket] | None = None
+        #: open sockets of links forgotten on other threads: the selector thread unregisters and
+        #: closes them (closed elsewhere, a socket's number stays registered, and the next link
+        #: given that number is refused)
+        self._closing: list[socket.socket] = []
 
     def start(self) -> None:
         """Listen on the socket; an OSError if another live agent serves it already (a stale
@@ -264,11 +268,18 @@ class RingServer:
                 sock.send(FAREWELL)
 
     def forget(self, link: RankLink) -> None:
-        """Drop a closed link once its ring has been read to the end."""
+        """Drop a link: closed once its ring has been read to the end, or refused by the
+        coordinator while open (its socket then goes to the selector thread to close)."""
         with self._lock:
             if link in self._links:
                 self._links.remove(link)
+            sock, link.sock = link.sock, None
+            if sock is not None:
+                self._closing.append(sock)
         link.close()
+        if sock is not None and self._wake is not None:
+            with contextlib.suppress(OSError):
+                self._wake[1].send(b"x")
 
     # ---- the selector thread -------------------------------------------------------------
 
@@ -291,6 +302,7 @@ class RingServer:
                         elif key.data is _WAKE:
                             with contextlib.suppress(OSError):
                                 self._wake[0].recv(64)
+                            self._close_forgotten(sel)
                         elif isinstance(key.data, _Pending):
                             self._hello(sel, pending, key.data)
                         elif isinstance(key.data, JoiningLink):
@@ -306,6 +318,15 @@ class RingServer:
             for p in pending.values():
                 p.drop()
             sel.close()
+
+    def _close_forgotten(self, sel: selectors.BaseSelector) -> None:
+        with self._lock:
+            closing, self._closing = self._closing, []
+        for sock in closing:
+            with contextlib.suppress(KeyError, ValueError):  # unregistered already on a read that saw it close
+                sel.unregister(sock)
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _accept(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
         assert self._listener is not None

@@ -269,3 +269,25 @@ def test_hellos_under_way_are_bounded(agent: Agent, monkeypatch: pytest.MonkeyPa
     _wait(lambda: agent.server.refused == 5, timeout=5)  # the rest at their deadline
     for s in silent:
         s.close()
+
+
+def test_a_link_forgotten_while_open_leaves_its_socket_to_no_later_link(agent: Agent) -> None:
+    """The shipper forgets a rank link the coordinator refused while its socket is open; the
+    next link, given the same descriptor number, is served (in CI a look-alike's rank 3 never
+    linked: its socket's number was still registered to the forgotten one, and it was blamed)."""
+    server = agent.server
+    w = RingWriter(capacity=4, blob_bytes=64)
+    try:
+        for attempt in range(3):
+            sock = link.connect(server.path, {"rank": attempt}, [w.fd])
+            assert sock is not None
+            _wait(lambda: len(server.links()) == 1)
+            (lk,) = server.links()
+            server.forget(lk)  # from another thread than the selector's, the link still open
+            assert server.links() == []
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # the rank sees its link closed
+            sock.close()
+        assert server.refused == 0
+    finally:
+        w.close()
