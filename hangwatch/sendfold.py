@@ -7,7 +7,7 @@ handler. A node agent runs the same ``folds.Folder`` on each rank's columns befo
 sends the runs it folds as column entries that cross steps (``CallColumns.run_per_step``), the
 batch marked ``folded``; the coordinator takes them as they come. They are the runs the
 coordinator would have folded, batch for batch, so the detectors see the same records. A batch
-whose events are all steps sends them in columns too (``steps_in_columns``), taken at once.
+sends the steps that open its events in columns too (``steps_in_columns``), taken at once.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class SenderFold:
 
     def send(self, cols: Columns, batch: pb.ReportBatch) -> None:
         """What a node agent does to a batch before it goes: its columns folded (``fold``), the
-        batch marked so, and its steps in columns where they are all its events."""
+        batch marked so, and the steps that open its events in columns."""
         self.fold(cols, batch.rank)
         batch.folded = True
         steps_in_columns(batch)
@@ -82,15 +82,21 @@ class SenderFold:
 
 
 def steps_in_columns(batch: pb.ReportBatch) -> None:
-    """Move ``batch``'s events into its step columns (``step_number``, ``step_time``) where every
-    one is a step: a steady rank's batch, whose steps the coordinator then takes at once. (Where
-    another event is among them, their order matters: they stay events.)"""
+    """Move the steps that open ``batch``'s events into its step columns (``step_number``,
+    ``step_time``): a steady rank's batch, whose steps the coordinator then takes at once. The
+    coordinator applies the columns after the calls and before every event, so the steps that
+    come before any other event keep their order; those after one stay events."""
     events = batch.events
-    if not events or not all(e.HasField("step") for e in events):
+    lead = 0
+    for e in events:
+        if not e.HasField("step"):
+            break
+        lead += 1
+    if not lead:
         return
-    batch.step_number.extend([e.step.step for e in events])
-    batch.step_time.extend([e.step.time for e in events])
-    del events[:]
+    batch.step_number.extend([e.step.step for e in events[:lead]])
+    batch.step_time.extend([e.step.time for e in events[:lead]])
+    del events[:lead]
 
 
 def _add(cols: Columns, run: r.CallRun) -> None:

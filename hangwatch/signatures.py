@@ -180,7 +180,7 @@ class CallDecoder:
                 rest.append(ev)
         calls, bad, folded = self._columns(rank, batch.calls, batch.folded)
         times: Sequence[float] = batch.step_time
-        if times or batch.step_number:  # the batch's steps, where they were all its events (a node agent's)
+        if times or batch.step_number:  # the steps that opened its events (a node agent's)
             numbers: Sequence[int] = batch.step_number
             if len(numbers) != len(times):
                 bad += max(len(numbers), len(times))

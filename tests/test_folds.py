@@ -380,14 +380,24 @@ def test_a_node_agent_sends_a_batch_of_steps_and_calls_with_its_steps_in_columns
     assert kept[0] == 4 and len(kept[2]) == 5  # every step timed
 
 
-def test_steps_beside_another_event_stay_events_in_their_order() -> None:
+def test_steps_after_another_event_stay_events_in_their_order() -> None:
+    """The steps before any other event go in columns (applied before the events); those after
+    one stay events. The job state keeps the same of either form."""
     events = _stepping(40)
     events.insert(5, r.MarkerEvent(RANK, "trigger", 101.0))
-    enc = CallEncoder()
-    enc.fold = SenderFold()
-    batch = pb.ReportBatch(rank=RANK)
-    enc.encode(events, batch)
-    assert not batch.step_number and [e.WhichOneof("body") for e in batch.events][:3] == ["step", "marker", "step"]
+    sent = []
+    for fold in (False, True):
+        enc = CallEncoder()
+        enc.send_runs = True
+        enc.fold = SenderFold() if fold else None
+        batch = pb.ReportBatch(rank=RANK)
+        enc.encode(events, batch)
+        sent.append(batch)
+    plain, folded = sent
+    kinds = [e.WhichOneof("body") for e in plain.events]
+    assert kinds[:3] == ["step", "marker", "step"] and not plain.step_number
+    assert list(folded.step_number) == [0] and [e.WhichOneof("body") for e in folded.events] == kinds[1:]
+    assert _ingested([folded]) == _ingested([plain])
 
 
 def test_step_columns_that_do_not_line_up_are_refused() -> None:

@@ -34,13 +34,37 @@ def header(state: ShippedRank, now: float, mono: float, fetcher: RingFetcher) ->
         state.flight_said = max(state.flight_said, batch.flight_read_time)
         if state.flight.unseen:
             batch.flight_unseen.extend(sorted(state.flight.unseen))
+    _status(state, batch)
+    return batch
+
+
+def unread_header(state: ShippedRank, now: float, mono: float) -> pb.ReportBatch:
+    """A batch sent without reading the rank's ring (``ReportBatch.unread``): who, when, where
+    its main thread is; nothing of its calls or its Flight Recorder."""
+    ident = state.identity
+    state.batch_seq += 1
+    batch = pb.ReportBatch(
+        job_id=ident.job_id,
+        rank=ident.rank,
+        session=ident.session,
+        batch_seq=state.batch_seq,
+        sent_time=now,
+        mono_time=mono,
+        dropped=state.link.reader.lost,
+        unread=True,
+    )
+    _status(state, batch)
+    return batch
+
+
+def _status(state: ShippedRank, batch: pb.ReportBatch) -> None:
+    """Where the rank's main thread is, as its sender thread last wrote it."""
     status = state.link.reader.status()
     if status is not None:
         state.status_time = batch.alive_time = status[0]
         where, where_user, *stack = (*status[1].split("\n"), "")[: 2 + STACK_KEPT]
         batch.where, batch.where_user = where, where_user
         batch.where_stack.extend(s for s in stack if s)
-    return batch
 
 
 def flight_read_time(state: ShippedRank, fetcher: RingFetcher) -> float:

@@ -93,6 +93,10 @@ class ShippedRank:
     #: 2 s from 2,048 ranks): a steady rank that keeps writing is read every ``READ_S`` or this,
     #: the longer (0: not said)
     pace: float = 0.0
+    #: how far apart its ring is read while it is steady, where the coordinator asked for longer
+    #: than ``pace`` (``RegisterReply.steady_read_s``, a large job; 0: not): between reads it is
+    #: said alive every ``pace`` by a batch sent unread (``ReportBatch.unread``)
+    steady_read: float = 0.0
     recheck: tuple[int, int] | None = None  # (position, call id) of a call entered at the last look
     quiet: bool = False
     #: when the latest Flight Recorder read whose records have all gone was asked (the
@@ -125,7 +129,7 @@ def take_progress(state: ShippedRank, progress: r.GroupProgress, now: float, rid
     and a stop told from one rank's read alone named one waiting rank of two), where it stood at
     the last read and has moved since, or where nothing rides (``ride_ok``:
     ``HANGWATCH_READ_LESS=0``); else, the device caught up, with the rank's next batch
-    (``riding``), within ``max(READ_S, pace)``: it tells nothing a detector waits for."""
+    (``riding``), within ``read_every``: it tells nothing a detector waits for."""
     last = state.device.get(progress.group)
     pending = progress.completed < progress.enqueued
     stands = last is not None and pending and progress.completed == last[0]
@@ -149,4 +153,9 @@ def ride(state: ShippedRank, batch: pb.ReportBatch | None = None) -> list[r.Rank
 
 def riding_due(state: ShippedRank, now: float) -> bool:
     """Whether device progress has waited to ride as long as it may (a batch goes for it)."""
-    return bool(state.riding) and now - state.riding_since >= max(READ_S, state.pace)
+    return bool(state.riding) and now - state.riding_since >= read_every(state)
+
+
+def read_every(state: ShippedRank) -> float:
+    """How far apart a steady rank that keeps writing is read."""
+    return max(READ_S, state.pace, state.steady_read)

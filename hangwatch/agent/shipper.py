@@ -40,6 +40,7 @@ from hangwatch import config, wire
 from hangwatch import records as r
 from hangwatch.agent.flightrecorder import RingFetcher
 from hangwatch.agent.header import header as make_header
+from hangwatch.agent.header import unread_header
 from hangwatch.agent.intake import DirectIntake, Intake, ManyIntake, identity_of, tell_phases
 from hangwatch.agent.namespaces import path_of
 from hangwatch.agent.outbox import Outbox, Queued
@@ -55,6 +56,7 @@ from hangwatch.agent.shipped import (
     TICK_S,
     ShippedRank,
     has_records,
+    read_every,
     returned,
     ride,
     riding_due,
@@ -116,15 +118,17 @@ class Shipper:
             state = self._ranks.get(id(link))
             if state is None:
                 state = self._ranks[id(link)] = self._new_rank(link)
-            reading = int(now // max(READ_S, state.pace))  # and read together
+            reading = int(now // read_every(state))  # and read together
             waiting = link.ending_at is not None and not state.farewell  # an ending rank: its farewell
             if state.steady_period is not None and link.closed_at is None and not waiting:
                 if state.steady_period == period and state.recheck is None:
+                    self._alive(state)
                     continue  # steady: looked at in the next period
                 # looked at on a READ_S's tick too: a read it makes then sends what it found under
                 # way for a tick (``quiet``), as any other
                 if not self._due(state) and state.read_period == reading:
                     state.steady_period = period
+                    self._alive(state)
                     continue  # read in this READ_S already, and nothing a detector waits for
             try:
                 # steady as of its last read, or let go after its end (a process that lives on)
@@ -146,7 +150,7 @@ class Shipper:
                     and not state.resend
                 )
                 state.steady_period = period if steady else None
-                state.read_period = int(now // max(READ_S, state.pace)) if steady else None
+                state.read_period = int(now // read_every(state)) if steady else None
                 state.peek_head = link.reader.position
                 state.recheck, state.quiet = None, False
                 shipped = True
@@ -310,6 +314,10 @@ class Shipper:
             # (a look still reads at once what a detector waits for)
             pace = registration.report_interval_s
             state.pace = min(pace, MAX_PACE_S) if pace > 0 else 0.0  # (NaN: not said)
+            # a larger job still asks its steady ranks' rings to be read further apart: between
+            # reads each is said alive unread (``_alive``)
+            steady = registration.steady_read_s
+            state.steady_read = min(steady, MAX_PACE_S) if steady > state.pace else 0.0
             if state.flight is not None and state.pace > READ_S:
                 self.fetcher.space(id(link), 2 * state.pace)
         # an open rank's batches go with the other ranks' at the end of the tick; an ending or
@@ -460,6 +468,30 @@ class Shipper:
                 state.last_sent = self.mono()
             state.farewell = True
             self.server.farewell(link)
+
+    def _alive(self, state: ShippedRank) -> None:
+        """Between the reads of a steady rank read far apart (``steady_read``), say every
+        ``pace`` that it is alive: a batch sent unread, where its sender thread rewrote its status
+        since the last batch (a frozen rank's silence is told as before)."""
+        if not state.steady_read or not state.registered or self.mono() - state.last_sent < state.pace:
+            return
+        status = state.link.reader.status()
+        if status is not None and status[0] == state.status_time:
+            return
+        batch = unread_header(state, self.clock(), self.mono())
+        if self.direct is not None:
+            refused = self.direct.accept_events(batch, []) is None
+        elif self.outbox is not None:
+            told, said = state.flight_told, state.flight_said
+            self.outbox.add(Queued(state, batch, None, [], state.encoder.held_mark(), told, said, []))
+            refused = False  # (the outbox undoes what is refused)
+        else:
+            refused = self.intake.accept_report(batch).reregister
+        if refused:
+            state.registered = False
+            state.steady_period = None  # registered again on the next tick
+            return
+        state.last_sent = self.mono()
 
     def _heartbeat_due(self, state: ShippedRank) -> bool:
         """Time for a batch without records, and the rank itself is alive: its sender thread

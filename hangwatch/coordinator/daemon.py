@@ -22,7 +22,7 @@ from hangwatch.coordinator.agents import AgentHub
 from hangwatch.coordinator.alerts import WebhookAlerter
 from hangwatch.coordinator.intake import Intake
 from hangwatch.coordinator.metrics import MetricsServer
-from hangwatch.coordinator.options import ConfigError, CoordinatorOptions, report_interval_for
+from hangwatch.coordinator.options import MAX_STEADY_READ_S, ConfigError, CoordinatorOptions, report_interval_for
 from hangwatch.coordinator.server import BindError, RpcServer
 from hangwatch.coordinator.servicer import BLOCKING, CoordinatorServicer
 from hangwatch.coordinator.store import IncidentStore
@@ -60,6 +60,10 @@ class Coordinator(Intake):
         self.coordinator_id = uuid.uuid4().hex[:12]
         #: ranks' batches may carry runs of alike calls (``records.CallRun``); ``HANGWATCH_RUNS=0``: not
         self.takes_runs = config.env_flag(config.ENV_RUNS, True)
+        steady = options.steady_read_s
+        if steady is not None and not 0.0 <= steady <= MAX_STEADY_READ_S:
+            raise ConfigError(f"steady reads {steady} s apart: from 0 to {MAX_STEADY_READ_S:g} s")
+        self.steady_read = steady
         self.lock = threading.RLock()
         self.importing = threading.Lock()  # one import of dumps analysed at a time
         try:

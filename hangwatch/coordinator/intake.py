@@ -12,7 +12,7 @@ from hangwatch import records as r
 from hangwatch import wire
 from hangwatch.agent.identity import START_TIME_TOLERANCE_S
 from hangwatch.coordinator.agents import AgentHub
-from hangwatch.coordinator.options import report_interval_for
+from hangwatch.coordinator.options import report_interval_for, steady_read_for
 from hangwatch.coordinator.servicer import MAX_WORLD_SIZE, IntakeError
 from hangwatch.diagnosis import budget
 from hangwatch.diagnosis.jobs import Jobs, JobsFull, SessionOver, job_key
@@ -31,13 +31,15 @@ class Intake:
     jobs: Jobs
     decoders: dict[str, CallDecoder]  # session -> its interned call signatures
     takes_runs: bool
+    steady_read: float | None  # (``CoordinatorOptions.steady_read_s``)
     hub: AgentHub
     rejected: dict[str, int]
     _apply_failed: bool
 
-    def register_rank(self, identity: r.RankIdentity, via: str = "direct") -> tuple[int, float]:
+    def register_rank(self, identity: r.RankIdentity, via: str = "direct") -> tuple[int, float, float]:
         """Register (or re-register) a rank in its job; returns the highest call id already held
-        for its session (0 for a new one) and how often it should report."""
+        for its session (0 for a new one), how often it should report, and how far apart a node
+        agent reads its ring while it is steady."""
         with self.lock:
             known = len(self.jobs.ended_incarnations), len(self.jobs)
             before = self.jobs.by_key.get(job_key(identity))
@@ -76,6 +78,7 @@ class Intake:
             )
             last_call_id = state.last_call_id
             interval = report_interval_for(job.world_size)
+            steady = self.steady_read if self.steady_read is not None else steady_read_for(job.world_size)
         log.info(
             "rank %d registered (pid %d on %s, job %s, via %s)",
             identity.rank,
@@ -84,7 +87,7 @@ class Intake:
             identity.job_id,
             via,
         )
-        return last_call_id, interval
+        return last_call_id, interval, steady
 
     def join(self, identity: r.RankIdentity, via: str) -> None:
         """A process started as a rank, not joined yet: only its node agent, which proved it,
@@ -110,11 +113,12 @@ class Intake:
         if identity.phase:
             self.join(identity, via)
             return pb.RegisterReply(coordinator_id=self.coordinator_id, server_time=time.time())
-        last_call_id, interval = self.register_rank(identity, via)
+        last_call_id, interval, steady = self.register_rank(identity, via)
         return pb.RegisterReply(
             coordinator_id=self.coordinator_id,
             server_time=time.time(),
             report_interval_s=interval,
+            steady_read_s=steady if steady > interval else 0.0,
             last_call_id=last_call_id,
             takes_runs=self.takes_runs,
             takes_cycles=self.takes_runs,  # runs of a cycle of signatures, where runs are taken
@@ -195,6 +199,7 @@ class Intake:
                 budget_note=wire.clip(batch.budget_note, wire.MAX_SITE),
                 flight_time=batch.flight_read_time,
                 flight_unseen=_clipped(batch.flight_unseen, budget.UNSEEN_KEPT, budget.UNSEEN_NAME),
+                unread=batch.unread,
             )
             if result is None:
                 return None

@@ -39,6 +39,8 @@ class CoordinatorOptions:
     rank_budget_mb: float = budget.DEFAULT_RANK_MB
     job_budget_mb: float | None = None  # None: budget.DEFAULT_JOB_MB, grown with the job's ranks
     memory_budget_mb: float = budget.DEFAULT_TOTAL_MB
+    #: how far apart node agents read a steady rank's ring (None: ``steady_read_for`` the job)
+    steady_read_s: float | None = None
 
 
 def report_interval_for(world_size: int) -> float:
@@ -49,3 +51,18 @@ def report_interval_for(world_size: int) -> float:
     says, so mismatches and early exits are not delayed by it; heartbeats stay well inside the
     5 s after which a silent rank counts as frozen."""
     return max(0.2, min(2.0, world_size / 1024))
+
+
+#: The furthest apart a node agent reads a steady rank's ring (``agent.shipped.MAX_PACE_S``).
+MAX_STEADY_READ_S = 5.0
+
+
+def steady_read_for(world_size: int) -> float:
+    """How far apart node agents read the ring of a rank in a steady state: as it reports up to
+    8,192 ranks, then further apart (4 s at 16,384, 5 s from 20,480). A batch costs the
+    coordinator about the same whatever it carries (a node agent folds a steady rank's calls
+    into one entry): fewer, larger batches are what lets one process follow such a job. Between
+    reads the agent says the rank is alive as often as it reports (``ReportBatch.unread``), and
+    it reads at once a rank that goes quiet or stays inside a call, so waits, freezes, ends and
+    hangs are heard as before; only a steady rank's calls come later."""
+    return max(report_interval_for(world_size), min(MAX_STEADY_READ_S, world_size / 4096))

@@ -262,7 +262,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., via: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("coordinator_id", "server_time", "report_interval_s", "last_call_id", "takes_runs", "takes_cycles", "takes_steps")
+    __slots__ = ("coordinator_id", "server_time", "report_interval_s", "last_call_id", "takes_runs", "takes_cycles", "takes_steps", "steady_read_s")
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class RegisterReply(_message.Message):
     TAKES_RUNS_FIELD_NUMBER: _ClassVar[int]
     TAKES_CYCLES_FIELD_NUMBER: _ClassVar[int]
     TAKES_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEADY_READ_S_FIELD_NUMBER: _ClassVar[int]
     coordinator_id: str
     server_time: float
     report_interval_s: float
@@ -277,10 +278,11 @@ class RegisterReply(_message.Message):
     takes_runs: bool
     takes_cycles: bool
     takes_steps: bool
-    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ..., last_call_id: _Optional[int] = ..., takes_runs: _Optional[bool] = ..., takes_cycles: _Optional[bool] = ..., takes_steps: _Optional[bool] = ...) -> None: ...
+    steady_read_s: float
+    def __init__(self, coordinator_id: _Optional[str] = ..., server_time: _Optional[float] = ..., report_interval_s: _Optional[float] = ..., last_call_id: _Optional[int] = ..., takes_runs: _Optional[bool] = ..., takes_cycles: _Optional[bool] = ..., takes_steps: _Optional[bool] = ..., steady_read_s: _Optional[float] = ...) -> None: ...
 
 class ReportBatch(_message.Message):
-    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls", "urgent", "relay_held_s", "alive_time", "mono_time", "budget_note", "flight_read_time", "flight_unseen", "where_stack", "folded", "step_number", "step_time")
+    __slots__ = ("token", "job_id", "rank", "session", "batch_seq", "sent_time", "queued", "dropped", "events", "where", "where_user", "signatures", "calls", "urgent", "relay_held_s", "alive_time", "mono_time", "budget_note", "flight_read_time", "flight_unseen", "where_stack", "folded", "step_number", "step_time", "unread")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +307,7 @@ class ReportBatch(_message.Message):
     FOLDED_FIELD_NUMBER: _ClassVar[int]
     STEP_NUMBER_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    UNREAD_FIELD_NUMBER: _ClassVar[int]
     token: str
     job_id: str
     rank: int
@@ -329,7 +332,8 @@ class ReportBatch(_message.Message):
     folded: bool
     step_number: _containers.RepeatedScalarFieldContainer[int]
     step_time: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ..., calls: _Optional[_Union[CallColumns, _Mapping]] = ..., urgent: _Optional[bool] = ..., relay_held_s: _Optional[float] = ..., alive_time: _Optional[float] = ..., mono_time: _Optional[float] = ..., budget_note: _Optional[str] = ..., flight_read_time: _Optional[float] = ..., flight_unseen: _Optional[_Iterable[str]] = ..., where_stack: _Optional[_Iterable[str]] = ..., folded: _Optional[bool] = ..., step_number: _Optional[_Iterable[int]] = ..., step_time: _Optional[_Iterable[float]] = ...) -> None: ...
+    unread: bool
+    def __init__(self, token: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., session: _Optional[str] = ..., batch_seq: _Optional[int] = ..., sent_time: _Optional[float] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., where: _Optional[str] = ..., where_user: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ..., calls: _Optional[_Union[CallColumns, _Mapping]] = ..., urgent: _Optional[bool] = ..., relay_held_s: _Optional[float] = ..., alive_time: _Optional[float] = ..., mono_time: _Optional[float] = ..., budget_note: _Optional[str] = ..., flight_read_time: _Optional[float] = ..., flight_unseen: _Optional[_Iterable[str]] = ..., where_stack: _Optional[_Iterable[str]] = ..., folded: _Optional[bool] = ..., step_number: _Optional[_Iterable[int]] = ..., step_time: _Optional[_Iterable[float]] = ..., unread: _Optional[bool] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("reregister", "server_time", "accepted")

@@ -18,6 +18,7 @@ import pytest
 
 from hangwatch import link
 from hangwatch import records as r
+from hangwatch.agent import shipped as shipped_module
 from hangwatch.agent import shipper as shipper_module
 from hangwatch.agent.flightrecorder import RingFetcher
 from hangwatch.agent.procinfo import PsutilInspector
@@ -105,7 +106,7 @@ def _steady_read_no_more(
     says so. The ids to go on."""
     ids = iter(range(1, 10_000))
     _steady(shipper, sink, clock, ids)
-    monkeypatch.setattr(shipper_module, "READ_S", 3600.0)
+    monkeypatch.setattr(shipped_module, "READ_S", 3600.0)  # (``shipped.read_every``)
     clock.now += STEADY_S
     shipper.tick()  # read in this READ_S
     return ids
@@ -606,3 +607,64 @@ def test_closes_that_come_together_are_stamped_before_any_is_reported(
         loop.join(5)
         for sink in sinks:
             sink.close()
+
+
+class VeryLargeJob(Counting):
+    """A coordinator of a job of 16,384 ranks: a batch every 2 s, a steady ring read every 4 s."""
+
+    unread = 0
+
+    def accept_registration(self, identity: r.RankIdentity, via: str = "direct") -> Any:
+        reply = super().accept_registration(identity, via)
+        reply.report_interval_s, reply.steady_read_s = 2.0, 4.0
+        return reply
+
+    def accept_report(self, request: pb.ReportBatch, relay: str = "") -> pb.ReportReply:
+        if request.unread:
+            self.unread += 1
+            assert not request.events and not request.calls.signature and not request.flight_read_time
+        return super().accept_report(request, relay)
+
+
+def test_a_larger_job_s_steady_rank_is_read_further_apart_and_said_alive_between(rig: Any) -> None:
+    """``RegisterReply.steady_read_s``: a steady rank that keeps writing is read every 4 s and,
+    between, said alive every 2 s by a batch sent unread; one that goes quiet is read at once."""
+    shipper, intake, sink, clock = rig
+    intake.__class__ = VeryLargeJob
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    (state,) = shipper._ranks.values()
+    assert (state.pace, state.steady_read) == (2.0, 4.0)
+    clock.now = (clock.now // 4.0 + 1) * 4.0 + 0.01  # at the start of a 4 s period
+    shipper.tick()  # read there
+    before, unread = intake.reports, intake.unread
+    for _ in range(round(8.0 / TICK_S)):
+        sink.set_status("t.py:1 in step\nt.py:1 in step", clock.now)  # its sender thread: alive
+        for _ in range(5):
+            sink.put(_call(next(ids)))
+        _ticks(shipper, clock, 1)
+    assert intake.unread - unread == 2  # 8 s: said alive at 2 s and 6 s
+    assert intake.reports - before - (intake.unread - unread) == 2  # and read at 4 s and 8 s, not every 2 s
+    last = 0
+    for _ in range(5):
+        last = next(ids)
+        sink.put(_call(last))
+    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: it wrote since the last one
+    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: nothing since, some unread: read at once
+    sent = _ids(intake.events[0])
+    assert last in sent and sent == list(range(1, sent[-1] + 1))  # every call, none twice
+
+
+def test_a_larger_job_s_steady_rank_that_freezes_is_said_alive_no_more(rig: Any) -> None:
+    """A rank whose sender thread stops writing its status (the GIL held, SIGSTOP) gets no
+    batch sent unread: its silence is how the coordinator tells it frozen."""
+    shipper, intake, sink, clock = rig
+    intake.__class__ = VeryLargeJob
+    ids = iter(range(1, 10_000))
+    sink.set_status("t.py:1 in step\nt.py:1 in step", clock.now)
+    _steady(shipper, sink, clock, ids)
+    clock.now = (clock.now // 4.0 + 1) * 4.0 + 0.01
+    shipper.tick()
+    before = intake.reports
+    _ticks(shipper, clock, round(8.0 / TICK_S))  # it writes nothing more, its status included
+    assert intake.reports == before and intake.unread == 0

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from hangwatch import records as r
+from hangwatch.agent import shipped
 from hangwatch.client.transport import Transport
 from hangwatch.columns import CallEncoder
 from hangwatch.coordinator.daemon import ConfigError, Coordinator, CoordinatorOptions
@@ -303,6 +304,26 @@ def test_report_interval_grows_with_the_job_and_stays_inside_the_freeze_window()
     # direct ranks make at most ~1,000 RPCs a second up to 2,048 ranks
     assert all(n / report_interval_for(n) <= 1024 for n in range(205, 2049))
     assert report_interval_for(1 << 20) < config.DEFAULT_SILENCE_AFTER_S / 2  # heartbeats well inside it
+
+
+def test_node_agents_read_a_larger_job_s_steady_ranks_further_apart(
+    coordinator_factory: Callable[..., Coordinator],
+) -> None:
+    """``RegisterReply.steady_read_s``: from 8,192 ranks on, a steady rank's ring is read further
+    apart than it reports (5 s at most); below, not said. An option sets it for every job."""
+    from hangwatch.coordinator.options import MAX_STEADY_READ_S, steady_read_for
+
+    assert [steady_read_for(n) for n in (8, 2048, 8192, 16384, 20480, 1 << 20)] == [0.2, 2.0, 2.0, 4.0, 5.0, 5.0]
+    assert MAX_STEADY_READ_S == shipped.MAX_PACE_S  # what an agent takes at most
+    c = coordinator_factory(embedded_agent=False)
+    assert c.accept_registration(factories.identity(0, 16384), "agent").steady_read_s == 4.0
+    assert c.accept_registration(factories.identity(0, 4, job_id="small"), "agent").steady_read_s == 0.0
+    forced = coordinator_factory(embedded_agent=False, steady_read_s=3.0)
+    reply = forced.accept_registration(factories.identity(0, 4), "agent")
+    assert (reply.report_interval_s, reply.steady_read_s) == (0.2, 3.0)
+    for bad in (-1.0, 6.0, float("nan")):
+        with pytest.raises(ConfigError):
+            coordinator_factory(embedded_agent=False, steady_read_s=bad)
 
 
 def test_a_sessions_signature_table_lasts_as_long_as_its_session(coordinator: Coordinator) -> None:

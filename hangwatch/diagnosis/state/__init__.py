@@ -205,6 +205,7 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         budget_note: str = "",
         flight_time: float = 0.0,
         flight_unseen: tuple[str, ...] = (),
+        unread: bool = False,
     ) -> IngestResult | None:
         """Apply one batch of ``rank``'s session ``session`` that arrived at ``now``.
 
@@ -215,7 +216,9 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         ``alive_time`` (rank clock; 0: the rank sent it) bounds what the batch proves the rank
         had not done (a node agent reads a frozen rank's ring too); the rest of the header
         (``relay``, ``queued``, ``dropped``, ``where``, ``where_user``) is recorded as the
-        rank's latest word. Events of another rank
+        rank's latest word. An ``unread`` batch (a node agent did not read the rank's ring for
+        it) says only that the rank is alive, and where: it proves nothing of its calls or its
+        Flight Recorder. Events of another rank
         are ignored; an event that raises is counted and skipped, so one bad event does not block
         the rank's stream. Returns None when the session is not the rank's registered one (it
         must register again)."""
@@ -231,20 +234,25 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
             # last seen alive: a node agent reads a frozen rank's ring as well as a live one's
             # (stamped as it left: on the rank's clock as it is now, whatever it was before)
             proven = min(sent_time, alive_time) if alive_time else sent_time
-            state.last_sent = max(state.last_sent, proven + state.clock_offset)
+            if unread:
+                state.heard_to = max(state.heard_to, proven + state.clock_offset)
+            else:
+                state.last_sent = max(state.last_sent, proven + state.clock_offset)
             if batch_offset != state.clock_offset:
                 settled_offset, state.clock_offset = state.clock_offset, batch_offset  # for this batch
-        if flight_time:
+        if flight_time and not unread:
             state.flight_to = max(state.flight_to, flight_time + state.clock_offset)
         # only a node agent reads the rings, and only a rank it registered is proven: a rank's own
         # word that it is inside a collective (which spares it blame) is not believed
-        state.unseen = flight_unseen if state.proven else ()
+        if not unread:
+            state.unseen = flight_unseen if state.proven else ()
         state.queued = queued
         state.dropped = dropped
         state.where = where
         state.where_user = where_user
         state.where_stack = where_stack
-        state.budget_note = budget_note
+        if not unread:
+            state.budget_note = budget_note  # (of its Flight Recorder's reads)
         result = IngestResult()
         for event in events:
             if event.rank != rank:
@@ -264,7 +272,9 @@ class JobState(Registry, Joining, Arena, Calls, Device, Runs, Arrivals, Groups):
         """Seconds of silence that are the coordinator's or its transport's, not any rank's: the
         larger of its own queue (``Lag``) and how late this job's ranks are heard (``Heard``)."""
         live = self.ranks.values
-        heard = self.heard.late(now, lambda: (st.last_sent for st in live() if st.end is None and st.alive))
+        heard = self.heard.late(
+            now, lambda: (max(st.last_sent, st.heard_to) for st in live() if st.end is None and st.alive)
+        )
         return max(self.lag.behind(now), heard)
 
     def take_changes(self) -> Changes:

@@ -68,6 +68,9 @@ class RankState:
     last_call: r.CallRecord | None = None
     last_progress: float = 0.0  # coordinator time of the last enter/exit/step
     last_sent: float = 0.0  # coordinator time the latest batch left the rank (or its latest call began)
+    #: coordinator time the latest batch left, read or not (``ReportBatch.unread``: a steady
+    #: rank between its node agent's reads says only that it is alive): how late it is heard
+    heard_to: float = 0.0
     #: coordinator time of the latest Flight Recorder read of the rank whose records have all
     #: come (0: its rings are not read by a node agent): what C++ issued before it is known
     flight_to: float = 0.0
