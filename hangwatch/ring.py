@@ -489,6 +489,11 @@ class RingReader:
     def blobs_dropped(self) -> int:
         return self._u64(_BLOBS_DROPPED_OFFSET)
 
+    def blobs_waiting(self) -> bool:
+        """Whether the writer published a blob this reader has not read yet (a call of a new
+        kind, an error, a group): a look's cue to read now. One load, nothing consumed."""
+        return min(_load_acquire(self.mm, _BLOB_USED_OFFSET), self.geometry.blob_bytes) > self.blob_position
+
     def status(self) -> tuple[float, str] | None:
         """The rank's latest status and when it was written; None if none (or it is mid-write)."""
         _bind()

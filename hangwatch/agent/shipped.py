@@ -97,6 +97,7 @@ class ShippedRank:
     #: than ``pace`` (``RegisterReply.steady_read_s``, a large job; 0: not): between reads it is
     #: said alive every ``pace`` by a batch sent unread (``ReportBatch.unread``)
     steady_read: float = 0.0
+    blobs_dropped: int = 0  # the ring's blobs dropped (its blob area full) as of its last read
     recheck: tuple[int, int] | None = None  # (position, call id) of a call entered at the last look
     quiet: bool = False
     #: when the latest Flight Recorder read whose records have all gone was asked (the

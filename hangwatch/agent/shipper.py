@@ -181,6 +181,7 @@ class Shipper:
         Recorder reads.
 
         Read now: a Flight Recorder read waits to be shipped, or device progress to ride; the
+        rank made a blob since its last read (a call of a new kind, an error, a group); the
         writer lapped the last look, or a quarter of the ring (a full batch at most) waits; the
         rank wrote nothing for a tick at least (its newest slot's time, or no slot since the
         last look) while some slots are unread: it went quiet, inside a call that does not
@@ -188,12 +189,14 @@ class Shipper:
         the rank had just entered at the last look is looked at again on the next tick
         (``recheck``): without its exit then (whatever another thread wrote meanwhile), it is
         read and sent, not held back (a mismatch's ranks are read a tick after they froze, as
-        when they were read every period). A rank that
-        keeps writing, not inside a call, is read at the next ``READ_S``."""
+        when they were read every period). A rank that keeps writing, not inside a call, is
+        read at the next ``read_every``."""
         link = state.link
         if (state.flight is not None and self.fetcher.has_new(id(link))) or riding_due(state, self.mono()):
             return True
         reader = link.reader
+        if reader.blobs_waiting() or reader.blobs_dropped != state.blobs_dropped:
+            return True  # a call of a new kind (a mismatch's), an error, a group: what a detector waits for
         head = reader.peek(state.peek_head)
         if head < 0 or head - reader.position >= min(MAX_SLOTS, reader.capacity // 4):
             return True
@@ -390,6 +393,7 @@ class Shipper:
 
     def _read(self, state: ShippedRank) -> Batch:
         asked = self.clock()
+        state.blobs_dropped = state.link.reader.blobs_dropped  # (before: one dropped meanwhile is read next)
         batch = state.link.reader.poll(MAX_SLOTS)
         if len(batch.slots) < MAX_SLOTS:
             state.read_to = asked

@@ -668,3 +668,25 @@ def test_a_larger_job_s_steady_rank_that_freezes_is_said_alive_no_more(rig: Any)
     before = intake.reports
     _ticks(shipper, clock, round(8.0 / TICK_S))  # it writes nothing more, its status included
     assert intake.reports == before and intake.unread == 0
+
+
+def test_a_steady_rank_s_call_of_a_new_kind_is_read_at_the_next_look(rig: Any) -> None:
+    """Its signature's blob says so before its slot does: read then, not at the next read (a
+    mismatch's calls are of a new kind: at 16,384 ranks they waited up to 2 s, now 4)."""
+    shipper, intake, sink, clock = rig
+    intake.__class__ = VeryLargeJob
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    clock.now = (clock.now // 4.0 + 1) * 4.0 + 0.01
+    shipper.tick()  # read there
+    for _ in range(round(STEADY_S / TICK_S)):
+        for _ in range(5):
+            sink.put(_call(next(ids)))  # it keeps writing: not read
+        _ticks(shipper, clock, 1)
+    before = intake.reports
+    odd = next(ids)
+    sink.put(_call(odd, op="broadcast"))
+    for _ in range(round(STEADY_S / TICK_S)):
+        sink.put(_call(next(ids)))
+        _ticks(shipper, clock, 1)
+    assert intake.reports == before + 1 and odd in _ids(intake.events[0])
