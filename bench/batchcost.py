@@ -82,9 +82,10 @@ def one(path: str, warmup: float) -> dict[str, float]:
             coord.accept_report(pb.ReportBatch(rank=identity.rank, session=identity.session, sent_time=0.0))
         handler = coord.server.servicer.ReportMany if coord.server else None
         assert handler is not None
-        handled, batches = 0.0, 0
+        handled, batches, last = 0.0, 0, warmup
         context = scale._Context()
         for offset, raw, nrep in load["sends"]:
+            last = max(last, offset)
             request = pb.RelayBatch.FromString(raw)
             took = time.thread_time()
             handler(request, context)
@@ -93,7 +94,10 @@ def one(path: str, warmup: float) -> dict[str, float]:
                 batches += nrep
     finally:
         coord.stop(0.2)
-    return {"us_per_batch": 1e6 * handled / max(1, batches), "register_s": registered}
+    # the handler's CPU over the load's own seconds: the cores it takes to keep up (comparable
+    # where two trees' senders send different numbers of batches)
+    cores = handled / (last - warmup) if last > warmup else 0.0
+    return {"us_per_batch": 1e6 * handled / max(1, batches), "register_s": registered, "cores": cores}
 
 
 def _build(tree: str | None, path: str, load: tuple[object, ...], device: bool, cadence: str) -> str:
@@ -127,7 +131,7 @@ def _run(tree: str | None, path: str, warmup: float) -> dict[str, float]:
     if out.returncode:
         raise SystemExit(f"batchcost: a run failed:\n{out.stderr[-3000:]}")
     values = out.stdout.strip().splitlines()[-1].split()
-    return {"us_per_batch": float(values[0]), "register_s": float(values[1])}
+    return {"us_per_batch": float(values[0]), "register_s": float(values[1]), "cores": float(values[2])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.one:
         res = one(args.one, args.warmup)
-        print(f"{res['us_per_batch']:.2f} {res['register_s']:.3f}")
+        print(f"{res['us_per_batch']:.2f} {res['register_s']:.3f} {res['cores']:.4f}")
         return 0
     trees: list[tuple[str, str | None]] = [("this", None)]
     if args.baseline:
         trees.append((Path(args.baseline).name, str(Path(args.baseline).resolve())))
-    names = " | ".join(f"{name} µs a rank batch | {name} registrations s" for name, _ in trees)
-    print(f"| ranks | coll/s | pattern | device | fault | {names} | ratio |")
-    print("| ---: | ---: | --- | --- | --- |" + " ---: |" * (2 * len(trees) + 1), flush=True)
+    names = " | ".join(f"{name} µs a rank batch | {name} handler cores | {name} registrations s" for name, _ in trees)
+    print(f"| ranks | coll/s | pattern | device | fault | {names} | ratio of µs | ratio of cores |")
+    print("| ---: | ---: | --- | --- | --- |" + " ---: |" * (3 * len(trees) + 2), flush=True)
     devices = {"off": [False], "on": [True], "both": [False, True]}[args.device]
     for ranks in map(int, args.ranks.split(",")):
         for rate in map(float, args.rates.split(",")):
@@ -167,13 +171,16 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.pairs):
                         for name, tree in trees:
                             got[name].append(_run(tree, paths[name], args.warmup))
-                cells, medians = [], []
+                cells, medians, cores = [], [], []
                 for name, _ in trees:
                     us = statistics.median(r["us_per_batch"] for r in got[name])
+                    core = statistics.median(r["cores"] for r in got[name])
                     reg = statistics.median(r["register_s"] for r in got[name])
                     medians.append(us)
-                    cells.append(f"{us:.1f} | {reg:.2f}")
+                    cores.append(core)
+                    cells.append(f"{us:.1f} | {core:.3f} | {reg:.2f}")
                 ratio = f"{medians[0] / medians[1]:.2f}" if len(medians) > 1 else "-"
+                ratio += f" | {cores[0] / cores[1]:.2f}" if len(cores) > 1 and cores[1] else " | -"
                 on = "on" if device else "off"
                 print(
                     f"| {ranks} | {rate:g} | {pattern} | {on} | {fault} | {' | '.join(cells)} | {ratio} |", flush=True

@@ -598,20 +598,38 @@ class Worker:
         """Every call of the run, ordered: (seconds after t0, the rank or node sending it, its
         bytes (a ``ReportBatch``, or a ``RelayBatch`` in relay mode), reports, events, calls)."""
         from hangwatch.coordinator.daemon import report_interval_for
+        from hangwatch.coordinator.options import steady_read_for
         from hangwatch.protos import hangwatch_pb2 as pb
 
         cfg = self.cfg
         base = REPLAY_BASE
         interval = cfg.interval_s or report_interval_for(cfg.ranks)
+        # a node agent reads a steady rank's ring this far apart where the coordinator asks for
+        # longer than the interval (``RegisterReply.steady_read_s``), and between says it alive
+        # unread; from a fault's onset the ranks are read at every interval (each goes quiet,
+        # waits, or writes a call of a new kind: an agent reads those at once)
+        steady = steady_read_for(cfg.ranks) if cfg.together and not cfg.interval_s else 0.0
         for sim in self.sims:
             sim.interval = interval
         self.set_start(base)
+        onset = self.enter_time(min(self.fault_index, self.fault_target)) if self.fault_index >= 0 else float("inf")
         reports: list[tuple[float, int, Any, int, int]] = []  # (offset, rank, batch, events, calls)
         for sim in self.sims:
             # a rank's first batch leaves at once (real ranks flush their first, new calls), then
             # one per interval on its own phase
             due = base + 0.25 * self.beat(sim.rank)
+            read = -float("inf")
             while due < base + cfg.seconds and not sim.ended:
+                if steady > interval and due - read < steady - 1e-6 and due < onset:
+                    sim.batch_seq += 1
+                    batch = self._build(sim, [])
+                    batch.unread = True
+                    batch.sent_time = due
+                    batch.mono_time = REPLAY_MONO + (due - base)
+                    reports.append((due - base, sim.rank, batch, 0, 0))
+                    due = sim.next_due if due < sim.next_due else due + sim.interval
+                    continue
+                read = due
                 events = self.events_until(sim, due)
                 sim.batch_seq += 1
                 batch = self._build(sim, events)

@@ -61,7 +61,8 @@ class ShippedRank:
     pending: Batch | None = None
     #: ring reads sent in a call that failed or was refused (``outbox``): sent again first
     resend: list[Batch] = field(default_factory=list)
-    last_sent: float = -1e9  # monotonic time of the last batch (none yet: long ago)
+    last_sent: float = -1e9  # monotonic time of the last batch read (none yet: long ago)
+    last_beat: float = -1e9  # and of the last sent unread (``Shipper._alive``)
     gone_reported: bool = False
     #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when
     #: the last batch left: a batch without records is a heartbeat only if the rank wrote since

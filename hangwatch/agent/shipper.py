@@ -122,14 +122,14 @@ class Shipper:
             waiting = link.ending_at is not None and not state.farewell  # an ending rank: its farewell
             if state.steady_period is not None and link.closed_at is None and not waiting:
                 if state.steady_period == period and state.recheck is None:
-                    self._alive(state)
-                    continue  # steady: looked at in the next period
+                    if not self._alive(state):
+                        continue  # steady: looked at in the next period
                 # looked at on a READ_S's tick too: a read it makes then sends what it found under
                 # way for a tick (``quiet``), as any other
-                if not self._due(state) and state.read_period == reading:
+                elif not self._due(state) and state.read_period == reading:
                     state.steady_period = period
-                    self._alive(state)
-                    continue  # read in this READ_S already, and nothing a detector waits for
+                    if not self._alive(state):
+                        continue  # read in this READ_S already, and nothing a detector waits for
             try:
                 # steady as of its last read, or let go after its end (a process that lives on)
                 was_steady = state.steady_period is not None or state.farewell
@@ -473,16 +473,25 @@ class Shipper:
             state.farewell = True
             self.server.farewell(link)
 
-    def _alive(self, state: ShippedRank) -> None:
+    def _alive(self, state: ShippedRank) -> bool:
         """Between the reads of a steady rank read far apart (``steady_read``), say every
         ``pace`` that it is alive: a batch sent unread, where its sender thread rewrote its status
-        since the last batch (a frozen rank's silence is told as before)."""
-        if not state.steady_read or not state.registered or self.mono() - state.last_sent < state.pace:
-            return
-        status = state.link.reader.status()
+        since the last batch (a frozen rank's silence is told as before). Whether to read it now
+        instead: its ring holds nothing unread and a heartbeat is due (a read then costs no more,
+        and its heartbeat says the rank did nothing since: a rank that left its loop, busy, is
+        blamed on it; said alive only, it never would be)."""
+        if not state.steady_read or not state.registered:
+            return False
+        now = self.mono()
+        reader = state.link.reader
+        if now - state.last_sent >= self.heartbeat_s and 0 <= reader.peek(state.peek_head) <= reader.position:
+            return self._heartbeat_due(state)
+        if now - max(state.last_sent, state.last_beat) < state.pace:
+            return False
+        status = reader.status()
         if status is not None and status[0] == state.status_time:
-            return
-        batch = unread_header(state, self.clock(), self.mono())
+            return False
+        batch = unread_header(state, self.clock(), now)
         if self.direct is not None:
             refused = self.direct.accept_events(batch, []) is None
         elif self.outbox is not None:
@@ -494,8 +503,9 @@ class Shipper:
         if refused:
             state.registered = False
             state.steady_period = None  # registered again on the next tick
-            return
-        state.last_sent = self.mono()
+        else:
+            state.last_beat = now
+        return False
 
     def _heartbeat_due(self, state: ShippedRank) -> bool:
         """Time for a batch without records, and the rank itself is alive: its sender thread

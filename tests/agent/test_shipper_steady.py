@@ -690,3 +690,21 @@ def test_a_steady_rank_s_call_of_a_new_kind_is_read_at_the_next_look(rig: Any) -
         sink.put(_call(next(ids)))
         _ticks(shipper, clock, 1)
     assert intake.reports == before + 1 and odd in _ids(intake.events[0])
+
+
+def test_a_larger_job_s_steady_rank_that_stops_writing_gets_heartbeats_read_not_unread(rig: Any) -> None:
+    """A rank alive and busy outside any call (it left its loop) has nothing unread: its ring
+    is read for its heartbeat, which says it did nothing since (said alive only, a rank that
+    left its loop was never blamed: the story table's ``left_the_loop_busy_after_it`` hung)."""
+    shipper, intake, sink, clock = rig
+    intake.__class__ = VeryLargeJob
+    shipper.heartbeat_s = 1.0
+    ids = iter(range(1, 10_000))
+    _steady(shipper, sink, clock, ids)
+    clock.now = (clock.now // 4.0 + 1) * 4.0 + 0.01
+    shipper.tick()  # read there: nothing unread after it
+    before, unread = intake.reports, intake.unread
+    for _ in range(round(4.0 / TICK_S)):
+        sink.set_status("t.py:9 in export_model\nt.py:9 in export_model", clock.now)  # alive, busy
+        _ticks(shipper, clock, 1)
+    assert intake.unread == unread and intake.reports - before >= 3  # a heartbeat a second, each a read
