@@ -22,16 +22,22 @@ _EVIDENCE = (r.ProcState.STOPPED, r.ProcState.DISK_SLEEP)
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
-    live = [st for st in job.ranks.values() if st.end is None and st.alive]
     # a coordinator behind its batches hears every rank late: that lateness is its own, unless
     # the rank's node agent says now that it is stopped (a whole job stopped stops the frontier)
     # (the allowance is never below 0: asked only of ranks silent as long as the threshold)
+    # (the silence first: at 16,384 ranks this walk is made four times a second)
     silent = [
         st
-        for st in live
-        if (quiet := ctx.now - st.last_seen) >= ctx.silence_after and quiet >= ctx.silence_after + _allowance(st, ctx)
+        for st in job.ranks.values()
+        if (quiet := ctx.now - st.last_seen) >= ctx.silence_after
+        and st.end is None
+        and st.alive
+        and quiet >= ctx.silence_after + _allowance(st, ctx)
     ]
-    if len(silent) > max(1, len(live) // 2) or len({st.identity.host for st in silent}) > FROZEN_HOSTS:
+    if not silent:
+        return findings
+    live = sum(1 for st in job.ranks.values() if st.end is None and st.alive)
+    if len(silent) > max(1, live // 2) or len({st.identity.host for st in silent}) > FROZEN_HOSTS:
         # Ranks on several hosts silent at once are the network or a coordinator late to its
         # batches (a stall of its own hears whichever ranks were next, on any node), not frozen
         # ranks: a freeze is one process's doing, or one node's. Only a node agent's word that
