@@ -177,6 +177,7 @@ def _coordinator_options(args: argparse.Namespace, host: str, port: int) -> Any:
         token=args.token,
         agent_token=getattr(args, "agent_token", None),
         stuck_after=args.stuck_after,
+        steady_read_s=getattr(args, "steady_read", None),
         embedded_agent=not args.no_agent,
         abort_on_hang=args.abort_on_hang,
         allow_insecure_bind=args.allow_insecure_bind,

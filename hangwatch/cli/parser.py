@@ -103,6 +103,15 @@ def _add_coordinator_flags(p: argparse.ArgumentParser, *, with_port: bool = True
         "wait and step times)",
     )
     p.add_argument(
+        "--steady-read",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how far apart node agents read the ring of a rank in a steady state, saying it alive "
+        "between (default: as the job's size asks, its report interval up to 8,192 ranks, 4 s at "
+        "16,384, 5 s at most)",
+    )
+    p.add_argument(
         "--abort-on-hang",
         action="store_true",
         default=config.env_flag(config.ENV_ABORT_ON_HANG),
