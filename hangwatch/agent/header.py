@@ -10,17 +10,7 @@ from hangwatch.protos import hangwatch_pb2 as pb
 
 def header(state: ShippedRank, now: float, mono: float, fetcher: RingFetcher) -> pb.ReportBatch:
     """A batch's header: who, when, how many records lost, where the rank's main thread is."""
-    ident = state.identity
-    state.batch_seq += 1
-    batch = pb.ReportBatch(
-        job_id=ident.job_id,
-        rank=ident.rank,
-        session=ident.session,
-        batch_seq=state.batch_seq,
-        sent_time=now,  # read now, on the coordinator's clock's host: no transit to net out
-        mono_time=mono,  # a step of this host's wall clock shows in sent_time - mono_time
-        dropped=state.link.reader.lost,
-    )
+    batch = _who(state, now, mono)
     if state.flight is not None:
         note = fetcher.note(id(state.link))
         if state.flight.lost:  # a ring that turns over between reads: a larger one would not
@@ -41,20 +31,25 @@ def header(state: ShippedRank, now: float, mono: float, fetcher: RingFetcher) ->
 def unread_header(state: ShippedRank, now: float, mono: float) -> pb.ReportBatch:
     """A batch sent without reading the rank's ring (``ReportBatch.unread``): who, when, where
     its main thread is; nothing of its calls or its Flight Recorder."""
+    batch = _who(state, now, mono)
+    batch.unread = True
+    _status(state, batch)
+    return batch
+
+
+def _who(state: ShippedRank, now: float, mono: float) -> pb.ReportBatch:
+    """Who sends, when, and the records its ring lost: the next of the rank's batches."""
     ident = state.identity
     state.batch_seq += 1
-    batch = pb.ReportBatch(
+    return pb.ReportBatch(
         job_id=ident.job_id,
         rank=ident.rank,
         session=ident.session,
         batch_seq=state.batch_seq,
-        sent_time=now,
-        mono_time=mono,
+        sent_time=now,  # read now, on the coordinator's clock's host: no transit to net out
+        mono_time=mono,  # a step of this host's wall clock shows in sent_time - mono_time
         dropped=state.link.reader.lost,
-        unread=True,
     )
-    _status(state, batch)
-    return batch
 
 
 def _status(state: ShippedRank, batch: pb.ReportBatch) -> None:

@@ -140,6 +140,18 @@ def test_a_steady_rank_that_keeps_writing_is_read_every_read_s(read_less: bool, 
     assert sent == list(range(1, sent[-1] + 1)) and len(sent) >= 5 * (3 + ticks) - 1
 
 
+def _five_more_then_quiet(shipper: Shipper, sink: RingSink, clock: Clock, ids: Iterator[int]) -> int:
+    """Five more calls, then nothing: two looks (the second finds nothing since, some unread,
+    and reads at once). The last call's id."""
+    last = 0
+    for _ in range(5):
+        last = next(ids)
+        sink.put(_call(last))
+    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: it wrote since the last one
+    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: nothing since, some unread: read at once
+    return last
+
+
 class LargeJob(Counting):
     """A coordinator of a job of 16,384 ranks: it asks for a batch every 2 s."""
 
@@ -168,12 +180,7 @@ def test_a_large_job_s_steady_rank_is_read_as_far_apart_as_its_coordinator_asks(
             sink.put(_call(next(ids)))
         _ticks(shipper, clock, 1)
     assert intake.reports - before == 2  # 4 s: two reads, not ten
-    last = 0
-    for _ in range(5):
-        last = next(ids)
-        sink.put(_call(last))
-    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: it wrote since the last one
-    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: nothing since, some unread: read at once
+    last = _five_more_then_quiet(shipper, sink, clock, ids)
     assert last in _ids(intake.events[0])
     sent = _ids(intake.events[0])
     assert sent == list(range(1, sent[-1] + 1))  # every call, none twice
@@ -645,12 +652,7 @@ def test_a_larger_job_s_steady_rank_is_read_further_apart_and_said_alive_between
         _ticks(shipper, clock, 1)
     assert intake.unread - unread == 2  # 8 s: said alive at 2 s and 6 s
     assert intake.reports - before - (intake.unread - unread) == 2  # and read at 4 s and 8 s, not every 2 s
-    last = 0
-    for _ in range(5):
-        last = next(ids)
-        sink.put(_call(last))
-    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: it wrote since the last one
-    _ticks(shipper, clock, round(STEADY_S / TICK_S))  # a look: nothing since, some unread: read at once
+    last = _five_more_then_quiet(shipper, sink, clock, ids)
     sent = _ids(intake.events[0])
     assert last in sent and sent == list(range(1, sent[-1] + 1))  # every call, none twice
 
