@@ -63,6 +63,7 @@ class ShippedRank:
     resend: list[Batch] = field(default_factory=list)
     last_sent: float = -1e9  # monotonic time of the last batch read (none yet: long ago)
     last_beat: float = -1e9  # and of the last sent unread (``Shipper._alive``)
+    beat_head: int = 0  # where its ring's published slots ended at its last read or sent unread
     gone_reported: bool = False
     #: the time of the rank's own status (its sender thread rewrites it every heartbeat) when
     #: the last batch left: a batch without records is a heartbeat only if the rank wrote since

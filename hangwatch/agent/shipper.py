@@ -395,6 +395,7 @@ class Shipper:
         asked = self.clock()
         state.blobs_dropped = state.link.reader.blobs_dropped  # (before: one dropped meanwhile is read next)
         batch = state.link.reader.poll(MAX_SLOTS)
+        state.beat_head = state.link.reader.position  # what it wrote after this says it is alive
         if len(batch.slots) < MAX_SLOTS:
             state.read_to = asked
         return batch
@@ -476,10 +477,10 @@ class Shipper:
     def _alive(self, state: ShippedRank) -> bool:
         """Between the reads of a steady rank read far apart (``steady_read``), say every
         ``pace`` that it is alive: a batch sent unread, where its sender thread rewrote its status
-        since the last batch (a frozen rank's silence is told as before). Whether to read it now
-        instead: its ring holds nothing unread and a heartbeat is due (a read then costs no more,
-        and its heartbeat says the rank did nothing since: a rank that left its loop, busy, is
-        blamed on it; said alive only, it never would be)."""
+        or its main thread wrote records since the last (a frozen rank's silence is told as
+        before). Whether to read it now instead: its ring holds nothing unread and a heartbeat
+        is due (a read then costs no more, and its heartbeat says the rank did nothing since: a
+        rank that left its loop, busy, is blamed on it; said alive only, it never would be)."""
         if not state.steady_read or not state.registered:
             return False
         now = self.mono()
@@ -489,8 +490,10 @@ class Shipper:
         if now - max(state.last_sent, state.last_beat) < state.pace:
             return False
         status = reader.status()
-        if status is not None and status[0] == state.status_time:
-            return False
+        head = reader.peek(state.beat_head)
+        if status is not None and status[0] == state.status_time and 0 <= head <= state.beat_head:
+            return False  # neither its sender thread nor its main thread wrote since: it may be frozen
+        state.beat_head = max(head, state.beat_head)
         batch = unread_header(state, self.clock(), now)
         if self.direct is not None:
             refused = self.direct.accept_events(batch, []) is None

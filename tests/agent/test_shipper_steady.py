@@ -710,3 +710,22 @@ def test_a_larger_job_s_steady_rank_that_stops_writing_gets_heartbeats_read_not_
         sink.set_status("t.py:9 in export_model\nt.py:9 in export_model", clock.now)  # alive, busy
         _ticks(shipper, clock, 1)
     assert intake.unread == unread and intake.reports - before >= 3  # a heartbeat a second, each a read
+
+
+def test_a_larger_job_s_steady_rank_whose_sender_thread_starves_is_said_alive_by_its_writes(rig: Any) -> None:
+    """Its main thread keeps the GIL and writes calls; its sender thread gets no turn to write
+    its status: the calls it writes say it is alive (read 4 s apart, a rank silent that long is
+    too close to the 5 s after which it counts as frozen)."""
+    shipper, intake, sink, clock = rig
+    intake.__class__ = VeryLargeJob
+    ids = iter(range(1, 10_000))
+    sink.set_status("t.py:1 in step\nt.py:1 in step", clock.now)  # written once
+    _steady(shipper, sink, clock, ids)
+    clock.now = (clock.now // 4.0 + 1) * 4.0 + 0.01
+    shipper.tick()
+    unread = intake.unread
+    for _ in range(round(8.0 / TICK_S)):
+        for _ in range(5):
+            sink.put(_call(next(ids)))
+        _ticks(shipper, clock, 1)
+    assert intake.unread - unread == 2
