@@ -619,8 +619,10 @@ class Worker:
             # one per interval on its own phase
             due = base + 0.25 * self.beat(sim.rank)
             read = -float("inf")
+            # its node's reads follow the periods of the node's own clock, whose phase is any
+            phase = base + steady * self.beat(sim.rank)
             while due < base + cfg.seconds and not sim.ended:
-                if steady > interval and due - read < steady - 1e-6 and due < onset:
+                if steady > interval and due < onset and (due - phase) // steady == (read - phase) // steady:
                     sim.batch_seq += 1
                     batch = self._build(sim, [])
                     batch.unread = True
