@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from hangwatch import records as r
 from hangwatch import wire
-from hangwatch.agent.flightrecorder import Fetched
+from hangwatch.agent.flightrecorder import Fetched, RingFetcher
 from hangwatch.agent.rings import RankLink
 from hangwatch.flight_entries import EntryTracker
 from hangwatch.protos import hangwatch_pb2 as pb
@@ -162,3 +162,68 @@ def riding_due(state: ShippedRank, now: float) -> bool:
 def read_every(state: ShippedRank) -> float:
     """How far apart a steady rank that keeps writing is read."""
     return max(READ_S, state.pace, state.steady_read)
+
+
+def due(state: ShippedRank, fetcher: RingFetcher, mono: float, clock: float, max_slots: int) -> bool:
+    """Whether a steady rank, read in this ``READ_S`` already, is to be read now: a look at
+    its ring's stamps (``RingReader.peek``, a few µs), its newest slot, and its Flight
+    Recorder reads.
+
+    Read now: a Flight Recorder read waits to be shipped, or device progress to ride; the
+    rank made a blob since its last read (a call of a new kind, an error, a group); the
+    writer lapped the last look, or a quarter of the ring (a full batch at most) waits; the
+    rank wrote nothing for a tick at least (its newest slot's time, or no slot since the
+    last look) while some slots are unread: it went quiet, inside a call that does not
+    return or at work outside any, and its last records are what a detector needs. A call
+    the rank had just entered at the last look is looked at again on the next tick
+    (``recheck``): without its exit then (whatever another thread wrote meanwhile), it is
+    read and sent, not held back (a mismatch's ranks are read a tick after they froze, as
+    when they were read every period). A rank that keeps writing, not inside a call, is
+    read at the next ``read_every``."""
+    link = state.link
+    if (state.flight is not None and fetcher.has_new(id(link))) or riding_due(state, mono):
+        return True
+    reader = link.reader
+    if reader.blobs_waiting() or reader.blobs_dropped != state.blobs_dropped:
+        return True  # a call of a new kind (a mismatch's), an error, a group: what a detector waits for
+    head = reader.peek(state.peek_head)
+    if head < 0 or head - reader.position >= min(max_slots, reader.capacity // 4):
+        return True
+    entered, state.recheck = state.recheck, None
+    if entered is not None and not returned(reader, entered, head):
+        state.quiet = True
+        return True
+    if head == state.peek_head:
+        if head > reader.position:
+            state.quiet = True
+            return True
+        return False
+    state.peek_head = head
+    newest = reader.slot_at(head - 1)
+    if clock - newest.time >= TICK_S:
+        state.quiet = True
+        return True
+    if newest.kind == Kind.ENTER and not newest.flags & 1:
+        state.recheck = (head - 1, newest.call_id)
+    return False
+
+
+def nothing_unread(state: ShippedRank) -> bool:
+    """Whether the rank's ring holds nothing unread (a look at its stamps)."""
+    reader = state.link.reader
+    return 0 <= reader.peek(state.peek_head) <= reader.position
+
+
+def unread_due(state: ShippedRank, now: float) -> bool:
+    """Whether a steady rank read far apart (``steady_read``) is to be said alive unread now: a
+    ``pace`` since its last batch, and its sender thread rewrote its status or its main thread
+    wrote records since the last (a frozen rank does neither: its silence is told as before)."""
+    if now - max(state.last_sent, state.last_beat) < state.pace:
+        return False
+    reader = state.link.reader
+    status = reader.status()
+    head = reader.peek(state.beat_head)
+    if status is not None and status[0] == state.status_time and 0 <= head <= state.beat_head:
+        return False
+    state.beat_head = max(head, state.beat_head)
+    return True

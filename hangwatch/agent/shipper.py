@@ -55,16 +55,18 @@ from hangwatch.agent.shipped import (
     STEADY_S,
     TICK_S,
     ShippedRank,
+    due,
     has_records,
+    nothing_unread,
     read_every,
-    returned,
     ride,
     riding_due,
     take_progress,
+    unread_due,
 )
 from hangwatch.flight_entries import EntryTracker, PythonAccounts
 from hangwatch.protos import hangwatch_pb2 as pb
-from hangwatch.ring import Batch, Kind
+from hangwatch.ring import Batch
 from hangwatch.sendfold import SenderFold
 
 log = logging.getLogger("hangwatch.agent")
@@ -124,9 +126,10 @@ class Shipper:
                 if state.steady_period == period and state.recheck is None:
                     if not self._alive(state):
                         continue  # steady: looked at in the next period
-                # looked at on a READ_S's tick too: a read it makes then sends what it found under
-                # way for a tick (``quiet``), as any other
-                elif not self._due(state) and state.read_period == reading:
+                # looked at on a read's tick too: what a read then finds under way a tick goes (``quiet``)
+                elif (
+                    not due(state, self.fetcher, self.mono(), self.clock(), MAX_SLOTS) and state.read_period == reading
+                ):
                     state.steady_period = period
                     if not self._alive(state):
                         continue  # read in this READ_S already, and nothing a detector waits for
@@ -174,49 +177,6 @@ class Shipper:
         if not self._failing:
             log.warning("cannot ship %s (%s); will retry", what, e)
             self._failing = True
-
-    def _due(self, state: ShippedRank) -> bool:
-        """Whether a steady rank, read in this ``READ_S`` already, is to be read now: a look at
-        its ring's stamps (``RingReader.peek``, a few µs), its newest slot, and its Flight
-        Recorder reads.
-
-        Read now: a Flight Recorder read waits to be shipped, or device progress to ride; the
-        rank made a blob since its last read (a call of a new kind, an error, a group); the
-        writer lapped the last look, or a quarter of the ring (a full batch at most) waits; the
-        rank wrote nothing for a tick at least (its newest slot's time, or no slot since the
-        last look) while some slots are unread: it went quiet, inside a call that does not
-        return or at work outside any, and its last records are what a detector needs. A call
-        the rank had just entered at the last look is looked at again on the next tick
-        (``recheck``): without its exit then (whatever another thread wrote meanwhile), it is
-        read and sent, not held back (a mismatch's ranks are read a tick after they froze, as
-        when they were read every period). A rank that keeps writing, not inside a call, is
-        read at the next ``read_every``."""
-        link = state.link
-        if (state.flight is not None and self.fetcher.has_new(id(link))) or riding_due(state, self.mono()):
-            return True
-        reader = link.reader
-        if reader.blobs_waiting() or reader.blobs_dropped != state.blobs_dropped:
-            return True  # a call of a new kind (a mismatch's), an error, a group: what a detector waits for
-        head = reader.peek(state.peek_head)
-        if head < 0 or head - reader.position >= min(MAX_SLOTS, reader.capacity // 4):
-            return True
-        entered, state.recheck = state.recheck, None
-        if entered is not None and not returned(reader, entered, head):
-            state.quiet = True
-            return True
-        if head == state.peek_head:
-            if head > reader.position:
-                state.quiet = True
-                return True
-            return False
-        state.peek_head = head
-        newest = reader.slot_at(head - 1)
-        if self.clock() - newest.time >= TICK_S:
-            state.quiet = True
-            return True
-        if newest.kind == Kind.ENTER and not newest.flags & 1:
-            state.recheck = (head - 1, newest.call_id)
-        return False
 
     def close(self) -> None:
         self.fetcher.stop()
@@ -475,25 +435,17 @@ class Shipper:
             self.server.farewell(link)
 
     def _alive(self, state: ShippedRank) -> bool:
-        """Between the reads of a steady rank read far apart (``steady_read``), say every
-        ``pace`` that it is alive: a batch sent unread, where its sender thread rewrote its status
-        or its main thread wrote records since the last (a frozen rank's silence is told as
-        before). Whether to read it now instead: its ring holds nothing unread and a heartbeat
-        is due (a read then costs no more, and its heartbeat says the rank did nothing since: a
-        rank that left its loop, busy, is blamed on it; said alive only, it never would be)."""
+        """Between the reads of a steady rank read far apart (``steady_read``), say it is alive
+        every ``pace`` with a batch sent unread (``unread_due``). Whether to read it now instead:
+        nothing unread and a heartbeat due (a read costs no more, and says the rank did nothing
+        since: a rank that left its loop, busy, is blamed on it; said alive only, never)."""
         if not state.steady_read or not state.registered:
             return False
         now = self.mono()
-        reader = state.link.reader
-        if now - state.last_sent >= self.heartbeat_s and 0 <= reader.peek(state.peek_head) <= reader.position:
+        if now - state.last_sent >= self.heartbeat_s and nothing_unread(state):
             return self._heartbeat_due(state)
-        if now - max(state.last_sent, state.last_beat) < state.pace:
+        if not unread_due(state, now):
             return False
-        status = reader.status()
-        head = reader.peek(state.beat_head)
-        if status is not None and status[0] == state.status_time and 0 <= head <= state.beat_head:
-            return False  # neither its sender thread nor its main thread wrote since: it may be frozen
-        state.beat_head = max(head, state.beat_head)
         batch = unread_header(state, self.clock(), now)
         if self.direct is not None:
             refused = self.direct.accept_events(batch, []) is None
