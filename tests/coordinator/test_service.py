@@ -309,7 +309,7 @@ def test_report_interval_grows_with_the_job_and_stays_inside_the_freeze_window()
 def test_node_agents_read_a_larger_job_s_steady_ranks_further_apart(
     coordinator_factory: Callable[..., Coordinator],
 ) -> None:
-    """``RegisterReply.steady_read_s``: from 8,192 ranks on, a steady rank's ring is read further
+    """``RegisterReply.steady_read_s``: above 8,192 ranks, a steady rank's ring is read further
     apart than it reports (5 s at most); below, not said. An option sets it for every job."""
     from hangwatch.coordinator.options import MAX_STEADY_READ_S, steady_read_for
 
