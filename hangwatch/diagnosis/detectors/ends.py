@@ -23,6 +23,8 @@ from hangwatch.diagnosis.state import JobState, RankState
 from hangwatch.wording import describe_call, stories
 
 CLEAN = (r.EndKind.CLEAN_EXIT, r.EndKind.DESTROYED)
+#: A process's states once it is gone (``detect`` tests them inline: every rank, every tick)
+_GONE = (r.ProcState.DEAD, r.ProcState.ZOMBIE)
 #: Signals a launcher or scheduler sends to stop a whole job.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 #: How long to wait, after a rank is stopped by such a signal, to see whether the whole job is.
@@ -204,9 +206,6 @@ def _end_time(state: RankState) -> float | None:
     return None
 
 
-_GONE = (r.ProcState.DEAD, r.ProcState.ZOMBIE)
-
-
 def _observed(state: RankState) -> float:
     """When the coordinator learnt of the end (a vanished process: when the agent saw it gone)."""
     if state.end is not None:
@@ -287,7 +286,6 @@ def _evidence_pending(job: JobState, first: RankState, died_at: float, now: floa
 
 
 def detect(job: JobState, ctx: Context) -> list[Finding]:
-    # (what ended first: at 16,384 ranks this walk is made four times a second)
     ended = [
         (t, st)
         for st in job.ranks.values()
